@@ -1,0 +1,232 @@
+"""The Profile: what one captured training step looked like, in a form the planner can reason about.
+
+A Profile is produced by ``teraio`` (which traces and times a real step) or by ``planner.synth`` (a
+synthetic transformer), and consumed by the planner. It is deliberately torch-free: two pandas tables
+plus a small ``meta`` dict, saved as a directory of parquet files and ``meta.json``.
+
+Index convention (shared by every consumer): ``ops.idx`` numbers the step's ops in execution order,
+forward first (``0 .. num_fwd_ops-1``), then backward. A tensor produced by a graph input (parameter
+or batch) has ``producer_idx == -1``. Use indices that never happened are ``-1``:
+``first_bwd_use_idx == -1`` means backward never reads the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+SCHEMA_VERSION = 1
+
+#: Required columns and the pandas dtype kind each must have ("i" int, "f" float, "O"/"U" str, "b" bool).
+OPS_COLUMNS: dict[str, str] = {
+    "idx": "i",
+    "name": "O",
+    "target": "O",
+    "phase": "O",
+    "duration_us": "f",
+}
+#: Optional ops columns: ``module`` is the nn.Module path the op came from ("blocks.3.attn"), "" if none.
+OPS_OPTIONAL: dict[str, str] = {"module": "O"}
+
+TENSORS_COLUMNS: dict[str, str] = {
+    "name": "O",
+    "nbytes": "i",
+    "dtype": "O",
+    "shape": "O",
+    "kind": "O",
+    "offloadable": "b",
+    "producer_idx": "i",
+    "last_fwd_use_idx": "i",
+    "first_bwd_use_idx": "i",
+    "last_use_idx": "i",
+}
+#: Optional tensors columns: ``module`` of the producer; ``aliases`` = saved outputs sharing the storage.
+TENSORS_OPTIONAL: dict[str, str] = {"module": "O", "aliases": "i"}
+
+PHASES = ("fwd", "bwd")
+KINDS = ("activation", "param", "input")
+META_REQUIRED = ("schema_version", "fingerprint", "num_fwd_ops")
+
+
+class ProfileError(ValueError):
+    """A profile is missing, malformed, or inconsistent. The message names what and where."""
+
+
+def _check_columns(df: pd.DataFrame, table: str, required: dict[str, str], optional: dict[str, str]) -> None:
+    for col, kind in {**required, **optional}.items():
+        if col not in df.columns:
+            if col in required:
+                raise ProfileError(f"profile table '{table}' lacks column '{col}'")
+            continue
+        actual = df[col].dtype.kind
+        ok = actual == kind or (kind == "O" and actual in "OUT") or (kind == "f" and actual in "fi")
+        if kind == "O" and pd.api.types.is_string_dtype(df[col].dtype):
+            ok = True
+        if not ok:
+            raise ProfileError(
+                f"profile table '{table}' column '{col}' has dtype {df[col].dtype}, expected kind '{kind}'"
+            )
+
+
+@dataclass
+class Profile:
+    """One captured graph's step: ``ops`` and ``tensors`` tables plus ``meta`` (see module docstring)."""
+
+    ops: pd.DataFrame
+    tensors: pd.DataFrame
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------------------- checks
+    def validate(self) -> Profile:
+        """Check schema and index consistency; raise ProfileError naming the first problem found."""
+        _check_columns(self.ops, "ops", OPS_COLUMNS, OPS_OPTIONAL)
+        _check_columns(self.tensors, "tensors", TENSORS_COLUMNS, TENSORS_OPTIONAL)
+        for key in META_REQUIRED:
+            if key not in self.meta:
+                raise ProfileError(f"profile meta lacks '{key}'")
+        if int(self.meta["schema_version"]) != SCHEMA_VERSION:
+            raise ProfileError(
+                f"profile schema_version {self.meta['schema_version']} is not supported "
+                f"(this teraio reads {SCHEMA_VERSION}); re-profile with this version"
+            )
+        n = len(self.ops)
+        if list(self.ops["idx"]) != list(range(n)):
+            raise ProfileError("profile table 'ops' column 'idx' must be 0..N-1 in execution order")
+        bad_phase = set(self.ops["phase"]) - set(PHASES)
+        if bad_phase:
+            raise ProfileError(f"profile table 'ops' column 'phase' has values {sorted(bad_phase)}")
+        nf = int(self.meta["num_fwd_ops"])
+        if not (self.ops["phase"].iloc[:nf] == "fwd").all() or not (self.ops["phase"].iloc[nf:] == "bwd").all():
+            raise ProfileError("profile ops must be all 'fwd' then all 'bwd' (meta num_fwd_ops marks the split)")
+        if (self.ops["duration_us"] < 0).any():
+            raise ProfileError("profile table 'ops' column 'duration_us' has negative values")
+        t = self.tensors
+        if t["name"].duplicated().any():
+            dup = t.loc[t["name"].duplicated(), "name"].iloc[0]
+            raise ProfileError(f"profile table 'tensors' has duplicate name '{dup}'")
+        bad_kind = set(t["kind"]) - set(KINDS)
+        if bad_kind:
+            raise ProfileError(f"profile table 'tensors' column 'kind' has values {sorted(bad_kind)}")
+        if (t["nbytes"] < 0).any():
+            raise ProfileError("profile table 'tensors' column 'nbytes' has negative values")
+        if (t["offloadable"] & (t["kind"] != "activation")).any():
+            raise ProfileError("profile table 'tensors': only kind 'activation' may be offloadable")
+        for col in ("producer_idx", "last_fwd_use_idx", "first_bwd_use_idx", "last_use_idx"):
+            if ((t[col] < -1) | (t[col] >= n)).any():
+                raise ProfileError(f"profile table 'tensors' column '{col}' has indices outside -1..{n - 1}")
+        act = t[t["offloadable"]]
+        if (act["producer_idx"] >= nf).any() or (act["producer_idx"] < 0).any():
+            raise ProfileError("profile: an offloadable tensor must be produced by a forward op")
+        if (act["last_fwd_use_idx"] < act["producer_idx"]).any():
+            raise ProfileError("profile: last_fwd_use_idx precedes producer_idx")
+        used_bwd = act[act["first_bwd_use_idx"] >= 0]
+        if (used_bwd["first_bwd_use_idx"] < nf).any():
+            raise ProfileError("profile: first_bwd_use_idx must be a backward op")
+        if (used_bwd["last_use_idx"] < used_bwd["first_bwd_use_idx"]).any():
+            raise ProfileError("profile: last_use_idx precedes first_bwd_use_idx")
+        return self
+
+    # ------------------------------------------------------------------------------------ conveniences
+    @property
+    def fingerprint(self) -> str:
+        return str(self.meta["fingerprint"])
+
+    @property
+    def num_fwd_ops(self) -> int:
+        return int(self.meta["num_fwd_ops"])
+
+    def activation_bytes(self) -> int:
+        """Total bytes of saved activation storages (the offload candidates' upper bound)."""
+        return int(self.tensors.loc[self.tensors["kind"] == "activation", "nbytes"].sum())
+
+    # ---------------------------------------------------------------------------------------- file io
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        """Write ``ops.parquet``, ``tensors.parquet`` and ``meta.json`` atomically into ``out_dir``.
+
+        The files are written to a sibling temporary directory first and moved into place, so an
+        interrupted save never leaves a half-written profile behind.
+        """
+        self.validate()
+        out = Path(out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            self.ops.to_parquet(tmp / "ops.parquet", index=False)
+            tensors = self.tensors.copy()
+            tensors["shape"] = tensors["shape"].map(lambda s: [int(x) for x in s])
+            tensors.to_parquet(tmp / "tensors.parquet", index=False)
+            (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True, default=str))
+            if out.exists():
+                if not (out / "meta.json").exists() and any(out.iterdir()):
+                    raise ProfileError(f"refusing to overwrite '{out}': it exists and is not a profile")
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Profile:
+        """Read a profile directory written by ``save``; raise ProfileError naming what is wrong."""
+        p = Path(path)
+        if not p.exists():
+            raise ProfileError(f"profile '{p}' does not exist")
+        if not p.is_dir():
+            raise ProfileError(f"profile '{p}' is not a directory (expected ops.parquet, tensors.parquet, meta.json)")
+        for fname in ("ops.parquet", "tensors.parquet", "meta.json"):
+            if not (p / fname).exists():
+                raise ProfileError(f"profile '{p}' lacks {fname}")
+        try:
+            meta = json.loads((p / "meta.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ProfileError(f"profile '{p}/meta.json' is not valid JSON: {e}") from None
+        if not isinstance(meta, dict):
+            raise ProfileError(f"profile '{p}/meta.json' must hold a JSON object")
+        try:
+            ops = pd.read_parquet(p / "ops.parquet")
+            tensors = pd.read_parquet(p / "tensors.parquet")
+        except Exception as e:  # pyarrow raises several types for corrupt files
+            raise ProfileError(f"profile '{p}' has an unreadable parquet table: {e}") from None
+        if "shape" in tensors.columns:
+            tensors["shape"] = tensors["shape"].map(lambda s: tuple(int(x) for x in s))
+        return cls(ops=ops, tensors=tensors, meta=meta).validate()
+
+
+def make_profile(
+    ops: list[dict[str, Any]] | pd.DataFrame,
+    tensors: list[dict[str, Any]] | pd.DataFrame,
+    meta: dict[str, Any],
+) -> Profile:
+    """Build and validate a Profile from row dicts (or frames), filling schema defaults.
+
+    ``meta`` needs at least ``fingerprint``; ``schema_version`` and ``num_fwd_ops`` are derived when
+    absent.
+    """
+    ops_df = pd.DataFrame(ops) if not isinstance(ops, pd.DataFrame) else ops.copy()
+    t_df = pd.DataFrame(tensors) if not isinstance(tensors, pd.DataFrame) else tensors.copy()
+    if ops_df.empty:
+        ops_df = pd.DataFrame({c: pd.Series(dtype="int64" if k == "i" else "float64" if k == "f" else "object")
+                               for c, k in OPS_COLUMNS.items()})
+    if t_df.empty:
+        t_df = pd.DataFrame({c: pd.Series(dtype={"i": "int64", "b": "bool"}.get(k, "object"))
+                             for c, k in TENSORS_COLUMNS.items()})
+    ops_df["duration_us"] = ops_df["duration_us"].astype("float64")
+    if "offloadable" not in t_df.columns:
+        t_df["offloadable"] = (t_df["kind"] == "activation") & (t_df["nbytes"] > 0)
+    for col in ("nbytes", "producer_idx", "last_fwd_use_idx", "first_bwd_use_idx", "last_use_idx"):
+        t_df[col] = t_df[col].astype("int64")
+    t_df["offloadable"] = t_df["offloadable"].astype(bool)
+    if "shape" in t_df.columns:
+        t_df["shape"] = t_df["shape"].map(lambda s: tuple(int(x) for x in s))
+    meta = dict(meta)
+    meta.setdefault("schema_version", SCHEMA_VERSION)
+    meta.setdefault("num_fwd_ops", int((ops_df["phase"] == "fwd").sum()))
+    return Profile(ops=ops_df.reset_index(drop=True), tensors=t_df.reset_index(drop=True), meta=meta).validate()

@@ -1,0 +1,5 @@
+import sys
+
+from teraio.cli import main
+
+sys.exit(main())
