@@ -32,8 +32,12 @@ OPS_COLUMNS: dict[str, str] = {
     "phase": "O",
     "duration_us": "f",
 }
-#: Optional ops columns: ``module`` is the nn.Module path the op came from ("blocks.3.attn"), "" if none.
-OPS_OPTIONAL: dict[str, str] = {"module": "O"}
+#: Optional ops columns: ``module`` is the nn.Module path the op came from ("blocks.3.attn"), "" if none;
+#: ``other_bytes`` is the memory live while the op runs that the tensors table does not account for
+#: (temporaries, gradients, workspace): the unplanned memory at op i is ``other_bytes[i]`` plus every
+#: tensors-table storage alive at i (activations over [producer_idx, last_use_idx], params and inputs
+#: over the whole step).
+OPS_OPTIONAL: dict[str, str] = {"module": "O", "other_bytes": "i"}
 
 TENSORS_COLUMNS: dict[str, str] = {
     "name": "O",
