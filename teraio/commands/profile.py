@@ -1,0 +1,103 @@
+"""``teraio profile``: capture and time a training step, write its Profile(s), print a summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from teraio.errors import UserInputError
+from teraio.units import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="profile a training step: per-op times and saved-tensor lifetimes (writes a Profile)",
+        description="Compile TARGET with the teraio backend, run the profiling steps, and write the Profile "
+        "(parquet tables + meta.json). With one captured graph OUT is the profile; with several, OUT/graphN.",
+    )
+    p.add_argument("target", nargs="?", default="builtin:tiny",
+                   help="builtin:tiny | builtin:demo | path/to/file.py:fn (fn() returns (model, batch[, loss_fn]))")
+    p.add_argument("--out", "-o", required=True, help="directory to write the profile into")
+    p.add_argument("--steps", type=int, default=3, help="profiling steps; the first is warm-up (default 3)")
+    p.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
+                   help="inner compiler the profile is for (its decompositions shape the graph)")
+    p.add_argument("--top", type=int, default=10, help="how many top tensors to list")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def _check_writable(out: Path) -> None:
+    parent = out.parent if not out.exists() else out
+    probe_dir = parent
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise UserInputError(f"--out '{out}' cannot be created: '{probe_dir}' is a file, not a directory")
+    if out.exists() and not out.is_dir():
+        raise UserInputError(f"--out '{out}' exists and is not a directory")
+    if out.exists() and any(out.iterdir()) and not (out / "meta.json").exists() and not (out / "index.json").exists():
+        raise UserInputError(f"--out '{out}' is a non-empty directory that is not a teraio profile; choose another")
+    if not os.access(probe_dir, os.W_OK | os.X_OK):
+        raise UserInputError(f"--out '{out}' is not writable (no write permission on '{probe_dir}')")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    _check_writable(out)
+    if args.steps < 1:
+        raise UserInputError("--steps must be at least 1")
+    # Heavy imports only now: `teraio --help` stays fast.
+    from teraio.profile_run import profile_workload, summarize
+    from teraio.workload import load_workload
+
+    workload = load_workload(args.target)
+    profiles = profile_workload(workload, profile_steps=args.steps, inner=args.inner)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        if len(profiles) == 1:
+            profiles[0].save(tmp / "p")
+            staged = tmp / "p"
+        else:
+            staged = tmp / "p"
+            staged.mkdir()
+            for p in profiles:
+                p.save(staged / f"graph{p.meta['graph_id']}")
+            (staged / "index.json").write_text(json.dumps({"graphs": [f"graph{p.meta['graph_id']}" for p in profiles]}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staged, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    summaries = [summarize(p, top=args.top) for p in profiles]
+    if args.json:
+        print(json.dumps({"target": args.target, "out": str(out), "graphs": summaries}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for s in summaries:
+        console.print(
+            f"[bold]{args.target}[/] graph {s['graph_id']} -> {out}\n"
+            f"  ops {s['ops']} ({s['fwd_ops']} fwd, {s['bwd_ops']} bwd)   step {s['step_s']:.3f} s "
+            f"(fwd {s['fwd_s']:.3f}, bwd {s['bwd_s']:.3f}; profiling interpreter)\n"
+            f"  saved storages {s['saved_tensors']} (outputs {s['saved_outputs']}): activations "
+            f"{format_bytes(s['activation_bytes'])}, params {format_bytes(s['param_bytes'])}, "
+            f"inputs {format_bytes(s['input_bytes'])}"
+        )
+        table = Table(title=f"top {len(s['top_tensors'])} tensors by bytes x inactive time")
+        for col in ("name", "module", "bytes", "inactive s", "MB*s"):
+            table.add_column(col, justify="right" if col not in ("name", "module") else "left")
+        for r in s["top_tensors"]:
+            table.add_row(r["name"], r["module"], format_bytes(r["nbytes"]), f"{r['inactive_s']:.3f}",
+                          f"{r['byte_s'] / 1e6:.3g}")
+        console.print(table)
+    return 0

@@ -1,0 +1,69 @@
+"""Measure what a step really costs: peak memory and wall time, independently of teraio's bookkeeping.
+
+On CPU there are no allocator statistics, so memory comes from the torch profiler's ``[memory]`` events
+(FINDINGS.md): every allocation and free inside the profiled region, in time order; the running sum's
+maximum is the peak of bytes allocated during the region (it sees Inductor's buffers too), and its final
+value what the region left alive. On CUDA, ``torch.cuda.max_memory_allocated`` relative to the start.
+Memory that existed before the region (parameters, optimizer state, the batch) is not counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MemoryMeasurement:
+    peak_bytes: int  # maximum of bytes allocated and not yet freed during the region
+    end_bytes: int  # bytes allocated during the region and still alive at its end
+    wall_s: float
+    method: str  # "torch.profiler" | "cuda"
+
+
+def _cpu_memory_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    # prof.events() drops most [memory] events (FINDINGS.md): read kineto's raw results instead.
+    events = prof.profiler.kineto_results.events()
+    out = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
+    out.sort(key=lambda x: x[0])
+    return out
+
+
+def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryMeasurement]:
+    """Run ``fn()`` once and measure the bytes it allocates: peak and what stays alive at the end."""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        return result, MemoryMeasurement(
+            peak_bytes=torch.cuda.max_memory_allocated() - start,
+            end_bytes=torch.cuda.memory_allocated() - start,
+            wall_s=wall,
+            method="cuda",
+        )
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        result = fn()
+        wall = time.perf_counter() - t0
+    running = peak = 0
+    for _ts, nbytes in _cpu_memory_events(prof):
+        running += nbytes
+        peak = max(peak, running)
+    return result, MemoryMeasurement(peak_bytes=peak, end_bytes=running, wall_s=wall, method="torch.profiler")
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0

@@ -1,0 +1,207 @@
+"""Time a captured training step op by op and turn it into a planner Profile.
+
+The forward and backward graphs run through a timing FX interpreter for the first few steps. Each op is
+timed with a monotonic clock, and after each op the interpreter takes a census of the storages its
+environment holds (graph inputs excluded: parameters and the batch exist before the step), which gives
+the step's memory timeline at op granularity. The static analysis of ``teraio.capture`` says which
+storages are saved and where they are used; together they make the Profile the planner reads.
+
+The interpreter computes with the same aten ops in the same order as a plain GraphModule call, so loss
+and gradients while profiling are bit-identical to the FX-only compile.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from planner.profile import Profile, make_profile
+from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
+
+
+@dataclass
+class GraphRun:
+    """One execution of one graph: per-op wall time and live bytes, aligned with the graph's ops."""
+
+    duration_ns: list[int] = field(default_factory=list)
+    live_bytes: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class TimingInterpreter(fx.Interpreter):
+    """Runs a GraphModule op by op, recording each op's duration and the bytes live while it ran."""
+
+    def __init__(self, gm: fx.GraphModule, excluded: set[StorageWeakRef]) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+        self.excluded = excluded
+        self.record = GraphRun()
+
+    def _live_bytes(self, extra: Any) -> int:
+        seen: set[StorageWeakRef] = set()
+        total = 0
+        for v in [*self.env.values(), extra]:
+            for t in tree_leaves(v):
+                if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor):
+                    st = t.untyped_storage()
+                    ref = StorageWeakRef(st)
+                    if ref in seen or ref in self.excluded:
+                        continue
+                    seen.add(ref)
+                    total += int(st.nbytes())
+        return total
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.op != "call_function":
+            return super().run_node(n)
+        t0 = time.perf_counter_ns()
+        out = super().run_node(n)
+        self.record.duration_ns.append(time.perf_counter_ns() - t0)
+        # Census before the interpreter frees this op's last-used inputs: memory *during* the op.
+        self.record.live_bytes.append(self._live_bytes(out))
+        return out
+
+
+def classify_inputs(args: list[Any]) -> list[str]:
+    """'param' for parameters (leaves that require grad), 'input' for everything else."""
+    kinds = []
+    for a in args:
+        is_param = isinstance(a, torch.nn.Parameter) or (
+            isinstance(a, torch.Tensor) and a.requires_grad and a.is_leaf
+        )
+        kinds.append("param" if is_param else "input")
+    return kinds
+
+
+class StepProfiler:
+    """Collects per-step timings of one captured graph and builds its Profile.
+
+    ``run_fwd``/``run_bwd`` are the profiling 'compiled' graphs: they interpret and record. The first
+    recorded step is warm-up and excluded when more than one step was recorded.
+    """
+
+    def __init__(self, step: CapturedStep, graph_id: int = 0, device: str = "cpu") -> None:
+        self.step = step
+        self.analysis: StepAnalysis = analyse_saved(step)
+        self.graph_id = graph_id
+        self.device = device
+        self.fwd_runs: list[GraphRun] = []
+        self.bwd_runs: list[GraphRun] = []
+        self.input_kinds: list[str] | None = None
+        self._input_refs: set[StorageWeakRef] = set()
+
+    def run_fwd(self, *args: Any) -> Any:
+        args_list = list(args)
+        if self.input_kinds is None:
+            self.input_kinds = classify_inputs(args_list)
+        self._input_refs = {
+            StorageWeakRef(a.untyped_storage()) for a in args_list if isinstance(a, torch.Tensor)
+        }
+        interp = TimingInterpreter(self.step.fw_gm, self._input_refs)
+        t0 = time.perf_counter()
+        out = interp.run(*args_list)
+        interp.record.wall_s = time.perf_counter() - t0
+        self.fwd_runs.append(interp.record)
+        return out
+
+    def run_bwd(self, *args: Any) -> Any:
+        # Saved activations arrive as arguments but were allocated in this step: count them. Only the
+        # storages that existed before the step (the forward's inputs) are excluded.
+        interp = TimingInterpreter(self.step.bw_gm, self._input_refs)
+        args_list = list(args)
+        del args
+        t0 = time.perf_counter()
+        out = interp.run(*args_list)
+        interp.record.wall_s = time.perf_counter() - t0
+        self.bwd_runs.append(interp.record)
+        return out
+
+    @property
+    def steps_recorded(self) -> int:
+        return min(len(self.fwd_runs), len(self.bwd_runs))
+
+    def _measured(self, runs: list[GraphRun]) -> list[GraphRun]:
+        n = self.steps_recorded
+        runs = runs[:n]
+        return runs[1:] if n > 1 else runs
+
+    def build_profile(self, extra_meta: dict[str, Any] | None = None) -> Profile:
+        """The Profile of the recorded steps (median op durations over the measured steps)."""
+        if self.steps_recorded == 0:
+            raise RuntimeError("no complete forward+backward step was recorded")
+        a = self.analysis
+        fwd, bwd = self._measured(self.fwd_runs), self._measured(self.bwd_runs)
+        ops_nodes = [("fwd", n) for n in a.fw_ops] + [("bwd", n) for n in a.bw_ops]
+        durations = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
+        durations += [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
+        live = list(fwd[-1].live_bytes) + list(bwd[-1].live_bytes)
+
+        kinds = self.input_kinds or []
+        fw_placeholders = [n for n in self.step.fw_gm.graph.nodes if n.op == "placeholder"]
+        tensor_rows = []
+        activation_alive = [0] * len(ops_nodes)
+        for g in a.groups:
+            if g.placeholder is not None:
+                pos = fw_placeholders.index(g.placeholder)
+                kind = kinds[pos] if pos < len(kinds) else "input"
+            else:
+                kind = "activation"
+            offloadable = kind == "activation" and g.nbytes > 0
+            tensor_rows.append(
+                {
+                    "name": g.name,
+                    "nbytes": g.nbytes,
+                    "dtype": str(g.dtype).removeprefix("torch."),
+                    "shape": g.shape,
+                    "kind": kind,
+                    "offloadable": offloadable,
+                    "producer_idx": g.producer_idx,
+                    "last_fwd_use_idx": g.last_fwd_use_idx,
+                    "first_bwd_use_idx": g.first_bwd_use_idx,
+                    "last_use_idx": g.last_use_idx,
+                    "module": g.module,
+                    "aliases": len(g.members),
+                }
+            )
+            if kind == "activation":
+                for i in range(max(g.producer_idx, 0), g.last_use_idx + 1):
+                    activation_alive[i] += g.nbytes
+        ops_rows = [
+            {
+                "idx": i,
+                "name": n.name,
+                "target": str(n.target),
+                "phase": phase,
+                "duration_us": float(durations[i]),
+                "module": node_module(n),
+                "other_bytes": max(0, int(live[i]) - activation_alive[i]),
+            }
+            for i, (phase, n) in enumerate(ops_nodes)
+        ]
+        fwd_s = statistics.median(r.wall_s for r in fwd)
+        bwd_s = statistics.median(r.wall_s for r in bwd)
+        meta = {
+            "fingerprint": a.fingerprint,
+            "graph_id": self.graph_id,
+            "num_fwd_ops": a.num_fwd_ops,
+            "num_saved_outputs": len(self.step.saved_nodes),
+            "torch_version": torch.__version__,
+            "device": self.device,
+            "step_s": fwd_s + bwd_s,
+            "fwd_s": fwd_s,
+            "bwd_s": bwd_s,
+            "op_sum_s": sum(durations) / 1e6,
+            "profile_steps": self.steps_recorded,
+            "measured_steps": len(fwd),
+            "census_peak_bytes": int(max(live)) if live else 0,
+            "census_after_fwd_bytes": int(fwd[-1].live_bytes[-1]) if fwd[-1].live_bytes else 0,
+            "created_unix_s": time.time(),
+        }
+        meta.update(extra_meta or {})
+        return make_profile(ops_rows, tensor_rows, meta)
