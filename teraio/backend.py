@@ -31,9 +31,12 @@ import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 
+from planner.hardware import HardwareModel
+from planner.plan import Plan
 from planner.profile import Profile
 from teraio.capture import CapturedStep, capturing_partition
 from teraio.profiler import StepProfiler
+from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan
 
 log = logging.getLogger("teraio")
 
@@ -55,6 +58,11 @@ class BackendConfig:
     run_dir: str | None = None
     enabled: bool = True
     on_plan_mismatch: str = "error"  # "error" | "reprofile"
+    hardware: str | None = None  # HardwareModel JSON (teraio calibrate); default: built-in model
+    io_backend: str | None = None  # auto|posix|kvikio|host; None: TERAIO_IO_BACKEND or auto
+    checksum: bool = False
+    measure_memory: bool = True  # measure one running step's peak with the torch profiler
+    runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
 
     def __post_init__(self) -> None:
         from teraio.errors import UserInputError
@@ -122,6 +130,23 @@ def inner_compiler(inner: str, is_backward: bool) -> Callable[..., Any]:
     return compile_inductor
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def load_plans(path: str | os.PathLike) -> list[Plan]:
+    """A plan file, or a run directory holding graph*/plan.json (one plan per captured graph)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("graph*/plan.json")) or sorted(p.glob("*.json"))
+        if not files:
+            from planner.plan import PlanError
+
+            raise PlanError(f"plan directory '{p}' holds no graph*/plan.json")
+        return [Plan.load(f) for f in files]
+    return [Plan.load(p)]
+
+
 class GraphRunner:
     """The lifecycle of one captured graph (see module docstring)."""
 
@@ -133,6 +158,12 @@ class GraphRunner:
         self.example_inputs = example_inputs
         self.profiler: StepProfiler | None = None
         self.profile: Profile | None = None
+        self.plan: Plan | None = None
+        self.rewrite: RewriteResult | None = None
+        self.measured_peak_bytes: int | None = None
+        self._measure_next = False
+        self._mem_prof: Any = None
+        self._pending_error: Exception | None = None
         self.phase = "profiling"
         self.steps = 0
         self.fwd_calls = 0
@@ -146,6 +177,21 @@ class GraphRunner:
     def _compile_profiling(self) -> Callable[..., Any]:
         def on_partition(step: CapturedStep) -> None:
             self.profiler = StepProfiler(step, graph_id=self.graph_id)
+            if self.backend._plans_from_file:
+                fingerprint = self.profiler.analysis.fingerprint
+                plan = self.backend.plan_for_fingerprint(fingerprint)
+                if plan is not None:
+                    self.plan = plan
+                    self.phase = "compile_pending"  # no profiling: the plan says what to do
+                elif self.cfg.on_plan_mismatch == "error":
+                    have = ", ".join(p.fingerprint[:12] for p in self.backend._plans_from_file)
+                    self._pending_error = PlanMismatchError(
+                        f"plan '{self.cfg.plan}' was made for graph(s) {have}, not this graph "
+                        f"({fingerprint[:12]}); re-profile and re-plan, or pass on_plan_mismatch='reprofile'"
+                    )
+                else:
+                    log.warning("graph %d: no plan in %s matches fingerprint %s; re-profiling",
+                                self.graph_id, self.cfg.plan, fingerprint[:12])
 
         def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             return boxed(lambda *args: self.profiler.run_fwd(*args))
@@ -163,36 +209,73 @@ class GraphRunner:
     def _compile_final(self) -> Callable[..., Any]:
         inner = self.cfg.inner
 
+        def on_partition(step: CapturedStep) -> CapturedStep | None:
+            if self.plan is None or not self.cfg.enabled or not self.plan.decisions:
+                return None
+            engine_id = self.backend.engine_id_for(self.plan)
+            self.rewrite = apply_plan(step, self.plan, engine_id, key_prefix=f"g{self.graph_id}")
+            return self.rewrite.step
+
         def bw(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             return boxed(inner_compiler(inner, is_backward=True)(gm, example_inputs), after=self._after_bwd)
 
         return aot_autograd(
             fw_compiler=inner_compiler(inner, is_backward=False),
             bw_compiler=bw,
-            partition_fn=capturing_partition(lambda step: None),
+            partition_fn=capturing_partition(on_partition),
             decompositions=_decompositions(inner),
         )(self.gm, self.example_inputs)
 
     # ------------------------------------------------------------------------------------- running
     def _after_bwd(self) -> None:
         self.bwd_calls += 1
-        if self._fwd_start is not None:
+        if self._mem_prof is not None:
+            self._mem_prof.mark_end()  # stopped at the next call: Note: [Profiler state inside backward]
+        elif self._fwd_start is not None:
             self.step_times_s.append(time.perf_counter() - self._fwd_start)
-            self._fwd_start = None
+            self.backend._on_step(self, self.step_times_s[-1])
+        self._fwd_start = None
         if self.phase == "profiling" and self.profiler.steps_recorded >= self.cfg.profile_steps:
             self._finish_profiling()
 
     def _finish_profiling(self) -> None:
         self.profile = self.profiler.build_profile({"inner": self.cfg.inner})
         self.backend._on_profile(self)
-        self.phase = "compile_pending"
+        self.phase = "compile_pending"  # planned and compiled at the next forward, outside backward
+
+    # Peak memory of one running step, measured with the torch profiler (not the runtime's books).
+    def _start_memory_measurement(self) -> None:
+        from teraio.measure import MemoryRecorder
+
+        self._mem_prof = MemoryRecorder(self.cfg_device())
+        self._mem_prof.start()
+
+    def finish_memory_measurement(self) -> None:
+        """Stop a measurement whose step has ended (call outside backward)."""
+        if self._mem_prof is not None and self._mem_prof._wall_s is not None:
+            rec, self._mem_prof = self._mem_prof, None
+            self.measured_peak_bytes = rec.stop().peak_bytes
+
+    def cfg_device(self) -> str:
+        return self.profile.meta.get("device", "cpu") if self.profile is not None else "cpu"
 
     def __call__(self, *args: Any) -> Any:
+        if self._pending_error is not None:
+            raise self._pending_error
+        self.finish_memory_measurement()
         with self._lock:
             if self.phase == "compile_pending":
+                if self.cfg.enabled and self.plan is None and self.cfg.memory_budget is not None:
+                    self.plan = self.backend._make_plan(self)
                 self._compiled = self._compile_final()
                 self.phase = "running"
                 self.step_times_s.clear()
+                # The first running step warms caches; measure memory on the second.
+                self._measure_next = False
+            elif self.phase == "running" and self.measured_peak_bytes is None and self.cfg.measure_memory:
+                if self._measure_next and torch.is_grad_enabled():
+                    self._start_memory_measurement()
+                self._measure_next = True
             self.fwd_calls += 1
             self.steps += 1
             if torch.is_grad_enabled():
@@ -206,10 +289,89 @@ class TeraioBackend:
     def __init__(self, **options: Any) -> None:
         self.cfg = BackendConfig(**options)
         self.runners: list[GraphRunner] = []
+        self.engine: Any = None
+        self._engine_id: int | None = None
+        self._tmp_offload_dir: str | None = None
+        self._plans_from_file: list[Plan] = []
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(asdict(self.cfg), indent=2, default=str))
+            cfg = {k: v for k, v in asdict(self.cfg).items() if k != "runtime_options"}
+            (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        if self.cfg.plan is not None:
+            self._plans_from_file = load_plans(self.cfg.plan)
+
+    # ------------------------------------------------------------------------------------ planning
+    def hardware_model(self) -> HardwareModel:
+        hw = HardwareModel.load(self.cfg.hardware) if self.cfg.hardware else HardwareModel()
+        tiers = set(self.cfg.tiers)
+        if "host" in tiers and hw.tiers["host"].capacity_bytes == 0:
+            hw = hw.with_overrides("host", capacity_bytes=None)
+        if "ssd" not in tiers:
+            hw = hw.with_overrides("ssd", capacity_bytes=0)
+        return hw
+
+    def _make_plan(self, runner: GraphRunner) -> Plan:
+        from planner.solve import solve
+
+        plan = solve(
+            runner.profile,
+            budget=self.cfg.memory_budget,
+            solver=self.cfg.solver,
+            hardware=self.hardware_model(),
+            time_limit_s=float(self.cfg.time_limit),
+        )
+        if self.run_dir is not None:
+            d = self.run_dir / f"graph{runner.graph_id}"
+            d.mkdir(parents=True, exist_ok=True)
+            plan.save(d / "plan.json")
+        log.info("graph %d: plan by %s moves %d tensors (%d bytes); predicted peak %d, step %.3f s",
+                 runner.graph_id, plan.solver, len(plan.decisions), plan.moved_bytes,
+                 plan.predicted_peak_bytes, plan.predicted_step_s)
+        return plan
+
+    def plan_for_fingerprint(self, fingerprint: str) -> Plan | None:
+        for p in self._plans_from_file:
+            if p.fingerprint == fingerprint:
+                return p
+        return None
+
+    def engine_id_for(self, plan: Plan) -> int:
+        """The runtime engine the graphs' ops call; started (and space reserved) on first use."""
+        if self.engine is None:
+            import tempfile
+
+            from runtime import Engine, RuntimeConfig
+            from teraio.ops import register_engine
+
+            dirs = self.cfg.offload_dirs
+            if not dirs:
+                self._tmp_offload_dir = tempfile.mkdtemp(prefix="teraio-offload-")
+                dirs = [self._tmp_offload_dir]
+            io_backend = self.cfg.io_backend
+            if set(self.cfg.tiers) == {"host"}:
+                io_backend = "host"
+            reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
+            self.engine = Engine(
+                RuntimeConfig(dirs=dirs, backend=io_backend, reserve_bytes=_round_up(reserve, 1 << 20),
+                              checksum=self.cfg.checksum, **self.cfg.runtime_options)
+            )
+            self._engine_id = register_engine(self.engine)
+        return self._engine_id
+
+    def close(self) -> None:
+        """Stop the engine and remove its files (also done at interpreter exit)."""
+        if self.engine is not None:
+            from teraio.ops import unregister_engine
+
+            self.engine.close()
+            unregister_engine(self._engine_id)
+            self.engine = None
+        if self._tmp_offload_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._tmp_offload_dir, ignore_errors=True)
+            self._tmp_offload_dir = None
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         runner = GraphRunner(self, len(self.runners), gm, list(example_inputs))
@@ -225,14 +387,40 @@ class TeraioBackend:
         if self.run_dir is not None:
             runner.profile.save(self.run_dir / f"graph{runner.graph_id}" / "profile")
 
+    def _on_step(self, runner: GraphRunner, step_s: float) -> None:
+        if self.run_dir is None or runner.phase != "running":
+            return
+        with open(self.run_dir / "stats.jsonl", "a") as f:
+            f.write(json.dumps({"graph": runner.graph_id, "step": runner.steps, "step_s": step_s,
+                                **self._io_stats()}) + "\n")
+
+    def _io_stats(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {"offloaded_bytes": 0, "prefetched_bytes": 0, "stall_s": 0.0}
+        st = self.engine.stats()
+        written = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".write"))
+        read = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".read"))
+        return {"offloaded_bytes": written, "prefetched_bytes": read, "stall_s": st.stall_s,
+                "io_backend": st.backend, "io_path": st.io_path}
+
     def stats(self) -> dict[str, Any]:
+        """Totals since the backend started; ``step_s`` is the median of the running (non-profiling) steps."""
+        for r in self.runners:
+            r.finish_memory_measurement()
         steps = max((r.steps for r in self.runners), default=0)
         times = [t for r in self.runners for t in r.step_times_s]
+        plans = [r.plan for r in self.runners if r.plan is not None]
+        peaks = [r.measured_peak_bytes for r in self.runners if r.measured_peak_bytes is not None]
         return {
             "steps": steps,
             "graphs": len(self.runners),
             "step_s": statistics.median(times) if times else None,
+            "measured_peak_bytes": max(peaks) if peaks else None,
+            "predicted_peak_bytes": max(p.predicted_peak_bytes for p in plans) if plans else None,
+            "predicted_step_s": sum(p.predicted_step_s for p in plans) if plans else None,
+            "moved_bytes_per_step": sum(p.moved_bytes for p in plans),
             "phase": [r.phase for r in self.runners],
+            **self._io_stats(),
         }
 
 

@@ -103,6 +103,9 @@ class SavedGroup:
     first_bwd_use_idx: int = -1
     last_use_idx: int = -1
     module: str = ""
+    #: The owner's value spans its whole storage (offset 0, numel * itemsize == nbytes): the storage
+    #: can be offloaded through it and every member rebuilt from the bytes. Otherwise not offloadable.
+    owner_covers_storage: bool = True
 
 
 @dataclass
@@ -205,6 +208,9 @@ def analyse_saved(step: CapturedStep) -> StepAnalysis:
                     producer=owner if owner.op == "call_function" else None,
                     placeholder=owner if owner.op == "placeholder" else None,
                     module=node_module(owner) if owner.op == "call_function" else "",
+                    owner_covers_storage=isinstance(_val(owner), torch.Tensor)
+                    and base_val.storage_offset() == 0
+                    and base_val.numel() * base_val.element_size() == int(v.untyped_storage().nbytes()),
                 )
             )
         g = group_of_ref[ref]

@@ -152,7 +152,7 @@ class StepProfiler:
                 kind = kinds[pos] if pos < len(kinds) else "input"
             else:
                 kind = "activation"
-            offloadable = kind == "activation" and g.nbytes > 0
+            offloadable = kind == "activation" and g.nbytes > 0 and g.owner_covers_storage
             tensor_rows.append(
                 {
                     "name": g.name,

@@ -1,0 +1,255 @@
+"""Measure what an offload directory can really do, and write it down as the planner's HardwareModel.
+
+The planner's predictions are only as good as its bandwidth figures, and disks differ (FINDINGS.md:
+this project's virtio disk writes 1.3-2.3 GB/s but reads 0.7-1.25 GB/s, varying run to run). So
+``teraio calibrate DIR`` times, in one run: the runtime engine's own write and read of a test tensor
+(``runtime.Engine`` with the posix backend: what offloading will actually achieve, chunking and
+staging copies included) and raw aligned ``O_DIRECT`` pwrite/pread of the same size (the disk's
+baseline), plus the latency of one 4 KiB direct request. Medians of several repeats go into the SSD
+tier of a HardwareModel. A directory on tmpfs/ramfs is flagged: offloading there saves no memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import mmap
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from planner.hardware import HardwareModel
+from teraio.errors import UserInputError
+
+log = logging.getLogger(__name__)
+
+PAGE_NBYTES = 4096
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+@dataclass
+class Calibration:
+    """Measured figures for one directory. Bandwidths are medians over ``repeats``."""
+
+    dir: str
+    nbytes: int
+    block_nbytes: int
+    repeats: int
+    fs_type: str
+    #: "runtime.Engine(posix)" when the engine measured the model's figures, else "O_DIRECT".
+    method: str
+    write_bw_bytes_per_s: float
+    read_bw_bytes_per_s: float
+    write_latency_s: float
+    read_latency_s: float
+    direct_write_bw_bytes_per_s: float
+    direct_read_bw_bytes_per_s: float
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def hardware_model(self, base: HardwareModel | None = None) -> HardwareModel:
+        """``base`` (default: the built-in model) with its SSD tier replaced by these measurements."""
+        hw = base if base is not None else HardwareModel()
+        hw = hw.with_overrides(
+            "ssd",
+            write_bw_bytes_per_s=self.write_bw_bytes_per_s,
+            read_bw_bytes_per_s=self.read_bw_bytes_per_s,
+            write_latency_s=self.write_latency_s,
+            read_latency_s=self.read_latency_s,
+            count=1,
+        )
+        return replace(hw, name=f"calibrated:{self.dir}")
+
+
+def filesystem_type(path: str | os.PathLike) -> str:
+    """The filesystem type of ``path`` from /proc/mounts (longest matching mount point), or "unknown"."""
+    real = os.path.realpath(path)
+    best, fs = "", "unknown"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) > len(best):
+                    best, fs = mnt, parts[2]
+    except OSError:
+        pass
+    return fs
+
+
+def _open_direct(path: Path, flags: int) -> tuple[int, bool]:
+    """Open with O_DIRECT when the filesystem allows it; (fd, direct?)."""
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o600), True
+    except OSError:
+        return os.open(path, flags, 0o600), False
+
+
+def _direct_round_trip(path: Path, nbytes: int, block_nbytes: int) -> tuple[float, float, bool]:
+    """Write ``nbytes`` in aligned blocks, then read them back; (write_s, read_s, used O_DIRECT)."""
+    buf = mmap.mmap(-1, block_nbytes)  # page-aligned, as O_DIRECT requires
+    buf.write(os.urandom(min(block_nbytes, 1 << 20)) * (block_nbytes // min(block_nbytes, 1 << 20)))
+    fd, direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, block_nbytes):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        if not direct:  # buffered fallback: push the bytes out of the page cache before reading
+            os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    fd, _ = _open_direct(path, os.O_RDONLY)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, block_nbytes):
+            os.preadv(fd, [buf], off)
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        buf.close()
+    return write_s, read_s, direct
+
+
+def _latency(path: Path, repeats: int = 16) -> tuple[float, float]:
+    """Median time of one 4 KiB direct write and one 4 KiB direct read (no fsync: the runtime does none per chunk)."""
+    buf = mmap.mmap(-1, PAGE_NBYTES)
+    writes, reads = [], []
+    fd, _ = _open_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            os.pwrite(fd, buf, i * PAGE_NBYTES)
+            writes.append(time.perf_counter() - t0)
+        for i in range(repeats):
+            t0 = time.perf_counter()
+            os.preadv(fd, [buf], i * PAGE_NBYTES)
+            reads.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        buf.close()
+    return statistics.median(writes), statistics.median(reads)
+
+
+def _engine_round_trip(directory: Path, nbytes: int, repeats: int) -> tuple[list[float], list[float], str]:
+    """Time ``runtime.Engine`` (posix) offloading a uint8 tensor and reading it back, ``repeats`` times."""
+    import torch
+
+    from runtime.config import RuntimeConfig
+    from runtime.engine import Engine
+
+    writes, reads = [], []
+    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix")) as engine:
+        for i in range(repeats):
+            key = f"calibrate-{i}"
+            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+            t0 = time.perf_counter()
+            engine.offload(key, src).wait()
+            writes.append(time.perf_counter() - t0)
+            engine.release(key)
+            expected = src[:: max(1, nbytes // 4096)].clone()
+            del src
+            gc.collect()  # no live copy left: the prefetch must really read the file
+            t0 = time.perf_counter()
+            engine.prefetch(key).wait()
+            reads.append(time.perf_counter() - t0)
+            back = engine.fetch(key)
+            if not torch.equal(back[:: max(1, nbytes // 4096)], expected):
+                raise RuntimeError("runtime engine returned different bytes during calibration")
+            del back
+            engine.drop(key)
+        stats = engine.stats()
+        if stats.forwarded_fetches:
+            raise RuntimeError("runtime engine served the calibration read from memory, not the disk")
+        io_path = stats.io_path
+    return writes, reads, io_path
+
+
+def calibrate(
+    directory: str | os.PathLike,
+    nbytes: int = 256 * 2**20,
+    block_nbytes: int = 4 * 2**20,
+    repeats: int = 3,
+    use_engine: bool = True,
+) -> Calibration:
+    """Measure ``directory`` (see the module docstring).
+
+    Raises:
+        UserInputError: the directory is missing or not writable, or a size is not a positive multiple of 4 KiB.
+    """
+    d = Path(directory)
+    if not d.is_dir():
+        raise UserInputError(
+            f"calibrate: '{d}' is not a directory; create it on the disk you will offload to"
+        )
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise UserInputError(f"calibrate: '{d}' is not writable")
+    if block_nbytes <= 0 or block_nbytes % PAGE_NBYTES:
+        raise UserInputError(
+            f"calibrate: block size {block_nbytes} must be a positive multiple of 4096 bytes"
+        )
+    if nbytes < block_nbytes or nbytes % block_nbytes:
+        raise UserInputError(
+            f"calibrate: size {nbytes} must be a positive multiple of the block size {block_nbytes}"
+        )
+    if repeats < 1:
+        raise UserInputError("calibrate: --repeats must be at least 1")
+    warnings: list[str] = []
+    fs = filesystem_type(d)
+    if fs in RAM_FILESYSTEMS:
+        warnings.append(f"'{d}' is on {fs}: offloading there keeps the bytes in RAM and saves no memory")
+    path = d / f".teraio-calibrate-{os.getpid()}"
+    samples: dict[str, list[float]] = {"direct_write_s": [], "direct_read_s": []}
+    try:
+        used_direct = True
+        for _ in range(repeats):
+            w, r, direct = _direct_round_trip(path, nbytes, block_nbytes)
+            samples["direct_write_s"].append(w)
+            samples["direct_read_s"].append(r)
+            used_direct = used_direct and direct
+        if not used_direct:
+            warnings.append(f"O_DIRECT is not supported on '{d}': measured buffered I/O with fsync + fadvise")
+        lat_w, lat_r = _latency(path)
+    finally:
+        path.unlink(missing_ok=True)
+    direct_w = nbytes / statistics.median(samples["direct_write_s"])
+    direct_r = nbytes / statistics.median(samples["direct_read_s"])
+    method, write_bw, read_bw = "O_DIRECT", direct_w, direct_r
+    if use_engine:
+        try:
+            writes, reads, io_path = _engine_round_trip(d, nbytes, repeats)
+        except Exception as e:  # the runtime may be missing or broken: say why once, keep the raw figures
+            msg = f"runtime engine not usable for calibration ({type(e).__name__}: {e}); model uses raw O_DIRECT"
+            log.warning(msg)
+            warnings.append(msg)
+        else:
+            samples["engine_write_s"], samples["engine_read_s"] = writes, reads
+            method = f"runtime.Engine(posix, {io_path})"
+            write_bw = nbytes / statistics.median(writes)
+            read_bw = nbytes / statistics.median(reads)
+    return Calibration(
+        dir=str(d),
+        nbytes=nbytes,
+        block_nbytes=block_nbytes,
+        repeats=repeats,
+        fs_type=fs,
+        method=method,
+        write_bw_bytes_per_s=write_bw,
+        read_bw_bytes_per_s=read_bw,
+        write_latency_s=lat_w,
+        read_latency_s=lat_r,
+        direct_write_bw_bytes_per_s=direct_w,
+        direct_read_bw_bytes_per_s=direct_r,
+        samples=samples,
+        warnings=warnings,
+    )

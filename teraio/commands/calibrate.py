@@ -1,0 +1,67 @@
+"""``teraio calibrate DIR``: measure an offload directory's write/read bandwidth and latency and write a
+HardwareModel JSON for ``teraio plan --hardware``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from teraio.errors import UserInputError
+from teraio.units import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure an offload directory's bandwidth and latency; write a hardware model JSON",
+        description="Time the runtime engine (posix, O_DIRECT) and raw aligned O_DIRECT I/O on DIR, in one run, "
+        "and write the medians into the SSD tier of a hardware model.",
+    )
+    p.add_argument("dir", help="directory on the disk you will offload to")
+    p.add_argument("--out", "-o", help="hardware model JSON to write (default: print only)")
+    p.add_argument("--size", default="256MiB", help="bytes per measurement (default 256MiB)")
+    p.add_argument("--block", default="4MiB", help="O_DIRECT request size (default 4MiB)")
+    p.add_argument("--repeats", type=int, default=3, help="repeats; the model takes medians (default 3)")
+    p.add_argument("--raw-only", action="store_true", help="skip the runtime engine; model raw O_DIRECT I/O")
+    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.budget import BudgetError, parse_size
+    from teraio.calibrate import calibrate
+
+    try:
+        nbytes, block = parse_size(args.size), parse_size(args.block)
+    except BudgetError as e:
+        raise UserInputError(str(e)) from None
+    if args.out and not Path(args.out).parent.exists():
+        raise UserInputError(f"--out '{args.out}': directory '{Path(args.out).parent}' does not exist")
+    cal = calibrate(
+        args.dir, nbytes=nbytes, block_nbytes=block, repeats=args.repeats, use_engine=not args.raw_only
+    )
+    hw = cal.hardware_model()
+    if args.out:
+        hw.save(args.out)
+    if args.json:
+        print(json.dumps({**cal.to_dict(), "hardware": hw.to_dict(), "out": args.out}, indent=2))
+        return 0
+    print(
+        f"calibrated {cal.dir} ({cal.fs_type}), {format_bytes(cal.nbytes)} x {cal.repeats}, model from {cal.method}"
+    )
+    print(
+        f"  model   write {cal.write_bw_bytes_per_s / 1e9:.2f} GB/s, read {cal.read_bw_bytes_per_s / 1e9:.2f} GB/s"
+    )
+    print(
+        f"  O_DIRECT write {cal.direct_write_bw_bytes_per_s / 1e9:.2f} GB/s, read "
+        f"{cal.direct_read_bw_bytes_per_s / 1e9:.2f} GB/s (raw baseline)"
+    )
+    print(
+        f"  latency write {cal.write_latency_s * 1e6:.0f} us, read {cal.read_latency_s * 1e6:.0f} us (4 KiB)"
+    )
+    for w in cal.warnings:
+        print(f"  warning: {w}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0

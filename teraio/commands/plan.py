@@ -1,0 +1,148 @@
+"""``teraio plan``: turn a Profile and a memory budget into a Plan file (plus helpers shared by the
+planner commands: loading a profile argument, a progress bar only on terminals, the hardware option)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from teraio.errors import UserInputError
+from teraio.units import format_bytes
+
+
+# --------------------------------------------------------------------------------- shared helpers
+def load_profile_arg(path: str):
+    """Load a single-graph profile directory; a multi-graph one names its graphs in the error."""
+    from planner.profile import Profile
+
+    p = Path(path)
+    index = p / "index.json"
+    if index.exists():
+        try:
+            graphs = json.loads(index.read_text()).get("graphs", [])
+        except ValueError:
+            graphs = []
+        raise UserInputError(
+            f"profile '{p}' holds {len(graphs)} graphs ({', '.join(graphs)}); plan each one, e.g. '{p / graphs[0]}'"
+            if graphs
+            else f"profile '{p}' has an unreadable index.json"
+        )
+    return Profile.load(p)
+
+
+def load_hardware_arg(path: str | None):
+    from planner.hardware import HardwareModel
+
+    return HardwareModel.load(path) if path else HardwareModel()
+
+
+@contextlib.contextmanager
+def progress_callback(label: str) -> Iterator[Any]:
+    """A ``progress(fraction, message)`` callback drawing a rich bar when stdout is a terminal, else None."""
+    if not sys.stdout.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(label, total=1.0)
+
+        def update(fraction: float, message: str) -> None:
+            bar.update(task, completed=fraction, description=f"{label}: {message}" if message else label)
+
+        yield update
+
+
+def console():
+    """A rich Console; when piped, wide enough that tables do not wrap into unreadable columns."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def plan_summary(plan) -> dict[str, Any]:
+    """The figures ``teraio plan --json`` prints."""
+    return {
+        "status": plan.stats.status,
+        "solver": plan.solver,
+        "solve_s": plan.stats.wall_s,
+        "budget_spec": plan.budget_spec,
+        "budget_bytes": plan.budget_bytes,
+        "baseline_peak_bytes": plan.baseline_peak_bytes,
+        "predicted_peak_bytes": plan.predicted_peak_bytes,
+        "predicted_step_s": plan.predicted_step_s,
+        "predicted_stall_s": plan.predicted_stall_s,
+        "compute_s": plan.compute_s,
+        "moved_bytes": plan.moved_bytes,
+        "moved_tensors": len(plan.decisions),
+        "gap": plan.stats.gap,
+    }
+
+
+# ---------------------------------------------------------------------------------------- command
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan which saved tensors to offload, and when, under a memory budget (writes a Plan)",
+        description="Solve for a Plan: which saved tensors move to which tier, where their writes and reads "
+        "start, predicted peak and step time. The budget is bytes (512MiB, 2GB), a fraction of the "
+        "unplanned peak (40%%, 0.4), or auto (the smallest peak with no predicted stall).",
+    )
+    p.add_argument("profile", help="profile directory written by 'teraio profile' or 'teraio synth'")
+    p.add_argument("--budget", "-b", required=True, help="memory budget: 512MiB | 2GB | 40%% | 0.4 | auto")
+    p.add_argument("--solver", default="ilp", help="ilp | greedy | all | none (default ilp)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
+    p.add_argument("--workers", type=int, default=2, help="solver worker threads (default 2)")
+    p.add_argument("--hardware", help="hardware model JSON (from 'teraio calibrate'); default: built-in")
+    p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.solve import solve
+
+    if args.time_limit <= 0:
+        raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.workers < 1:
+        raise UserInputError(f"--workers must be at least 1, got {args.workers}")
+    out = Path(args.out)
+    if not out.parent.exists():
+        raise UserInputError(f"--out '{out}': directory '{out.parent}' does not exist")
+    profile = load_profile_arg(args.profile)
+    hardware = load_hardware_arg(args.hardware)
+    with progress_callback(f"planning ({args.solver})") as progress:
+        plan = solve(
+            profile,
+            args.budget,
+            args.solver,
+            hardware,
+            time_limit_s=args.time_limit,
+            workers=args.workers,
+            progress=progress,
+        )
+    plan.save(out)
+    summary = {**plan_summary(plan), "out": str(out)}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"plan -> {out}", show_header=False)
+    t.add_row("solver / status", f"{plan.solver} / {plan.stats.status} ({plan.stats.wall_s:.2f} s)")
+    t.add_row("budget", f"{plan.budget_spec} = {format_bytes(plan.budget_bytes)}")
+    t.add_row(
+        "peak", f"{format_bytes(plan.baseline_peak_bytes)} -> {format_bytes(plan.predicted_peak_bytes)}"
+    )
+    t.add_row(
+        "step",
+        f"{plan.compute_s:.4f} s -> {plan.predicted_step_s:.4f} s (stall {plan.predicted_stall_s:.4f} s)",
+    )
+    t.add_row("moved", f"{len(plan.decisions)} tensors, {format_bytes(plan.moved_bytes)}")
+    console().print(t)
+    return 0

@@ -1,0 +1,123 @@
+"""``teraio show``: a readable summary of a Plan file: predicted figures and moved tensors by layer.
+
+Layers come from each decision's ``module`` label (stored in the plan by the solvers); ``--profile``
+fills the label for plans whose decisions lack it and checks the plan belongs to that profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections import defaultdict
+
+from teraio.commands.plan import console, load_profile_arg, plan_summary
+from teraio.units import format_bytes
+
+_LAYER_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def layer_of(module: str) -> str:
+    """The layer a module path belongs to: up to its first numeric part ("blocks.3.attn" -> "blocks.3")."""
+    if not module:
+        return "(unknown)"
+    m = _LAYER_RE.match(module)
+    return m.group(1) if m else module
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("show", help="summarise a plan: predicted figures and moved tensors by layer")
+    p.add_argument("plan", help="plan file written by 'teraio plan'")
+    p.add_argument(
+        "--profile", help="the plan's profile: checks the fingerprint and fills missing layer labels"
+    )
+    p.add_argument("--tensors", action="store_true", help="also list every moved tensor")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.plan import Plan
+
+    modules: dict[str, str] = {}
+    if args.profile:
+        profile = load_profile_arg(args.profile)
+        plan = Plan.load(args.plan, expect_fingerprint=profile.fingerprint)
+        if "module" in profile.tensors.columns:
+            modules = dict(zip(profile.tensors["name"], profile.tensors["module"].fillna("")))
+    else:
+        plan = Plan.load(args.plan)
+    by_layer: dict[str, dict] = defaultdict(
+        lambda: {"tensors": 0, "nbytes": 0, "tiers": set(), "first_idx": 1 << 62}
+    )
+    for d in plan.decisions:
+        row = by_layer[layer_of(d.module or modules.get(d.name, ""))]
+        row["first_idx"] = min(row["first_idx"], d.offload_after_idx)
+        row["tensors"] += 1
+        row["nbytes"] += d.nbytes
+        row["tiers"].add(d.tier)
+    layers = [
+        {"layer": k, "tensors": v["tensors"], "nbytes": v["nbytes"], "tiers": sorted(v["tiers"])}
+        for k, v in sorted(by_layer.items(), key=lambda kv: kv[1]["first_idx"])  # in execution order
+    ]
+    if args.json:
+        out = {
+            **plan_summary(plan),
+            "fingerprint": plan.fingerprint,
+            "hardware": plan.hardware.name,
+            "layers": layers,
+        }
+        if args.tensors:
+            out["decisions"] = [d.__dict__ for d in plan.decisions]
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.table import Table
+
+    con = console()
+    head = Table(title=f"plan {args.plan}", show_header=False)
+    head.add_row("solver / status", f"{plan.solver} / {plan.stats.status} ({plan.stats.wall_s:.2f} s)")
+    head.add_row("budget", f"{plan.budget_spec} = {format_bytes(plan.budget_bytes)}")
+    head.add_row(
+        "peak",
+        f"{format_bytes(plan.baseline_peak_bytes)} unplanned -> "
+        f"{format_bytes(plan.predicted_peak_bytes)} predicted",
+    )
+    head.add_row(
+        "step",
+        f"{plan.compute_s:.4f} s compute -> {plan.predicted_step_s:.4f} s predicted "
+        f"(stall {plan.predicted_stall_s:.4f} s)",
+    )
+    head.add_row("moved", f"{len(plan.decisions)} tensors, {format_bytes(plan.moved_bytes)} per step")
+    head.add_row("hardware", plan.hardware.name)
+    head.add_row("graph", plan.fingerprint[:16])
+    con.print(head)
+    t = Table(title="moved tensors by layer")
+    for col in ("layer", "tensors", "bytes", "tiers"):
+        t.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
+    for row in layers:
+        t.add_row(row["layer"], str(row["tensors"]), format_bytes(row["nbytes"]), ",".join(row["tiers"]))
+    con.print(t)
+    if args.tensors:
+        t = Table(title="decisions")
+        for col in (
+            "tensor",
+            "tier",
+            "bytes",
+            "write after",
+            "wait before",
+            "prefetch before",
+            "fetch before",
+        ):
+            t.add_column(col)
+        for d in plan.decisions:
+            t.add_row(
+                d.name,
+                d.tier,
+                format_bytes(d.nbytes),
+                f"{d.offload_after_idx} {d.offload_after_name}",
+                f"{d.wait_before_idx} {d.wait_before_name}",
+                f"{d.prefetch_before_idx} {d.prefetch_before_name}",
+                f"{d.fetch_before_idx} {d.fetch_before_name}",
+            )
+        con.print(t)
+    return 0

@@ -1,0 +1,113 @@
+"""``teraio simulate``: replay a Plan on its Profile and predict step time, stall, memory and I/O, with
+what-if overrides of the SSD bandwidth, SSD count and budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from teraio.commands.plan import console, load_hardware_arg, load_profile_arg
+from teraio.errors import UserInputError
+from teraio.units import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="predict a plan's step time, stall, memory peak and I/O (with what-if hardware)",
+        description="Replay PLAN on PROFILE in the simulator. What-if options change the plan's hardware "
+        "model (bandwidths per SSD, number of SSDs) or budget without re-planning.",
+    )
+    p.add_argument("profile", help="profile directory the plan was made for")
+    p.add_argument("plan", help="plan file written by 'teraio plan'")
+    p.add_argument("--hardware", help="hardware model JSON replacing the plan's")
+    p.add_argument("--ssd-bw", help="what-if: per-SSD read and write bandwidth, bytes/s with units (2GB)")
+    p.add_argument("--ssd-write-bw", help="what-if: per-SSD write bandwidth, bytes/s")
+    p.add_argument("--ssd-read-bw", help="what-if: per-SSD read bandwidth, bytes/s")
+    p.add_argument("--ssds", type=int, help="what-if: number of SSDs striped together")
+    p.add_argument("--budget", help="what-if: check against this budget instead of the plan's")
+    p.add_argument("--timeline", help="write the I/O timeline as CSV to this file")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def _bw(text: str, option: str) -> float:
+    from planner.budget import BudgetError, parse_size
+
+    try:
+        value = parse_size(text)
+    except BudgetError:
+        raise UserInputError(
+            f"{option} {text!r} is not a bandwidth; write bytes per second like 2GB or 1.5e9"
+        ) from None
+    if value <= 0:
+        raise UserInputError(f"{option} must be positive, got {text!r}")
+    return float(value)
+
+
+def run(args: argparse.Namespace) -> int:
+    from planner.budget import resolve_budget
+    from planner.lifetimes import analyse
+    from planner.plan import Plan
+    from planner.simulate import simulate
+
+    profile = load_profile_arg(args.profile)
+    plan = Plan.load(args.plan, expect_fingerprint=profile.fingerprint)
+    hw = load_hardware_arg(args.hardware) if args.hardware else plan.hardware
+    changes: dict[str, float | int] = {}
+    if args.ssd_bw:
+        changes["write_bw_bytes_per_s"] = changes["read_bw_bytes_per_s"] = _bw(args.ssd_bw, "--ssd-bw")
+    if args.ssd_write_bw:
+        changes["write_bw_bytes_per_s"] = _bw(args.ssd_write_bw, "--ssd-write-bw")
+    if args.ssd_read_bw:
+        changes["read_bw_bytes_per_s"] = _bw(args.ssd_read_bw, "--ssd-read-bw")
+    if args.ssds is not None:
+        if args.ssds < 1:
+            raise UserInputError(f"--ssds must be at least 1, got {args.ssds}")
+        changes["count"] = args.ssds
+    if changes:
+        hw = hw.with_overrides("ssd", **changes)
+    lt = analyse(profile)
+    budget = resolve_budget(args.budget, lt.baseline_peak_bytes) if args.budget else None
+    if args.budget and budget is None:
+        raise UserInputError("--budget auto has no meaning for a simulation; give bytes or a fraction")
+    res = simulate(profile, plan, hw, budget_bytes=budget, lifetimes=lt)
+    if args.timeline:
+        res.io_timeline.to_csv(args.timeline, index=False)
+    if args.json:
+        out = {
+            **res.summary(),
+            "baseline_peak_bytes": lt.baseline_peak_bytes,
+            "plan_predicted_step_s": plan.predicted_step_s,
+            "plan_predicted_peak_bytes": plan.predicted_peak_bytes,
+            "hardware": hw.to_dict(),
+        }
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"simulate {args.plan}", show_header=False)
+    t.add_row(
+        "step",
+        f"{res.step_s:.4f} s (compute {res.compute_s:.4f}, stall {res.stall_s:.4f}, "
+        f"I/O interference {res.interference_s:.4f})",
+    )
+    t.add_row(
+        "peak",
+        f"{format_bytes(res.peak_bytes)} at op {res.peak_idx} (unplanned "
+        f"{format_bytes(lt.baseline_peak_bytes)}, budget {format_bytes(res.budget_bytes)})",
+    )
+    t.add_row(
+        "I/O per step", f"written {format_bytes(res.written_bytes)}, read {format_bytes(res.read_bytes)}"
+    )
+    t.add_row("SSD wear", f"{res.ssd_tb_written_per_day:.2f} TB written per day")
+    worst = res.stall_s_per_op.argsort()[::-1][:3]
+    t.add_row(
+        "worst stalls",
+        ", ".join(f"op {i} {res.stall_s_per_op[i]:.4f} s" for i in worst if res.stall_s_per_op[i] > 0)
+        or "none",
+    )
+    console().print(t)
+    for v in res.violations:
+        print(f"violation: {v}")
+    return 0

@@ -1,0 +1,171 @@
+"""``teraio sweep``: the budget-to-step-time trade-off of one profile, one solve per budget and solver.
+
+Each row is a plan's predicted peak and step time; budgets that cannot be met are rows too (status
+INFEASIBLE, with the smallest achievable peak in the note), so the table always has every budget asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from teraio.commands.plan import console, load_hardware_arg, load_profile_arg, progress_callback
+from teraio.errors import UserInputError
+from teraio.units import format_bytes
+
+COLUMNS = [
+    "solver",
+    "budget_spec",
+    "budget_bytes",
+    "status",
+    "predicted_peak_bytes",
+    "peak_fraction",
+    "predicted_step_s",
+    "predicted_stall_s",
+    "slowdown",
+    "moved_bytes",
+    "solve_s",
+    "note",
+]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="budget-to-step-time table: one plan per budget (CSV with --out)")
+    p.add_argument("profile", help="profile directory")
+    p.add_argument(
+        "--budgets",
+        default="100%,75%,50%,25%,auto",
+        help="comma-separated budgets (default 100%%,75%%,50%%,25%%,auto)",
+    )
+    p.add_argument("--solver", default="greedy", help="comma-separated solvers (default greedy)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="time limit per solve in seconds")
+    p.add_argument("--workers", type=int, default=2, help="solver worker threads")
+    p.add_argument("--hardware", help="hardware model JSON; default: built-in")
+    p.add_argument("--out", help="write the table as CSV here")
+    p.add_argument("--json", action="store_true", help="print the table as JSON records")
+    p.set_defaults(func=run)
+
+
+def sweep(
+    profile,
+    budgets: list[str],
+    solvers: list[str],
+    hardware,
+    time_limit_s: float = 60.0,
+    workers: int = 2,
+    progress=None,
+):
+    """One row per (solver, budget): a pandas DataFrame with :data:`COLUMNS`."""
+    import pandas as pd
+
+    from planner.budget import BudgetError
+    from planner.lifetimes import analyse
+    from planner.solve import solve
+
+    lt = analyse(profile)
+    rows = []
+    total = len(budgets) * len(solvers)
+    for s_i, solver in enumerate(solvers):
+        for b_i, budget in enumerate(budgets):
+            if progress is not None:
+                progress((s_i * len(budgets) + b_i) / total, f"{solver} @ {budget}")
+            try:
+                plan = solve(
+                    profile,
+                    budget,
+                    solver,
+                    hardware,
+                    time_limit_s=time_limit_s,
+                    workers=workers,
+                    lifetimes=lt,
+                )
+            except BudgetError as e:
+                rows.append({"solver": solver, "budget_spec": budget, "status": "INFEASIBLE", "note": str(e)})
+                continue
+            rows.append(
+                {
+                    "solver": solver,
+                    "budget_spec": budget,
+                    "budget_bytes": plan.budget_bytes,
+                    "status": plan.stats.status,
+                    "predicted_peak_bytes": plan.predicted_peak_bytes,
+                    "peak_fraction": plan.predicted_peak_bytes / lt.baseline_peak_bytes
+                    if lt.baseline_peak_bytes
+                    else 1.0,
+                    "predicted_step_s": plan.predicted_step_s,
+                    "predicted_stall_s": plan.predicted_stall_s,
+                    "slowdown": plan.predicted_step_s / lt.compute_s if lt.compute_s else 1.0,
+                    "moved_bytes": plan.moved_bytes,
+                    "solve_s": plan.stats.wall_s,
+                    "note": "",
+                }
+            )
+    df = pd.DataFrame(rows, columns=COLUMNS)
+    for col in ("budget_bytes", "predicted_peak_bytes", "moved_bytes"):
+        df[col] = df[col].astype("Int64")  # integers, with <NA> where no plan exists
+    df["note"] = df["note"].fillna("")
+    return df
+
+
+def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from planner.budget import resolve_budget
+    from planner.solve import solver_info
+
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    solvers = [s.strip() for s in args.solver.split(",") if s.strip()]
+    if not budgets or not solvers:
+        raise UserInputError("--budgets and --solver need at least one comma-separated value")
+    for s in solvers:
+        solver_info(s)  # unknown names fail before any solving
+    profile = load_profile_arg(args.profile)
+    for b in budgets:
+        resolve_budget(b, 1)  # malformed budgets fail before any solving
+    hardware = load_hardware_arg(args.hardware)
+    with progress_callback("sweep") as progress:
+        df = sweep(profile, budgets, solvers, hardware, args.time_limit, args.workers, progress)
+    if args.out:
+        df.to_csv(args.out, index=False)
+    if args.json:
+        print(json.dumps(json.loads(df.to_json(orient="records")), indent=2))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"budget sweep of {args.profile}")
+    for col in (
+        "solver",
+        "budget",
+        "status",
+        "peak",
+        "peak %",
+        "step s",
+        "stall s",
+        "slowdown",
+        "moved",
+        "solve s",
+    ):
+        t.add_column(col)
+    for r in df.itertuples():
+        if pd.isna(r.predicted_peak_bytes):  # no plan for this budget
+            t.add_row(r.solver, r.budget_spec, r.status, "-", "-", "-", "-", "-", "-", "-")
+            continue
+        t.add_row(
+            r.solver,
+            r.budget_spec,
+            r.status,
+            format_bytes(r.predicted_peak_bytes),
+            f"{100 * r.peak_fraction:.1f}",
+            f"{r.predicted_step_s:.4f}",
+            f"{r.predicted_stall_s:.4f}",
+            f"{r.slowdown:.3f}",
+            format_bytes(r.moved_bytes),
+            f"{r.solve_s:.2f}",
+        )
+    console().print(t)
+    for r in df.itertuples():
+        if r.note:
+            print(f"{r.solver} @ {r.budget_spec}: {r.note}")
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,167 @@
+"""The ``teraio::`` custom ops that a rewritten graph calls to move saved tensors, and the engines they use.
+
+Order between migration ops and compute is carried by data, never by graph position alone, because
+compilers reorder and reuse buffers (FINDINGS.md, three proven hazards):
+
+- ``offload(x) -> handle`` starts writing the whole storage behind ``x``.
+- ``wait_write(handle, keepalive=x, anchors) -> token`` blocks until the write is done and lets the
+  engine drop its reference. See Note: [Keepalive until the write completes].
+- ``prefetch(token, anchors) -> token`` starts reading the bytes back.
+- ``fetch(token, anchors) -> flat`` returns the storage as a fresh 1-D tensor; the graph rebuilds every
+  saved view of it with ``as_strided``.
+
+Note: [Keepalive until the write completes]
+An asynchronous write reads the tensor's memory after ``offload`` returns. If nothing in the graph used
+that tensor afterwards, Inductor would free or reuse its buffer (``buf7 = buf3; del buf3  # reuse``) while
+the write still reads it, and the file would hold the new bytes: silently wrong gradients. So the wait
+takes the source tensor as an input: the buffer lives until the write is known complete.
+
+Note: [Anchors pin positions]
+Inductor hoists a node whose inputs are all ready as early as it likes: a wait placed at the end of the
+forward moved to right after its offload, making the I/O synchronous. Every wait/prefetch/fetch takes
+``anchors``: outputs of the op just before its planned position, so it cannot run earlier than planned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+_ENGINES: dict[int, object] = {}
+_ENGINE_IDS = itertools.count(1)
+_LOCK = threading.Lock()
+
+
+def register_engine(engine: object) -> int:
+    """Make an engine reachable from graph ops by a small integer id (graphs cannot hold objects)."""
+    with _LOCK:
+        eid = next(_ENGINE_IDS)
+        _ENGINES[eid] = engine
+        return eid
+
+
+def unregister_engine(engine_id: int) -> None:
+    with _LOCK:
+        _ENGINES.pop(engine_id, None)
+
+
+def get_engine(engine_id: int):  # -> runtime.Engine (untyped here: ops must not import runtime eagerly)
+    try:
+        return _ENGINES[engine_id]
+    except KeyError:
+        raise RuntimeError(
+            f"teraio engine {engine_id} is not registered in this process; the compiled graph outlived "
+            "its backend (recompile with a live teraio backend)"
+        ) from None
+
+
+def _token() -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64)
+
+
+def whole_storage(x: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor over the entire storage behind ``x`` (views of one buffer share it)."""
+    storage = x.untyped_storage()
+    numel = storage.nbytes() // x.element_size()
+    return torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, 0, (numel,), (1,))
+
+
+# Storage address of each in-flight write, to check the keepalive really is the written buffer.
+_INFLIGHT: dict[str, int] = {}
+
+
+# Note: [Exact layout of offloaded tensors]
+# The backward rebuilds saved views from the fetched bytes with the strides the graph's fake tensors
+# promise. Inductor is free to give a buffer another layout (a clone came out as strides
+# (4096, 16, 1, 64) where the graph says (4096, 1024, 64, 1): reading those bytes back with the promised
+# strides gave silently wrong gradients). So ``offload`` takes the buffer as it is (flexible_layout: no
+# compiler copies) and, when its layout is not the promised one, writes a copy in the promised layout;
+# the engine owns that copy until the write is done, so no keepalive is needed for it.
+@torch.library.custom_op("teraio::offload", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def offload(x: torch.Tensor, key: str, engine: int, stride: list[int]) -> torch.Tensor:
+    """Start writing the storage behind ``x`` under ``key``; return a handle token at once."""
+    covers = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+    if list(x.stride()) == list(stride) and covers:
+        get_engine(engine).offload(key, whole_storage(x))
+        _INFLIGHT[key] = x.untyped_storage().data_ptr()
+    else:
+        staged = torch.empty_strided(tuple(x.shape), tuple(stride), dtype=x.dtype, device=x.device)
+        staged.copy_(x)
+        get_engine(engine).offload(key, whole_storage(staged))
+        _INFLIGHT.pop(key, None)
+    return _token()
+
+
+@offload.register_fake
+def _offload_fake(x: torch.Tensor, key: str, engine: int, stride: list[int]) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("teraio::wait_write", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def wait_write(
+    handle: torch.Tensor, keepalive: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int
+) -> torch.Tensor:
+    """Block until ``key``'s write is complete, then release the engine's in-memory reference.
+
+    ``keepalive`` is the tensor being written (Note: [Keepalive until the write completes]); ``anchors``
+    pin the position (Note: [Anchors pin positions]). flexible_layout: the compiler must hand over the
+    buffer itself, never a copy, or the keepalive would protect the wrong memory; checked below.
+    """
+    written = _INFLIGHT.pop(key, None)
+    if written is not None and keepalive.untyped_storage().data_ptr() != written:
+        get_engine(engine).release(key)
+        raise RuntimeError(
+            f"teraio wait {key!r}: the keepalive is not the buffer being written (the compiler copied it); "
+            "the write may have read reused memory, so this step's saved tensor cannot be trusted"
+        )
+    get_engine(engine).release(key)
+    return _token()
+
+
+@wait_write.register_fake
+def _wait_write_fake(handle, keepalive, anchors, key, engine) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("teraio::prefetch", mutates_args=())
+def prefetch(token: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int) -> torch.Tensor:
+    """Start reading ``key`` back (the engine forwards from memory when it still holds the bytes)."""
+    get_engine(engine).prefetch(key)
+    return _token()
+
+
+@prefetch.register_fake
+def _prefetch_fake(token, anchors, key, engine) -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int64)
+
+
+@torch.library.custom_op("teraio::fetch", mutates_args=())
+def fetch(
+    token: torch.Tensor,
+    anchors: list[torch.Tensor],
+    key: str,
+    engine: int,
+    numel: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Wait for ``key``'s read and return the whole storage as a fresh 1-D tensor of ``numel`` elements."""
+    t = get_engine(engine).fetch(key)
+    if t.dtype != dtype or t.numel() != numel or t.dim() != 1:
+        raise RuntimeError(
+            f"teraio fetch {key!r}: engine returned {t.dtype}[{tuple(t.shape)}], expected {dtype}[{numel}]"
+        )
+    if t.device != device:
+        t = t.to(device)
+    # A custom op must not return memory the engine may hand out again (forwarding from a live copy):
+    # share nothing with another key's tensor. The engine's buffer is ours when it came from a read.
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size() or t.storage_offset() != 0:
+        t = t.clone()
+    return t
+
+
+@fetch.register_fake
+def _fetch_fake(token, anchors, key, engine, numel, dtype, device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)

@@ -1,0 +1,202 @@
+"""Turn a Plan into graph edits: insert ``teraio::`` migration ops into the partitioned forward/backward.
+
+The pass runs inside the partitioner (the one place that sees both graphs and the saved-tensor split),
+on graphs whose fingerprint must equal the plan's. For each moved storage group (saved outputs sharing
+one storage) it inserts, at the plan's positions:
+
+forward:  ``h = offload(owner)`` after op ``offload_after_idx``;
+          ``tok = wait_write(h, keepalive=owner, anchors=[op before wait_before_idx])`` before that op;
+          every saved output of the group is replaced by ``tok``.
+backward: ``t = prefetch(tok, anchors)`` before op ``prefetch_before_idx``;
+          ``flat = fetch(t, anchors)`` before op ``fetch_before_idx``;
+          each saved view is rebuilt as ``as_strided(flat, size, stride, offset)``.
+
+The number of saved outputs does not change (AOTAutograd pairs them with backward placeholders by
+position); a group's extra members carry the same token and their placeholders fall unused.
+
+Requires: graphs whose fingerprint matches the plan; every decision's positions valid for its tensor.
+Ensures: ``graph.lint()`` passes; no forward output refers to a moved storage; every new node has
+``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
+from planner.plan import Decision, Plan
+from teraio.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
+from teraio.errors import TeraioError
+
+
+class PlanMismatchError(TeraioError):
+    """The plan was made for another graph (fingerprint) or names tensors this graph does not save."""
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    step: CapturedStep
+    moved_groups: int
+    moved_bytes: int
+
+
+def _fake_mode(gm: fx.GraphModule):
+    vals = [n.meta.get("val") for n in gm.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        raise TeraioError("rewrite: the graph carries no fake tensors in meta['val']; cannot type new nodes")
+    return mode
+
+
+def _fake_val(mode, target: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    def to_val(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return a.meta["val"]
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_val(x) for x in a)
+        return a
+
+    with mode:
+        return target(*to_val(args), **(kwargs or {}))
+
+
+def _anchor_before(ops: list[fx.Node], pos: int, floor: fx.Node | None = None) -> list[fx.Node]:
+    """The tensor output of the nearest op before ``ops[pos]`` (pos == len(ops): the last op).
+
+    Note: [Anchors pin positions] in ``teraio.ops``.
+    """
+    for i in range(min(pos, len(ops)) - 1, -1, -1):
+        n = ops[i]
+        if isinstance(n.meta.get("val"), torch.Tensor):
+            return [n]
+        if floor is not None and n is floor:
+            break
+    return []
+
+
+def _insert(graph: fx.Graph, mode, before: fx.Node, target: Any, args: tuple, name: str) -> fx.Node:
+    with graph.inserting_before(before):
+        node = graph.create_node("call_function", target, args, name=name)
+    node.meta["val"] = _fake_val(mode, target, args)
+    return node
+
+
+def check_decision(d: Decision, g: SavedGroup, num_fwd_ops: int, num_ops: int) -> None:
+    """Positions that a correct plan must respect (the planner's simulator checks the same)."""
+    problems = []
+    if g.producer is None:
+        problems.append("it is not produced by a forward op (a parameter or input)")
+    if not (g.producer_idx <= d.offload_after_idx < num_fwd_ops):
+        problems.append(f"offload_after_idx {d.offload_after_idx} is not in [{g.producer_idx}, {num_fwd_ops})")
+    if not (max(g.last_fwd_use_idx, d.offload_after_idx) < d.wait_before_idx <= num_fwd_ops):
+        problems.append(f"wait_before_idx {d.wait_before_idx} is not after its last forward use "
+                        f"{g.last_fwd_use_idx} and within the forward")
+    if g.first_bwd_use_idx >= 0:
+        if d.fetch_before_idx != g.first_bwd_use_idx:
+            problems.append(f"fetch_before_idx {d.fetch_before_idx} is not its first backward use "
+                            f"{g.first_bwd_use_idx}")
+        if not (num_fwd_ops <= d.prefetch_before_idx <= d.fetch_before_idx < num_ops):
+            problems.append(f"prefetch_before_idx {d.prefetch_before_idx} is not a backward op at or before "
+                            f"fetch_before_idx {d.fetch_before_idx}")
+    if problems:
+        raise PlanMismatchError(f"plan decision for '{d.name}' is invalid: {'; '.join(problems)}")
+
+
+def apply_plan(
+    step: CapturedStep,
+    plan: Plan,
+    engine_id: int,
+    key_prefix: str,
+    analysis: StepAnalysis | None = None,
+) -> RewriteResult:
+    """Insert the plan's migration ops into ``step``'s graphs (in place) and return them."""
+    a = analysis or analyse_saved(step)
+    if a.fingerprint != plan.fingerprint:
+        raise PlanMismatchError(
+            f"plan is for graph {plan.fingerprint[:12]} but this graph is {a.fingerprint[:12]}; "
+            "re-profile and re-plan (or pass on_plan_mismatch='reprofile')"
+        )
+    groups = {g.name: (i, g) for i, g in enumerate(a.groups)}
+    num_ops = len(a.fw_ops) + len(a.bw_ops)
+    nf = a.num_fwd_ops
+    fw_graph, bw_graph = step.fw_gm.graph, step.bw_gm.graph
+    fw_mode, bw_mode = _fake_mode(step.fw_gm), _fake_mode(step.bw_gm)
+    fw_out = next(n for n in reversed(fw_graph.nodes) if n.op == "output")
+    bw_out = next(n for n in reversed(bw_graph.nodes) if n.op == "output")
+    outputs = list(fw_out.args[0])
+    saved_pos0 = step.num_fwd_outputs
+    bw_placeholders = step.bw_saved_placeholders
+    ops_teraio = torch.ops.teraio
+    moved_bytes = 0
+
+    for d in plan.decisions:
+        if d.name not in groups:
+            raise PlanMismatchError(f"plan moves '{d.name}', which this graph does not save; re-plan")
+        gi, g = groups[d.name]
+        check_decision(d, g, nf, num_ops)
+        owner = g.producer
+        key = f"{key_prefix}/{g.name}"
+
+        # Forward: offload right after its start op, wait before the op that needs the memory gone.
+        owner_stride = [int(x) for x in owner.meta["val"].stride()]
+        offload_args = (owner, key, engine_id, owner_stride)
+        with fw_graph.inserting_after(a.fw_ops[d.offload_after_idx]):
+            h = fw_graph.create_node("call_function", ops_teraio.offload.default, offload_args,
+                                     name=f"teraio_offload_{g.name}")
+        h.meta["val"] = _fake_val(fw_mode, ops_teraio.offload.default, offload_args)
+        wait_at = a.fw_ops[d.wait_before_idx] if d.wait_before_idx < nf else fw_out
+        anchors = _anchor_before(a.fw_ops, d.wait_before_idx)
+        tok = _insert(fw_graph, fw_mode, wait_at, ops_teraio.wait_write.default,
+                      (h, owner, anchors, key, engine_id), f"teraio_wait_{g.name}")
+        for pos in g.members:
+            outputs[saved_pos0 + pos] = tok
+
+        # Backward: the first member's placeholder now receives the token.
+        ph = bw_placeholders[g.members[0]]
+        old_vals = {pos: bw_placeholders[pos].meta["val"] for pos in g.members}
+        for pos in g.members:
+            bw_placeholders[pos].meta["val"] = tok.meta["val"]
+        if g.first_bwd_use_idx < 0:
+            moved_bytes += g.nbytes
+            continue
+        bw_ops = a.bw_ops
+        p_at = bw_ops[d.prefetch_before_idx - nf]
+        pf = _insert(bw_graph, bw_mode, p_at, ops_teraio.prefetch.default,
+                     (ph, _anchor_before(bw_ops, d.prefetch_before_idx - nf), key, engine_id),
+                     f"teraio_prefetch_{g.name}")
+        f_at = bw_ops[d.fetch_before_idx - nf]
+        numel = g.nbytes // old_vals[g.members[0]].element_size()
+        dtype, device = old_vals[g.members[0]].dtype, old_vals[g.members[0]].device
+        f_anchor = _anchor_before(bw_ops, d.fetch_before_idx - nf)
+        flat = _insert(bw_graph, bw_mode, f_at, ops_teraio.fetch.default,
+                       (pf, f_anchor, key, engine_id, numel, dtype, device), f"teraio_fetch_{g.name}")
+        for pos in g.members:
+            member_ph = bw_placeholders[pos]
+            v = old_vals[pos]
+            view = _insert(bw_graph, bw_mode, f_at, torch.ops.aten.as_strided.default,
+                           (flat, list(v.shape), list(v.stride()), int(v.storage_offset())),
+                           f"teraio_view_{member_ph.name}")
+            # The token placeholder also feeds the prefetch: only the compute uses move to the view.
+            member_ph.replace_all_uses_with(view, delete_user_cb=lambda user, keep=(view, pf): user not in keep)
+        moved_bytes += g.nbytes
+
+    fw_out.update_arg(0, tuple(outputs))
+    for gm in (step.fw_gm, step.bw_gm):
+        gm.graph.lint()
+        gm.recompile()
+    _ensure_nothing_moved_is_saved(step, a, plan)
+    del bw_out
+    return RewriteResult(step=step, moved_groups=len(plan.decisions), moved_bytes=moved_bytes)
+
+
+def _ensure_nothing_moved_is_saved(step: CapturedStep, a: StepAnalysis, plan: Plan) -> None:
+    moved = {d.name for d in plan.decisions}
+    for pos, node in enumerate(step.saved_nodes):
+        gi = a.saved_group_of[pos]
+        if gi is not None and a.groups[gi].name in moved and node.target is not torch.ops.teraio.wait_write.default:
+            raise TeraioError(f"rewrite left saved output {node.name} of moved tensor {a.groups[gi].name} in memory")
