@@ -55,8 +55,13 @@ def _default_tiers() -> dict[str, TierModel]:
     # Defaults measured on the project's 2-core ext4 virtio machines (FINDINGS.md): O_DIRECT write
     # ~1.3 GB/s, read ~0.8 GB/s. Host tier: a memcpy on one core, capacity unknown (None = unlimited).
     return {
-        "ssd": TierModel(write_bw_bytes_per_s=1.3e9, read_bw_bytes_per_s=0.8e9, write_latency_s=1e-4,
-                         read_latency_s=1e-4, cpu_s_per_byte=0.15e-9),
+        "ssd": TierModel(
+            write_bw_bytes_per_s=1.3e9,
+            read_bw_bytes_per_s=0.8e9,
+            write_latency_s=1e-4,
+            read_latency_s=1e-4,
+            cpu_s_per_byte=0.15e-9,
+        ),
         "host": TierModel(write_bw_bytes_per_s=8e9, read_bw_bytes_per_s=8e9, capacity_bytes=0),
     }
 
@@ -97,8 +102,10 @@ class HardwareModel:
             raise HardwareError("hardware model JSON must be an object with a 'tiers' key")
         version = int(d.get("schema_version", HARDWARE_SCHEMA_VERSION))
         if version != HARDWARE_SCHEMA_VERSION:
-            raise HardwareError(f"hardware model schema_version {version} is not supported (expected "
-                                f"{HARDWARE_SCHEMA_VERSION})")
+            raise HardwareError(
+                f"hardware model schema_version {version} is not supported (expected "
+                f"{HARDWARE_SCHEMA_VERSION})"
+            )
         tiers = {}
         for name, t in d["tiers"].items():
             try:

@@ -44,12 +44,14 @@ class Decision:
     prefetch_before_name: str
     fetch_before_idx: int
     fetch_before_name: str
+    #: The producer's nn.Module path ("blocks.3.attn"), "" when unknown: lets ``teraio show`` group by layer.
+    module: str = ""
 
 
 @dataclass(frozen=True)
 class SolverStats:
     solver: str
-    status: str  # OPTIMAL | FEASIBLE | HEURISTIC | INFEASIBLE | UNKNOWN
+    status: str  # OPTIMAL | FEASIBLE | HEURISTIC | BASELINE | INFEASIBLE (over budget) | UNKNOWN
     objective: float | None = None
     bound: float | None = None
     gap: float | None = None

@@ -107,8 +107,13 @@ class Profile:
         if bad_phase:
             raise ProfileError(f"profile table 'ops' column 'phase' has values {sorted(bad_phase)}")
         nf = int(self.meta["num_fwd_ops"])
-        if not (self.ops["phase"].iloc[:nf] == "fwd").all() or not (self.ops["phase"].iloc[nf:] == "bwd").all():
-            raise ProfileError("profile ops must be all 'fwd' then all 'bwd' (meta num_fwd_ops marks the split)")
+        if (
+            not (self.ops["phase"].iloc[:nf] == "fwd").all()
+            or not (self.ops["phase"].iloc[nf:] == "bwd").all()
+        ):
+            raise ProfileError(
+                "profile ops must be all 'fwd' then all 'bwd' (meta num_fwd_ops marks the split)"
+            )
         if (self.ops["duration_us"] < 0).any():
             raise ProfileError("profile table 'ops' column 'duration_us' has negative values")
         t = self.tensors
@@ -184,7 +189,9 @@ class Profile:
         if not p.exists():
             raise ProfileError(f"profile '{p}' does not exist")
         if not p.is_dir():
-            raise ProfileError(f"profile '{p}' is not a directory (expected ops.parquet, tensors.parquet, meta.json)")
+            raise ProfileError(
+                f"profile '{p}' is not a directory (expected ops.parquet, tensors.parquet, meta.json)"
+            )
         for fname in ("ops.parquet", "tensors.parquet", "meta.json"):
             if not (p / fname).exists():
                 raise ProfileError(f"profile '{p}' lacks {fname}")
@@ -217,11 +224,19 @@ def make_profile(
     ops_df = pd.DataFrame(ops) if not isinstance(ops, pd.DataFrame) else ops.copy()
     t_df = pd.DataFrame(tensors) if not isinstance(tensors, pd.DataFrame) else tensors.copy()
     if ops_df.empty:
-        ops_df = pd.DataFrame({c: pd.Series(dtype="int64" if k == "i" else "float64" if k == "f" else "object")
-                               for c, k in OPS_COLUMNS.items()})
+        ops_df = pd.DataFrame(
+            {
+                c: pd.Series(dtype="int64" if k == "i" else "float64" if k == "f" else "object")
+                for c, k in OPS_COLUMNS.items()
+            }
+        )
     if t_df.empty:
-        t_df = pd.DataFrame({c: pd.Series(dtype={"i": "int64", "b": "bool"}.get(k, "object"))
-                             for c, k in TENSORS_COLUMNS.items()})
+        t_df = pd.DataFrame(
+            {
+                c: pd.Series(dtype={"i": "int64", "b": "bool"}.get(k, "object"))
+                for c, k in TENSORS_COLUMNS.items()
+            }
+        )
     ops_df["duration_us"] = ops_df["duration_us"].astype("float64")
     if "offloadable" not in t_df.columns:
         t_df["offloadable"] = (t_df["kind"] == "activation") & (t_df["nbytes"] > 0)
@@ -233,4 +248,6 @@ def make_profile(
     meta = dict(meta)
     meta.setdefault("schema_version", SCHEMA_VERSION)
     meta.setdefault("num_fwd_ops", int((ops_df["phase"] == "fwd").sum()))
-    return Profile(ops=ops_df.reset_index(drop=True), tensors=t_df.reset_index(drop=True), meta=meta).validate()
+    return Profile(
+        ops=ops_df.reset_index(drop=True), tensors=t_df.reset_index(drop=True), meta=meta
+    ).validate()

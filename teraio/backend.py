@@ -190,8 +190,12 @@ class GraphRunner:
                         f"({fingerprint[:12]}); re-profile and re-plan, or pass on_plan_mismatch='reprofile'"
                     )
                 else:
-                    log.warning("graph %d: no plan in %s matches fingerprint %s; re-profiling",
-                                self.graph_id, self.cfg.plan, fingerprint[:12])
+                    log.warning(
+                        "graph %d: no plan in %s matches fingerprint %s; re-profiling",
+                        self.graph_id,
+                        self.cfg.plan,
+                        fingerprint[:12],
+                    )
 
         def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
             return boxed(lambda *args: self.profiler.run_fwd(*args))
@@ -325,9 +329,15 @@ class TeraioBackend:
             d = self.run_dir / f"graph{runner.graph_id}"
             d.mkdir(parents=True, exist_ok=True)
             plan.save(d / "plan.json")
-        log.info("graph %d: plan by %s moves %d tensors (%d bytes); predicted peak %d, step %.3f s",
-                 runner.graph_id, plan.solver, len(plan.decisions), plan.moved_bytes,
-                 plan.predicted_peak_bytes, plan.predicted_step_s)
+        log.info(
+            "graph %d: plan by %s moves %d tensors (%d bytes); predicted peak %d, step %.3f s",
+            runner.graph_id,
+            plan.solver,
+            len(plan.decisions),
+            plan.moved_bytes,
+            plan.predicted_peak_bytes,
+            plan.predicted_step_s,
+        )
         return plan
 
     def plan_for_fingerprint(self, fingerprint: str) -> Plan | None:
@@ -353,8 +363,13 @@ class TeraioBackend:
                 io_backend = "host"
             reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
             self.engine = Engine(
-                RuntimeConfig(dirs=dirs, backend=io_backend, reserve_bytes=_round_up(reserve, 1 << 20),
-                              checksum=self.cfg.checksum, **self.cfg.runtime_options)
+                RuntimeConfig(
+                    dirs=dirs,
+                    backend=io_backend,
+                    reserve_bytes=_round_up(reserve, 1 << 20),
+                    checksum=self.cfg.checksum,
+                    **self.cfg.runtime_options,
+                )
             )
             self._engine_id = register_engine(self.engine)
         return self._engine_id
@@ -391,8 +406,12 @@ class TeraioBackend:
         if self.run_dir is None or runner.phase != "running":
             return
         with open(self.run_dir / "stats.jsonl", "a") as f:
-            f.write(json.dumps({"graph": runner.graph_id, "step": runner.steps, "step_s": step_s,
-                                **self._io_stats()}) + "\n")
+            f.write(
+                json.dumps(
+                    {"graph": runner.graph_id, "step": runner.steps, "step_s": step_s, **self._io_stats()}
+                )
+                + "\n"
+            )
 
     def _io_stats(self) -> dict[str, Any]:
         if self.engine is None:
@@ -400,8 +419,13 @@ class TeraioBackend:
         st = self.engine.stats()
         written = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".write"))
         read = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".read"))
-        return {"offloaded_bytes": written, "prefetched_bytes": read, "stall_s": st.stall_s,
-                "io_backend": st.backend, "io_path": st.io_path}
+        return {
+            "offloaded_bytes": written,
+            "prefetched_bytes": read,
+            "stall_s": st.stall_s,
+            "io_backend": st.backend,
+            "io_path": st.io_path,
+        }
 
     def stats(self) -> dict[str, Any]:
         """Totals since the backend started; ``step_s`` is the median of the running (non-profiling) steps."""

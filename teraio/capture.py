@@ -62,7 +62,9 @@ def capturing_partition(
     the partitioner's graphs.
     """
 
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    def partition(
+        joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
         fw_gm, bw_gm = base(joint, joint_inputs, **kwargs)
         step = CapturedStep(fw_gm, bw_gm, int(kwargs["num_fwd_outputs"]))
         result = on_partition(step) or step

@@ -92,17 +92,24 @@ def check_decision(d: Decision, g: SavedGroup, num_fwd_ops: int, num_ops: int) -
     if g.producer is None:
         problems.append("it is not produced by a forward op (a parameter or input)")
     if not (g.producer_idx <= d.offload_after_idx < num_fwd_ops):
-        problems.append(f"offload_after_idx {d.offload_after_idx} is not in [{g.producer_idx}, {num_fwd_ops})")
+        problems.append(
+            f"offload_after_idx {d.offload_after_idx} is not in [{g.producer_idx}, {num_fwd_ops})"
+        )
     if not (max(g.last_fwd_use_idx, d.offload_after_idx) < d.wait_before_idx <= num_fwd_ops):
-        problems.append(f"wait_before_idx {d.wait_before_idx} is not after its last forward use "
-                        f"{g.last_fwd_use_idx} and within the forward")
+        problems.append(
+            f"wait_before_idx {d.wait_before_idx} is not after its last forward use "
+            f"{g.last_fwd_use_idx} and within the forward"
+        )
     if g.first_bwd_use_idx >= 0:
         if d.fetch_before_idx != g.first_bwd_use_idx:
-            problems.append(f"fetch_before_idx {d.fetch_before_idx} is not its first backward use "
-                            f"{g.first_bwd_use_idx}")
+            problems.append(
+                f"fetch_before_idx {d.fetch_before_idx} is not its first backward use {g.first_bwd_use_idx}"
+            )
         if not (num_fwd_ops <= d.prefetch_before_idx <= d.fetch_before_idx < num_ops):
-            problems.append(f"prefetch_before_idx {d.prefetch_before_idx} is not a backward op at or before "
-                            f"fetch_before_idx {d.fetch_before_idx}")
+            problems.append(
+                f"prefetch_before_idx {d.prefetch_before_idx} is not a backward op at or before "
+                f"fetch_before_idx {d.fetch_before_idx}"
+            )
     if problems:
         raise PlanMismatchError(f"plan decision for '{d.name}' is invalid: {'; '.join(problems)}")
 
@@ -146,13 +153,20 @@ def apply_plan(
         owner_stride = [int(x) for x in owner.meta["val"].stride()]
         offload_args = (owner, key, engine_id, owner_stride)
         with fw_graph.inserting_after(a.fw_ops[d.offload_after_idx]):
-            h = fw_graph.create_node("call_function", ops_teraio.offload.default, offload_args,
-                                     name=f"teraio_offload_{g.name}")
+            h = fw_graph.create_node(
+                "call_function", ops_teraio.offload.default, offload_args, name=f"teraio_offload_{g.name}"
+            )
         h.meta["val"] = _fake_val(fw_mode, ops_teraio.offload.default, offload_args)
         wait_at = a.fw_ops[d.wait_before_idx] if d.wait_before_idx < nf else fw_out
         anchors = _anchor_before(a.fw_ops, d.wait_before_idx)
-        tok = _insert(fw_graph, fw_mode, wait_at, ops_teraio.wait_write.default,
-                      (h, owner, anchors, key, engine_id), f"teraio_wait_{g.name}")
+        tok = _insert(
+            fw_graph,
+            fw_mode,
+            wait_at,
+            ops_teraio.wait_write.default,
+            (h, owner, anchors, key, engine_id),
+            f"teraio_wait_{g.name}",
+        )
         for pos in g.members:
             outputs[saved_pos0 + pos] = tok
 
@@ -166,23 +180,41 @@ def apply_plan(
             continue
         bw_ops = a.bw_ops
         p_at = bw_ops[d.prefetch_before_idx - nf]
-        pf = _insert(bw_graph, bw_mode, p_at, ops_teraio.prefetch.default,
-                     (ph, _anchor_before(bw_ops, d.prefetch_before_idx - nf), key, engine_id),
-                     f"teraio_prefetch_{g.name}")
+        pf = _insert(
+            bw_graph,
+            bw_mode,
+            p_at,
+            ops_teraio.prefetch.default,
+            (ph, _anchor_before(bw_ops, d.prefetch_before_idx - nf), key, engine_id),
+            f"teraio_prefetch_{g.name}",
+        )
         f_at = bw_ops[d.fetch_before_idx - nf]
         numel = g.nbytes // old_vals[g.members[0]].element_size()
         dtype, device = old_vals[g.members[0]].dtype, old_vals[g.members[0]].device
         f_anchor = _anchor_before(bw_ops, d.fetch_before_idx - nf)
-        flat = _insert(bw_graph, bw_mode, f_at, ops_teraio.fetch.default,
-                       (pf, f_anchor, key, engine_id, numel, dtype, device), f"teraio_fetch_{g.name}")
+        flat = _insert(
+            bw_graph,
+            bw_mode,
+            f_at,
+            ops_teraio.fetch.default,
+            (pf, f_anchor, key, engine_id, numel, dtype, device),
+            f"teraio_fetch_{g.name}",
+        )
         for pos in g.members:
             member_ph = bw_placeholders[pos]
             v = old_vals[pos]
-            view = _insert(bw_graph, bw_mode, f_at, torch.ops.aten.as_strided.default,
-                           (flat, list(v.shape), list(v.stride()), int(v.storage_offset())),
-                           f"teraio_view_{member_ph.name}")
+            view = _insert(
+                bw_graph,
+                bw_mode,
+                f_at,
+                torch.ops.aten.as_strided.default,
+                (flat, list(v.shape), list(v.stride()), int(v.storage_offset())),
+                f"teraio_view_{member_ph.name}",
+            )
             # The token placeholder also feeds the prefetch: only the compute uses move to the view.
-            member_ph.replace_all_uses_with(view, delete_user_cb=lambda user, keep=(view, pf): user not in keep)
+            member_ph.replace_all_uses_with(
+                view, delete_user_cb=lambda user, keep=(view, pf): user not in keep
+            )
         moved_bytes += g.nbytes
 
     fw_out.update_arg(0, tuple(outputs))
@@ -198,5 +230,11 @@ def _ensure_nothing_moved_is_saved(step: CapturedStep, a: StepAnalysis, plan: Pl
     moved = {d.name for d in plan.decisions}
     for pos, node in enumerate(step.saved_nodes):
         gi = a.saved_group_of[pos]
-        if gi is not None and a.groups[gi].name in moved and node.target is not torch.ops.teraio.wait_write.default:
-            raise TeraioError(f"rewrite left saved output {node.name} of moved tensor {a.groups[gi].name} in memory")
+        if (
+            gi is not None
+            and a.groups[gi].name in moved
+            and node.target is not torch.ops.teraio.wait_write.default
+        ):
+            raise TeraioError(
+                f"rewrite left saved output {node.name} of moved tensor {a.groups[gi].name} in memory"
+            )

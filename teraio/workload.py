@@ -51,7 +51,11 @@ def compute_loss(model: Callable[..., Any], workload: Workload, step: int = 0) -
     out = call_model(model, batch)
     loss = workload.loss_fn(out, batch) if workload.loss_fn is not None else out
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        what = (
+            type(loss).__name__
+            if not isinstance(loss, torch.Tensor)
+            else f"a tensor of shape {tuple(loss.shape)}"
+        )
         raise UserInputError(
             f"{workload.name}: the loss must be a scalar tensor, got {what}; return (model, batch, loss_fn) "
             "with a loss_fn(output, batch) that reduces the output to a scalar"
@@ -63,8 +67,10 @@ def builtin_workload(config: str, seed: int = 0) -> Workload:
     from teraio.models import CONFIGS, build_gpt, synthetic_batch
 
     if config not in CONFIGS:
-        raise UserInputError(f"unknown built-in workload 'builtin:{config}'; choose from "
-                             + ", ".join(f"builtin:{c}" for c in CONFIGS))
+        raise UserInputError(
+            f"unknown built-in workload 'builtin:{config}'; choose from "
+            + ", ".join(f"builtin:{c}" for c in CONFIGS)
+        )
     model = build_gpt(config, seed=seed)
     cfg = model.cfg
     return Workload(
@@ -116,10 +122,16 @@ def load_workload(target: str) -> Workload:
     model, batch = result[0], result[1]
     loss_fn = result[2] if len(result) == 3 else None
     if not isinstance(model, torch.nn.Module):
-        raise UserInputError(f"'{target}' returned {type(model).__name__} as the model; expected a torch.nn.Module")
+        raise UserInputError(
+            f"'{target}' returned {type(model).__name__} as the model; expected a torch.nn.Module"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise UserInputError(f"'{target}' returned a loss_fn that is not callable")
-    leaves = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    leaves = (
+        batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else [batch]
+    )
     if not any(isinstance(x, torch.Tensor) for x in leaves):
-        raise UserInputError(f"'{target}' returned a batch with no tensors; expected a tensor, tuple or dict of tensors")
+        raise UserInputError(
+            f"'{target}' returned a batch with no tensors; expected a tensor, tuple or dict of tensors"
+        )
     return Workload(name=target, model=model, batch=batch, loss_fn=loss_fn)

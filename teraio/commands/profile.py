@@ -20,12 +20,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Compile TARGET with the teraio backend, run the profiling steps, and write the Profile "
         "(parquet tables + meta.json). With one captured graph OUT is the profile; with several, OUT/graphN.",
     )
-    p.add_argument("target", nargs="?", default="builtin:tiny",
-                   help="builtin:tiny | builtin:demo | path/to/file.py:fn (fn() returns (model, batch[, loss_fn]))")
+    p.add_argument(
+        "target",
+        nargs="?",
+        default="builtin:tiny",
+        help="builtin:tiny | builtin:demo | path/to/file.py:fn (fn() returns (model, batch[, loss_fn]))",
+    )
     p.add_argument("--out", "-o", required=True, help="directory to write the profile into")
     p.add_argument("--steps", type=int, default=3, help="profiling steps; the first is warm-up (default 3)")
-    p.add_argument("--inner", choices=["inductor", "eager"], default="inductor",
-                   help="inner compiler the profile is for (its decompositions shape the graph)")
+    p.add_argument(
+        "--inner",
+        choices=["inductor", "eager"],
+        default="inductor",
+        help="inner compiler the profile is for (its decompositions shape the graph)",
+    )
     p.add_argument("--top", type=int, default=10, help="how many top tensors to list")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
@@ -40,8 +48,15 @@ def _check_writable(out: Path) -> None:
         raise UserInputError(f"--out '{out}' cannot be created: '{probe_dir}' is a file, not a directory")
     if out.exists() and not out.is_dir():
         raise UserInputError(f"--out '{out}' exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not (out / "meta.json").exists() and not (out / "index.json").exists():
-        raise UserInputError(f"--out '{out}' is a non-empty directory that is not a teraio profile; choose another")
+    if (
+        out.exists()
+        and any(out.iterdir())
+        and not (out / "meta.json").exists()
+        and not (out / "index.json").exists()
+    ):
+        raise UserInputError(
+            f"--out '{out}' is a non-empty directory that is not a teraio profile; choose another"
+        )
     if not os.access(probe_dir, os.W_OK | os.X_OK):
         raise UserInputError(f"--out '{out}' is not writable (no write permission on '{probe_dir}')")
 
@@ -69,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
             staged.mkdir()
             for p in profiles:
                 p.save(staged / f"graph{p.meta['graph_id']}")
-            (staged / "index.json").write_text(json.dumps({"graphs": [f"graph{p.meta['graph_id']}" for p in profiles]}))
+            (staged / "index.json").write_text(
+                json.dumps({"graphs": [f"graph{p.meta['graph_id']}" for p in profiles]})
+            )
         if out.exists():
             shutil.rmtree(out)
         os.replace(staged, out)
@@ -97,7 +114,12 @@ def run(args: argparse.Namespace) -> int:
         for col in ("name", "module", "bytes", "inactive s", "MB*s"):
             table.add_column(col, justify="right" if col not in ("name", "module") else "left")
         for r in s["top_tensors"]:
-            table.add_row(r["name"], r["module"], format_bytes(r["nbytes"]), f"{r['inactive_s']:.3f}",
-                          f"{r['byte_s'] / 1e6:.3g}")
+            table.add_row(
+                r["name"],
+                r["module"],
+                format_bytes(r["nbytes"]),
+                f"{r['inactive_s']:.3f}",
+                f"{r['byte_s'] / 1e6:.3g}",
+            )
         console.print(table)
     return 0

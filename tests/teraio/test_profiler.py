@@ -29,13 +29,21 @@ def _train(model: torch.nn.Module, backend, workload, steps: int = STEPS):
         model.zero_grad(set_to_none=True)
         loss = compute_loss(fn, workload, step)
         loss.backward()
-        results.append((loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append(
+            (
+                loss.detach().clone(),
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            )
+        )
     return results
 
 
 def _fx_only_backend():
-    return aot_autograd(fw_compiler=fx_only_compiler, bw_compiler=fx_only_compiler,
-                        partition_fn=min_cut_rematerialization_partition)
+    return aot_autograd(
+        fw_compiler=fx_only_compiler,
+        bw_compiler=fx_only_compiler,
+        partition_fn=min_cut_rematerialization_partition,
+    )
 
 
 def _assert_bit_identical(a, b) -> None:
@@ -83,7 +91,9 @@ def test_activation_bytes_match_an_independent_count(name: str) -> None:
         return run
 
     torch._dynamo.reset()
-    be = aot_autograd(fw_compiler=fw, bw_compiler=fx_only_compiler, partition_fn=capturing_partition(on_partition))
+    be = aot_autograd(
+        fw_compiler=fw, bw_compiler=fx_only_compiler, partition_fn=capturing_partition(on_partition)
+    )
     compiled = torch.compile(model, backend=be)
     compute_loss(compiled, workload).backward()
 

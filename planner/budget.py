@@ -1,0 +1,128 @@
+"""Memory budgets: turning what a user types ("512MiB", "40%", "auto") into a number of bytes.
+
+Sizes accept plain bytes (``1024``, ``"1.5e9"``), decimal units (``kB MB GB TB``) and binary units
+(``KiB MiB GiB TiB``); the bare letters ``K M G T`` are decimal, as in ``runtime.config.parse_nbytes``. A budget
+is a size, a fraction of the unplanned peak (``"40%"``, ``0.4``, ``"0.4"``), or ``"auto"``: the smallest
+peak that predicts no stall, which only a solver can find, so it resolves to ``None`` here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+AUTO = "auto"
+
+_UNITS: dict[str, int] = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class BudgetError(ValueError):
+    """A size or budget does not parse, or cannot be met. The message says what to type instead."""
+
+
+def infeasible(budget_bytes: int, min_feasible_peak_bytes: int, what: str = "budget") -> BudgetError:
+    """The error for a budget below the smallest achievable peak (the message names that peak)."""
+    return BudgetError(
+        f"{what} {format_size(budget_bytes)} ({budget_bytes} bytes) cannot be met: the smallest achievable "
+        f"peak is {format_size(min_feasible_peak_bytes)} ({min_feasible_peak_bytes} bytes); "
+        f"use a budget of at least that"
+    )
+
+
+def format_size(nbytes: float) -> str:
+    """Human-readable binary size: ``format_size(3 * 2**20) == '3.00 MiB'``."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_size(text: str | int | float) -> int:
+    """Parse a size in bytes: ``1024``, ``"512MiB"``, ``"2GB"``, ``"1.5e9"``.
+
+    Raises:
+        BudgetError: the text is not a non-negative size with a known unit.
+    """
+    if isinstance(text, bool):
+        raise BudgetError(f"size {text!r} is not a number of bytes")
+    if isinstance(text, int):
+        value: float = float(text)
+        unit = ""
+    elif isinstance(text, float):
+        value, unit = text, ""
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise BudgetError(
+                f"size {text!r} does not parse; write bytes or a number with a unit, e.g. 512MiB, 2GB, 1.5e9"
+            )
+        value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value) or value < 0:
+        raise BudgetError(f"size {text!r} must be a finite, non-negative number of bytes")
+    return int(round(value * _UNITS[unit]))
+
+
+def _parse_fraction(spec: str | float) -> float | None:
+    """The fraction a spec denotes ("40%", 0.4, "0.4"), or None when it is not a fraction."""
+    if isinstance(spec, float):
+        return spec if 0 < spec <= 1 else None
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s.endswith("%"):
+            try:
+                return float(s[:-1]) / 100.0
+            except ValueError:
+                raise BudgetError(f"budget {spec!r} does not parse; write a percentage like 40%") from None
+        # A unitless decimal at most 1 ("0.4") is a fraction; "1" or "1024" are bytes.
+        if "." in s and _SIZE_RE.match(s) and not _SIZE_RE.match(s).group(2):
+            value = float(s)
+            if 0 < value <= 1:
+                return value
+    return None
+
+
+def resolve_budget(spec: str | int | float, baseline_peak_bytes: int) -> int | None:
+    """Resolve a budget spec to bytes; ``None`` for ``"auto"``.
+
+    Args:
+        spec: bytes (int), a size with units, a fraction of ``baseline_peak_bytes`` ("40%", 0.4), or "auto".
+        baseline_peak_bytes: the unplanned peak, which fractions refer to.
+
+    Raises:
+        BudgetError: the spec does not parse or is not positive.
+    """
+    if isinstance(spec, str) and spec.strip().lower() == AUTO:
+        return None
+    frac = _parse_fraction(spec)
+    if frac is not None:
+        if not (0 < frac <= 10) or not math.isfinite(frac):
+            raise BudgetError(f"budget {spec!r} must be a positive fraction of the unplanned peak, e.g. 40%")
+        return int(math.floor(frac * baseline_peak_bytes))
+    try:
+        nbytes = parse_size(spec)
+    except BudgetError:
+        raise BudgetError(
+            f"budget {spec!r} does not parse; write bytes with units (512MiB, 2GB), a fraction of the "
+            f"unplanned peak (40%, 0.4), or auto"
+        ) from None
+    if nbytes <= 0:
+        raise BudgetError(f"budget {spec!r} must be positive")
+    return nbytes

@@ -1,0 +1,285 @@
+"""Lifetime analysis: when each saved tensor is needed, when it could be away, and what memory that leaves.
+
+The planner needs, for one captured step: the unplanned memory at every op (and its peak), the tensors
+that may be offloaded (the *candidates*) with the interval in which each sits idle between its last
+forward use and its first backward use, and the smallest peak any plan could reach (every candidate away
+over its whole idle interval). :func:`analyse` derives all of this from a networkx graph of the step:
+op nodes chained in execution order, tensor nodes with an edge from their producer and to each of their
+uses, so the lifetimes come from the graph's structure and a malformed profile (a use before the
+producer, a cycle) is caught as a graph error rather than a silent wrong answer.
+
+Memory is counted per op, as the step's own allocations: an activation counts during op ``i`` when it
+is alive at ``i`` (``producer_idx <= i <= last_use_idx``), plus the op's ``other_bytes``. Params and graph
+inputs existed before the step and outlive it; they are not the step's memory and are not counted
+(the same convention as the measured peak: bytes allocated during the step, FINDINGS.md). A moved tensor is absent over ``[wait_before_idx, prefetch_before_idx)``: whether a plan
+meets a budget depends only on those positions, never on bandwidth (bandwidth decides stall).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import networkx as nx
+import numpy as np
+import pandas as pd
+
+from planner.plan import Decision
+from planner.profile import Profile, ProfileError
+
+#: Columns of :attr:`Lifetimes.candidates`.
+CANDIDATE_COLUMNS = (
+    "name",
+    "nbytes",
+    "producer_idx",
+    "last_fwd_use_idx",
+    "first_bwd_use_idx",
+    "last_use_idx",
+    "module",
+    "earliest_wait_idx",  # the earliest op before which the write may be waited (last_fwd_use_idx + 1)
+    "latest_prefetch_idx",  # the latest op before which the read may start (first_bwd_use_idx)
+    "inactive_start_idx",  # first op at which the tensor may be absent
+    "inactive_end_idx",  # last op at which the tensor may be absent (inclusive)
+    "inactive_us",  # nominal time from the end of the last forward use to the start of the first bwd use
+)
+
+
+@dataclass(frozen=True)
+class Lifetimes:
+    """What :func:`analyse` found. Arrays are indexed by op index; times are nominal (no stall)."""
+
+    num_ops: int
+    num_fwd_ops: int
+    op_names: tuple[str, ...]
+    duration_us: np.ndarray
+    #: Nominal start of each op (cumulative durations, no stall, no I/O interference).
+    op_start_us: np.ndarray
+    #: The unplanned memory during each op.
+    baseline_memory_bytes: np.ndarray
+    baseline_peak_bytes: int
+    baseline_peak_idx: int
+    #: One row per offload candidate, in profile order; columns :data:`CANDIDATE_COLUMNS`.
+    candidates: pd.DataFrame
+    #: Memory during each op with every candidate away over its whole idle interval.
+    min_memory_bytes: np.ndarray
+    min_feasible_peak_bytes: int
+    #: The step as a graph: nodes ("op", idx) and ("tensor", name); see the module docstring.
+    graph: nx.DiGraph = field(repr=False)
+
+    @property
+    def op_end_us(self) -> np.ndarray:
+        return self.op_start_us + self.duration_us
+
+    @property
+    def compute_s(self) -> float:
+        return float(self.duration_us.sum()) / 1e6
+
+    @property
+    def candidate_bytes(self) -> int:
+        return int(self.candidates["nbytes"].sum())
+
+    def op_name(self, idx: int) -> str:
+        """The op's name; index ``num_ops`` (possible only without a backward) is "<end>"."""
+        return self.op_names[idx] if 0 <= idx < self.num_ops else "<end>"
+
+    def candidate(self, name: str) -> pd.Series:
+        """The candidate row for tensor ``name`` (KeyError when it is not a candidate)."""
+        return self.candidates.loc[self._by_name[name]]
+
+    @property
+    def _by_name(self) -> dict[str, int]:
+        cache = self.__dict__.get("_by_name_cache")
+        if cache is None:
+            cache = {n: i for i, n in zip(self.candidates.index, self.candidates["name"])}
+            object.__setattr__(self, "_by_name_cache", cache)
+        return cache
+
+    def is_candidate(self, name: str) -> bool:
+        return name in self._by_name
+
+    def decision(
+        self,
+        name: str,
+        *,
+        tier: str = "ssd",
+        offload_after_idx: int | None = None,
+        wait_before_idx: int | None = None,
+        prefetch_before_idx: int | None = None,
+        fetch_before_idx: int | None = None,
+    ) -> Decision:
+        """A Decision for candidate ``name`` with op names filled in.
+
+        Defaults put the tensor away as long as possible: write issued after the producer, waited
+        right after the last forward use, read issued and fetched before the first backward use.
+        """
+        c = self.candidate(name)
+        off = int(c["producer_idx"]) if offload_after_idx is None else int(offload_after_idx)
+        wait = int(c["earliest_wait_idx"]) if wait_before_idx is None else int(wait_before_idx)
+        fetch = int(c["first_bwd_use_idx"]) if fetch_before_idx is None else int(fetch_before_idx)
+        pre = fetch if prefetch_before_idx is None else int(prefetch_before_idx)
+        return Decision(
+            name=str(name),
+            tier=tier,
+            nbytes=int(c["nbytes"]),
+            offload_after_idx=off,
+            offload_after_name=self.op_name(off),
+            wait_before_idx=wait,
+            wait_before_name=self.op_name(wait),
+            prefetch_before_idx=pre,
+            prefetch_before_name=self.op_name(pre),
+            fetch_before_idx=fetch,
+            fetch_before_name=self.op_name(fetch),
+            module=str(c["module"]),
+        )
+
+    def memory_with(self, decisions: list[Decision] | tuple[Decision, ...]) -> np.ndarray:
+        """Memory during each op when ``decisions`` are applied (positions only; no validity checks)."""
+        delta = np.zeros(self.num_ops + 1, dtype=np.int64)
+        for d in decisions:
+            lo, hi = d.wait_before_idx, d.prefetch_before_idx
+            if hi > lo:
+                delta[lo] -= d.nbytes
+                delta[hi] += d.nbytes
+        return self.baseline_memory_bytes + np.cumsum(delta)[: self.num_ops]
+
+
+def build_graph(profile: Profile) -> nx.DiGraph:
+    """The step as a DAG: ops chained in order; producer -> tensor -> each recorded use.
+
+    Params and inputs (``producer_idx == -1``) hang off a single ("input",) node.
+    """
+    g = nx.DiGraph()
+    ops = profile.ops
+    nf = profile.num_fwd_ops
+    names = ops["name"].astype(str).tolist()
+    for i, name in enumerate(names):
+        g.add_node(
+            ("op", i),
+            name=name,
+            phase="fwd" if i < nf else "bwd",
+            duration_us=float(ops["duration_us"].iat[i]),
+        )
+        if i:
+            g.add_edge(("op", i - 1), ("op", i), kind="order")
+    g.add_node(("input",))
+    if names:
+        g.add_edge(("input",), ("op", 0), kind="order")
+    t = profile.tensors
+    cols = {
+        c: t[c].to_numpy() for c in ("producer_idx", "last_fwd_use_idx", "first_bwd_use_idx", "last_use_idx")
+    }
+    for k, (name, nbytes, kind) in enumerate(zip(t["name"], t["nbytes"], t["kind"])):
+        node = ("tensor", str(name))
+        g.add_node(node, nbytes=int(nbytes), kind=str(kind), row=k)
+        prod = int(cols["producer_idx"][k])
+        g.add_edge(("input",) if prod < 0 else ("op", prod), node, kind="produces")
+        for col, role in (
+            ("last_fwd_use_idx", "last_fwd_use"),
+            ("first_bwd_use_idx", "first_bwd_use"),
+            ("last_use_idx", "last_use"),
+        ):
+            use = int(cols[col][k])
+            # A "use" at the producer itself means "no later use": an edge would make a self-loop cycle.
+            if use >= 0 and use != prod:
+                if g.has_edge(node, ("op", use)):
+                    g.edges[node, ("op", use)]["roles"].append(role)
+                else:
+                    g.add_edge(node, ("op", use), kind="uses", roles=[role])
+    return g
+
+
+def _uses_by_role(g: nx.DiGraph, node: tuple) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for _, op, data in g.out_edges(node, data=True):
+        for role in data["roles"]:
+            out[role] = op[1]
+    return out
+
+
+def analyse(profile: Profile) -> Lifetimes:
+    """Lifetime analysis of one step (see the module docstring).
+
+    Raises:
+        ProfileError: the step's graph has a cycle (a tensor used before it is produced).
+    """
+    g = build_graph(profile)
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = nx.find_cycle(g)
+        raise ProfileError(
+            f"profile: a tensor is used before it is produced (graph cycle through {cycle[0][0]})"
+        )
+    n = len(profile.ops)
+    nf = profile.num_fwd_ops
+    duration_us = profile.ops["duration_us"].to_numpy(dtype=np.float64)
+    op_start_us = np.concatenate([[0.0], np.cumsum(duration_us)[:-1]]) if n else np.zeros(0)
+    if "other_bytes" in profile.ops.columns:
+        other = profile.ops["other_bytes"].fillna(0).to_numpy(dtype=np.int64)
+    else:
+        other = np.zeros(n, dtype=np.int64)
+
+    # Alive intervals as a difference array: +nbytes at the first op, -nbytes after the last.
+    alive_delta = np.zeros(n + 1, dtype=np.int64)
+    away_delta = np.zeros(n + 1, dtype=np.int64)
+    modules = profile.tensors["module"] if "module" in profile.tensors.columns else None
+    rows = []
+    for k, (name, offloadable) in enumerate(zip(profile.tensors["name"], profile.tensors["offloadable"])):
+        node = ("tensor", str(name))
+        data = g.nodes[node]
+        nbytes = data["nbytes"]
+        (pred,) = g.predecessors(node)
+        uses = _uses_by_role(g, node)
+        if data["kind"] != "activation" or pred == ("input",):
+            lo, hi = 0, n - 1  # params and graph inputs live for the whole step
+        else:
+            lo = pred[1]
+            hi = max([lo, *uses.values()])
+        if n and data["kind"] == "activation":
+            alive_delta[lo] += nbytes
+            alive_delta[hi + 1] -= nbytes
+        last_fwd = uses.get("last_fwd_use", lo)
+        first_bwd = uses.get("first_bwd_use", -1)
+        # A candidate must be offloadable, read again in backward, and idle for at least one op.
+        if not (offloadable and nbytes > 0 and first_bwd >= nf and first_bwd - last_fwd >= 2):
+            continue
+        start, end = last_fwd + 1, first_bwd - 1
+        away_delta[start] += nbytes
+        away_delta[end + 1] -= nbytes
+        rows.append(
+            {
+                "name": str(name),
+                "nbytes": int(nbytes),
+                "producer_idx": int(lo),
+                "last_fwd_use_idx": int(last_fwd),
+                "first_bwd_use_idx": int(first_bwd),
+                "last_use_idx": int(hi),
+                "module": str(modules.iat[k]) if modules is not None and modules.iat[k] is not None else "",
+                "earliest_wait_idx": int(start),
+                "latest_prefetch_idx": int(first_bwd),
+                "inactive_start_idx": int(start),
+                "inactive_end_idx": int(end),
+                "inactive_us": float(
+                    op_start_us[first_bwd] - (op_start_us[last_fwd] + duration_us[last_fwd])
+                ),
+            }
+        )
+    baseline = other + np.cumsum(alive_delta)[:n]
+    min_memory = baseline - np.cumsum(away_delta)[:n]
+    candidates = pd.DataFrame(rows, columns=list(CANDIDATE_COLUMNS))
+    for col in CANDIDATE_COLUMNS:
+        if col.endswith("_idx") or col == "nbytes":
+            candidates[col] = candidates[col].astype("int64")
+    peak_idx = int(np.argmax(baseline)) if n else 0
+    names = tuple(profile.ops["name"].astype(str).tolist())
+    return Lifetimes(
+        num_ops=n,
+        num_fwd_ops=nf,
+        op_names=names,
+        duration_us=duration_us,
+        op_start_us=op_start_us,
+        baseline_memory_bytes=baseline,
+        baseline_peak_bytes=int(baseline[peak_idx]) if n else int(other.sum()),
+        baseline_peak_idx=peak_idx,
+        candidates=candidates,
+        min_memory_bytes=min_memory,
+        min_feasible_peak_bytes=int(min_memory.max()) if n else 0,
+        graph=g,
+    )

@@ -1,0 +1,250 @@
+"""One entry point for every solver: a registry of plain functions and the ``solve`` call around them.
+
+A solver is a function ``Problem -> Plan`` registered by name (baselines "none" and "all" are solvers
+too, so comparisons are one loop). ``solve`` resolves the budget, rejects budgets below the smallest
+achievable peak (an error naming that peak), runs the solver, and for the "auto" budget searches the
+smallest stall-free peak by bisection over budgets when the solver cannot do it itself. Every plan's
+predicted figures come from the one simulator, through :func:`make_plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.budget import BudgetError, format_size, infeasible, resolve_budget
+from planner.hardware import HardwareModel
+from planner.lifetimes import Lifetimes, analyse
+from planner.plan import Decision, Plan, PlanError, SolverStats
+from planner.profile import Profile
+from planner.simulate import STALL_TOLERANCE_S, SimResult, simulate_decisions
+
+#: ``progress(fraction_done, message)``; fraction in [0, 1].
+ProgressFn = Callable[[float, str], None]
+
+#: Bisection for "auto" stops when the bracket is narrower than this share of the unplanned peak.
+AUTO_RESOLUTION = 0.002
+
+
+class UnknownSolverError(PlanError):
+    """A solver name that is not registered (a user error: the CLI prints it as one line)."""
+
+
+class SolverBugError(RuntimeError):
+    """A solver returned a plan that breaks the execution model's rules: a bug, not bad input."""
+
+
+@dataclass
+class Problem:
+    """Everything a solver needs. ``budget_bytes is None`` means "auto" (smallest stall-free peak)."""
+
+    profile: Profile
+    lifetimes: Lifetimes
+    hardware: HardwareModel
+    budget_bytes: int | None
+    budget_spec: str
+    time_limit_s: float = 60.0
+    workers: int = 2
+    progress: ProgressFn | None = None
+    solver: str = ""
+
+    @property
+    def default_tier(self) -> str:
+        """The tier single-tier solvers use: "ssd" when available, else the first available tier."""
+        tiers = self.hardware.available_tiers()
+        if not tiers:
+            raise BudgetError("the hardware model has no available tier (every capacity_bytes is 0)")
+        return "ssd" if "ssd" in tiers else tiers[0]
+
+    def report(self, fraction: float, message: str = "") -> None:
+        if self.progress is not None:
+            self.progress(min(max(fraction, 0.0), 1.0), message)
+
+    def simulate(self, decisions: list[Decision] | tuple[Decision, ...]) -> SimResult:
+        """Simulate ``decisions`` against this problem (budget check included when one is set)."""
+        return simulate_decisions(self.lifetimes, decisions, self.hardware, budget_bytes=self.budget_bytes)
+
+    def with_budget(self, budget_bytes: int | None) -> Problem:
+        return dataclasses.replace(self, budget_bytes=budget_bytes)
+
+
+SolverFn = Callable[[Problem], Plan]
+
+
+@dataclass(frozen=True)
+class SolverInfo:
+    name: str
+    fn: SolverFn
+    #: Baselines ignore the budget: their plans are returned even when over it (status INFEASIBLE).
+    baseline: bool = False
+    #: The solver handles ``budget_bytes is None`` itself; otherwise ``solve`` bisects over budgets.
+    supports_auto: bool = False
+
+
+_REGISTRY: dict[str, SolverInfo] = {}
+
+
+def register_solver(
+    name: str, *, baseline: bool = False, supports_auto: bool = False
+) -> Callable[[SolverFn], SolverFn]:
+    """Decorator registering ``fn`` as solver ``name``."""
+
+    def deco(fn: SolverFn) -> SolverFn:
+        _REGISTRY[name] = SolverInfo(name=name, fn=fn, baseline=baseline, supports_auto=supports_auto)
+        return fn
+
+    return deco
+
+
+def _load_builtin_solvers() -> None:
+    # Imported lazily: the solver modules import this one to register themselves.
+    importlib.import_module("planner.solvers")
+
+
+def solver_info(name: str) -> SolverInfo:
+    _load_builtin_solvers()
+    if name not in _REGISTRY:
+        raise UnknownSolverError(f"unknown solver '{name}'; choose one of: {', '.join(solver_names())}")
+    return _REGISTRY[name]
+
+
+def get_solver(name: str) -> SolverFn:
+    """The registered solver function ``name``; UnknownSolverError naming the choices otherwise."""
+    return solver_info(name).fn
+
+
+def solver_names() -> list[str]:
+    _load_builtin_solvers()
+    return sorted(_REGISTRY)
+
+
+def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...], stats: SolverStats) -> Plan:
+    """Simulate ``decisions`` and wrap them in a Plan with the predicted figures.
+
+    A plan over its budget or a tier's capacity gets status INFEASIBLE. For "auto", the plan's budget is its predicted peak.
+
+    Raises:
+        SolverBugError: the decisions break a rule other than the budget (the solver is wrong).
+    """
+    sim = problem.simulate(decisions)
+    # Over the budget or a tier's capacity: the plan is valid but infeasible. Anything else is a bug.
+    over = [v for v in sim.violations if "exceeds the budget" in v or "over its capacity" in v]
+    broken = [v for v in sim.violations if v not in over]
+    if broken:
+        raise SolverBugError(f"solver '{stats.solver}' produced an invalid plan: {broken[0]}")
+    if over and stats.status != "INFEASIBLE":
+        stats = dataclasses.replace(stats, status="INFEASIBLE")
+    lt = problem.lifetimes
+    return Plan(
+        fingerprint=problem.profile.fingerprint,
+        budget_bytes=int(problem.budget_bytes if problem.budget_bytes is not None else sim.peak_bytes),
+        budget_spec=problem.budget_spec,
+        hardware=problem.hardware,
+        stats=stats,
+        decisions=tuple(decisions),
+        baseline_peak_bytes=lt.baseline_peak_bytes,
+        predicted_peak_bytes=sim.peak_bytes,
+        predicted_step_s=sim.step_s,
+        predicted_stall_s=sim.stall_s,
+        compute_s=sim.compute_s,
+        config={
+            "time_limit_s": problem.time_limit_s,
+            "workers": problem.workers,
+            "min_feasible_peak_bytes": lt.min_feasible_peak_bytes,
+        },
+    )
+
+
+def _stall_free(plan: Plan) -> bool:
+    return plan.predicted_stall_s <= STALL_TOLERANCE_S and plan.predicted_peak_bytes <= plan.budget_bytes
+
+
+def _solve_auto_by_bisection(problem: Problem, fn: SolverFn) -> Plan:
+    """The smallest stall-free peak, found by bisecting the budget between the floor and the baseline.
+
+    Assumes a stall-free plan at budget b usually implies one at any larger budget (true for an exact
+    solver; a heuristic may break it, in which case we still return the best stall-free plan seen).
+    """
+    lt = problem.lifetimes
+    lo, hi = lt.min_feasible_peak_bytes, lt.baseline_peak_bytes
+    best = fn(problem.with_budget(hi))
+    step = max(1, int(AUTO_RESOLUTION * lt.baseline_peak_bytes))
+    rounds = 0
+    total = max(1, (max(hi - lo, 1) // step).bit_length())
+    while hi - lo > step:
+        mid = (lo + hi) // 2
+        problem.report(rounds / total, f"auto: trying budget {format_size(mid)}")
+        try:
+            plan = fn(problem.with_budget(mid))
+        except BudgetError:
+            plan = None
+        if plan is not None and _stall_free(plan):
+            best, hi = plan, mid
+        else:
+            lo = mid
+        rounds += 1
+    problem.report(1.0, "auto: done")
+    # Report the smallest stall-free peak itself as the budget that was met.
+    return dataclasses.replace(best, budget_bytes=best.predicted_peak_bytes, budget_spec=problem.budget_spec)
+
+
+def solve(
+    profile: Profile,
+    budget: str | int | float = "auto",
+    solver: str = "ilp",
+    hardware: HardwareModel | None = None,
+    time_limit_s: float = 60.0,
+    workers: int = 2,
+    progress: ProgressFn | None = None,
+    *,
+    lifetimes: Lifetimes | None = None,
+) -> Plan:
+    """Plan ``profile`` under ``budget`` with solver ``solver``.
+
+    Args:
+        budget: bytes, a size ("512MiB"), a fraction of the unplanned peak ("40%", 0.4), or "auto".
+        hardware: defaults to ``HardwareModel()`` (this project's measured machine).
+        lifetimes: ``analyse(profile)`` when the caller already has it.
+
+    Raises:
+        BudgetError: the budget does not parse, is below the smallest achievable peak, or the (non
+            baseline) solver found no plan within it; the message names the smallest achievable peak.
+        UnknownSolverError: no solver of that name.
+    """
+    info = solver_info(solver)
+    lt = lifetimes if lifetimes is not None else analyse(profile)
+    hw = hardware if hardware is not None else HardwareModel()
+    budget_bytes = resolve_budget(budget, lt.baseline_peak_bytes)
+    floor = lt.min_feasible_peak_bytes if hw.available_tiers() else lt.baseline_peak_bytes
+    if budget_bytes is not None and budget_bytes < floor and not info.baseline:
+        raise infeasible(budget_bytes, floor, what=f"budget {budget!r} =")
+    problem = Problem(
+        profile=profile,
+        lifetimes=lt,
+        hardware=hw,
+        budget_bytes=budget_bytes,
+        budget_spec=str(budget),
+        time_limit_s=float(time_limit_s),
+        workers=int(workers),
+        progress=progress,
+        solver=solver,
+    )
+    t0 = time.perf_counter()
+    if budget_bytes is None and not info.supports_auto and not info.baseline:
+        plan = _solve_auto_by_bisection(problem, info.fn)
+    else:
+        plan = info.fn(problem)
+    wall_s = time.perf_counter() - t0
+    plan = dataclasses.replace(plan, stats=dataclasses.replace(plan.stats, wall_s=wall_s))
+    if not info.baseline and (
+        plan.predicted_peak_bytes > plan.budget_bytes or plan.stats.status == "INFEASIBLE"
+    ):
+        raise BudgetError(
+            f"solver '{solver}' found no plan within {format_size(plan.budget_bytes)} (its best peaks at "
+            f"{format_size(plan.predicted_peak_bytes)}); the smallest achievable peak is "
+            f"{format_size(floor)} ({floor} bytes): try another solver or a larger budget"
+        )
+    return plan

@@ -1,0 +1,18 @@
+"""The built-in solvers. Importing this package registers all of them with ``planner.solve``.
+
+The ILP solver lives in its own module; it is imported when present so the registry is complete
+whatever was imported first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+from planner.solvers import baselines, greedy
+
+__all__ = ["baselines", "greedy"]
+
+if importlib.util.find_spec("planner.solvers.ilp") is not None:
+    from planner.solvers import ilp  # noqa: F401
+
+    __all__.append("ilp")

@@ -1,0 +1,173 @@
+"""The simulator on hand-computed timelines, and every rule it must catch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from planner.hardware import TierModel
+from planner.lifetimes import analyse
+from planner.plan import Plan, PlanError, SolverStats
+from planner.profile import make_profile
+from planner.simulate import simulate, simulate_decisions
+from tests.planner.planner_cases import MB, act, ops_rows, pyramid, ssd_only
+
+
+def _plan(profile, decisions, hw, budget=10**12):
+    lt = analyse(profile)
+    return Plan(
+        fingerprint=profile.fingerprint,
+        budget_bytes=budget,
+        budget_spec=str(budget),
+        hardware=hw,
+        stats=SolverStats(solver="hand", status="HEURISTIC"),
+        decisions=tuple(decisions),
+        baseline_peak_bytes=lt.baseline_peak_bytes,
+        predicted_peak_bytes=0,
+        predicted_step_s=0.0,
+        predicted_stall_s=0.0,
+        compute_s=0.0,
+    )
+
+
+def test_one_tensor_timeline_by_hand():
+    # Ops take 1 ms. t0 (100 MB): write 0.1 s issued when op0 ends, waited before op2; read 0.2 s
+    # issued before op5, fetched before op7.
+    p = pyramid()
+    lt = analyse(p)
+    d = lt.decision("t0", offload_after_idx=0, wait_before_idx=2, prefetch_before_idx=5)
+    r = simulate(p, _plan(p, [d], ssd_only(write_bw=1e9, read_bw=0.5e9)))
+    assert r.violations == []
+    assert r.stall_s_per_op.round(9).tolist() == [0, 0, 0.099, 0, 0, 0, 0, 0.198]
+    assert r.step_s == pytest.approx(0.305, abs=1e-12)
+    assert r.stall_s == pytest.approx(0.297, abs=1e-12)
+    assert r.compute_s == pytest.approx(0.008) and r.interference_s == 0
+    assert (r.memory_bytes // MB).tolist() == [100, 200, 200, 300, 300, 300, 200, 100]
+    assert r.peak_bytes == 300 * MB and r.peak_idx == 3
+    io = r.io_timeline.set_index("direction")
+    assert io.loc["write", ["issue_s", "start_s", "end_s"]].tolist() == pytest.approx([0.001, 0.001, 0.101])
+    assert io.loc["read", ["issue_s", "start_s", "end_s"]].tolist() == pytest.approx([0.104, 0.104, 0.304])
+    assert io.loc["read", "issue_idx"] == 5 and io.loc["write", "issue_idx"] == 0
+    assert r.written_bytes == r.read_bytes == 100 * MB
+    assert r.ssd_tb_written_per_day == pytest.approx(100 * MB / 0.305 * 86400 / 1e12)
+
+
+def test_fifo_queue_two_writes_and_striping_and_latency():
+    p = pyramid()
+    lt = analyse(p)
+    d0 = lt.decision("t0", offload_after_idx=0, wait_before_idx=2, prefetch_before_idx=5)
+    d1 = lt.decision("t1", offload_after_idx=1, wait_before_idx=3, prefetch_before_idx=4)
+    # One device, 1 GB/s each way: t1's write (issued at 2 ms... but op2 stalls first) queues behind t0's.
+    r = simulate(p, _plan(p, [d0, d1], ssd_only(write_bw=1e9, read_bw=1e9)))
+    w = r.io_timeline[r.io_timeline.direction == "write"].set_index("name")
+    assert w.loc["t0", "end_s"] == pytest.approx(0.101)
+    assert w.loc["t1", ["issue_s", "start_s", "end_s"]].tolist() == pytest.approx([0.002, 0.101, 0.201])
+    # Two striped devices with 1 ms latency: each transfer takes 1 ms + 0.05 s.
+    r2 = simulate(p, _plan(p, [d0, d1], ssd_only(write_bw=1e9, read_bw=1e9, count=2, latency_s=1e-3)))
+    dur = (r2.io_timeline.end_s - r2.io_timeline.start_s).tolist()
+    assert dur == pytest.approx([0.051] * 4)
+
+
+def test_shared_channel_cannot_matter_within_a_step():
+    # Every write is waited by the end of forward and every read is issued in backward, so reads and
+    # writes never overlap: sharing one channel must give the same timeline.
+    p = pyramid()
+    lt = analyse(p)
+    ds = [
+        lt.decision("t0", wait_before_idx=4, prefetch_before_idx=4),
+        lt.decision("t1", prefetch_before_idx=4),
+    ]
+    a = simulate(p, _plan(p, ds, ssd_only(shared=False)))
+    b = simulate(p, _plan(p, ds, ssd_only(shared=True)))
+    assert a.io_timeline.equals(b.io_timeline) and a.step_s == b.step_s
+
+
+def test_cpu_interference_charged_to_overlapping_ops():
+    # A 2 MB write at 1 GB/s takes 2 ms from the end of op0 (1 ms) to 3 ms and costs 2e6 * 1e-10 = 0.2 ms
+    # of compute: op1 overlaps 1 of its 2 ms (0.1 ms charged, op1 ends at 2.1 ms), op2's nominal window
+    # 2.1..3.1 ms overlaps 0.9 ms (0.09 ms charged).
+    p = make_profile(ops_rows([1000.0] * 6, 3), [act("x", 2 * MB, 0, 0, 5)], {"fingerprint": "i"})
+    lt = analyse(p)
+    d = lt.decision("x", wait_before_idx=3, prefetch_before_idx=5)
+    hw = ssd_only(write_bw=1e9, read_bw=1e12, cpu_s_per_byte=1e-10)
+    r = simulate(p, _plan(p, [d], hw))
+    assert r.violations == []
+    assert r.interference_s == pytest.approx(1.9e-4)  # the read runs while op5 waits for it: free
+    assert r.step_s == pytest.approx(r.compute_s + r.stall_s + r.interference_s)
+    assert r.op_end_s[1] == pytest.approx(2.1e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"wait_before_idx": 1}, "used while away: waited"),
+        ({"fetch_before_idx": 7, "name": "t1"}, "used while away: fetched"),
+        ({"prefetch_before_idx": 3}, "read issued before op 3, a forward op"),
+        ({"wait_before_idx": 5}, "after the end of forward"),
+        ({"offload_after_idx": 2, "wait_before_idx": 2}, "not after it is issued"),
+        ({"prefetch_before_idx": 7, "fetch_before_idx": 6}, "before its read is issued"),
+        ({"tier": "tape"}, "tier 'tape' is not in the hardware model"),
+        ({"tier": "host"}, "unavailable"),
+        ({"nbytes": 5}, "nbytes 5 in the plan"),
+        ({"wait_before_name": "conv"}, "names op 'conv'"),
+        ({"name": "t3"}, "not an offload candidate"),
+        ({"name": "ghost"}, "no such tensor"),
+        ({"fetch_before_idx": 99}, "outside the profile's ops"),
+    ],
+)
+def test_violations(kwargs, fragment):
+    p = pyramid()
+    lt = analyse(p)
+    d = dataclasses.replace(lt.decision("t0"), **kwargs)
+    r = simulate(p, _plan(p, [d], ssd_only()))
+    assert any(fragment in v for v in r.violations), r.violations
+    assert not r.ok
+
+
+def test_duplicate_budget_and_capacity_violations():
+    p = pyramid()
+    lt = analyse(p)
+    d = lt.decision("t0")
+    r = simulate(p, _plan(p, [d, d], ssd_only()), budget_bytes=250 * MB)
+    assert any("more than one decision" in v for v in r.violations)
+    assert any("exceeds the budget" in v for v in r.violations) and not r.within_budget
+    hw = ssd_only().with_overrides("host", capacity_bytes=150 * MB)
+    ds = [lt.decision("t0", tier="host"), lt.decision("t1", tier="host")]
+    r = simulate_decisions(lt, ds, hw)
+    assert r.tier_peak_bytes == {"host": 200 * MB}
+    assert any("over its capacity" in v for v in r.violations)
+    assert r.ssd_tb_written_per_day == 0.0 and r.written_bytes == 200 * MB
+
+
+def test_read_before_write_completes_is_caught():
+    # The wait sits after the prefetch (itself a rule break): the read starts before the write is done.
+    p = pyramid()
+    lt = analyse(p)
+    d = dataclasses.replace(lt.decision("t0", offload_after_idx=3, wait_before_idx=4, prefetch_before_idx=4))
+    d = dataclasses.replace(d, wait_before_idx=6, wait_before_name="op6")
+    r = simulate(p, _plan(p, [d], ssd_only()))
+    assert any("before its write completes" in v for v in r.violations)
+
+
+def test_plan_for_another_profile_is_refused():
+    p = pyramid()
+    with pytest.raises(PlanError, match="re-plan"):
+        simulate(pyramid(fingerprint="other"), _plan(p, [], ssd_only()))
+
+
+def test_what_if_hardware_and_budget():
+    p = pyramid()
+    lt = analyse(p)
+    plan = _plan(
+        p,
+        [lt.decision("t0", offload_after_idx=0, wait_before_idx=2, prefetch_before_idx=5)],
+        ssd_only(write_bw=1e9, read_bw=0.5e9),
+        budget=300 * MB,
+    )
+    slow = simulate(p, plan)
+    fast = simulate(p, plan, plan.hardware.with_overrides("ssd", count=4))
+    assert fast.stall_s < slow.stall_s and slow.ok
+    assert simulate(p, plan, budget_bytes=250 * MB).violations
+    tier = TierModel(write_bw_bytes_per_s=1e12, read_bw_bytes_per_s=1e12)
+    assert simulate(p, plan, dataclasses.replace(plan.hardware, tiers={"ssd": tier})).stall_s == 0
