@@ -1,0 +1,19 @@
+"""teraio's offload runtime: move tensors to SSD (O_DIRECT or kvikio/GDS) or host memory and back.
+
+Never imports ``planner`` or ``teraio``: it executes named requests, it does not read plans.
+"""
+
+from runtime.config import RuntimeConfig, parse_nbytes
+from runtime.engine import Engine
+from runtime.handle import Handle
+from runtime.stats import DirStats, RuntimeStats, TransferStats
+
+__all__ = [
+    "DirStats",
+    "Engine",
+    "Handle",
+    "RuntimeConfig",
+    "RuntimeStats",
+    "TransferStats",
+    "parse_nbytes",
+]

@@ -130,6 +130,50 @@ def inner_compiler(inner: str, is_backward: bool) -> Callable[..., Any]:
     return compile_inductor
 
 
+def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
+    """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto): ops and transfers."""
+    from planner.simulate import simulate
+
+    sim = simulate(profile, plan)
+    events: list[dict[str, Any]] = []
+    for i, (name, start_s, end_s) in enumerate(zip(profile.ops["name"], sim.op_start_s, sim.op_end_s)):
+        phase = "fwd" if i < profile.num_fwd_ops else "bwd"
+        events.append(
+            {
+                "name": name,
+                "cat": phase,
+                "ph": "X",
+                "pid": 0,
+                "tid": "compute",
+                "ts": float(start_s) * 1e6,
+                "dur": float(end_s - start_s) * 1e6,
+                "args": {"idx": i},
+            }
+        )
+    for r in sim.io_timeline.itertuples():
+        events.append(
+            {
+                "name": f"{r.direction} {r.name}",
+                "cat": str(r.tier),
+                "ph": "X",
+                "pid": 0,
+                "tid": f"{r.tier} {r.direction}",
+                "ts": float(r.start_s) * 1e6,
+                "dur": float(r.end_s - r.start_s) * 1e6,
+                "args": {"nbytes": int(r.nbytes)},
+            }
+        )
+    path.write_text(
+        json.dumps(
+            {
+                "traceEvents": events,
+                "displayTimeUnit": "ms",
+                "otherData": {"predicted_step_s": sim.step_s, "peak_bytes": sim.peak_bytes},
+            }
+        )
+    )
+
+
 def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
@@ -329,6 +373,7 @@ class TeraioBackend:
             d = self.run_dir / f"graph{runner.graph_id}"
             d.mkdir(parents=True, exist_ok=True)
             plan.save(d / "plan.json")
+            write_trace(runner.profile, plan, d / "trace.json")
         log.info(
             "graph %d: plan by %s moves %d tensors (%d bytes); predicted peak %d, step %.3f s",
             runner.graph_id,

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 # Order is the order of ``teraio --help``.
-COMMAND_MODULES = ["profile", "synth", "plan", "simulate", "show", "sweep", "calibrate"]
+COMMAND_MODULES = ["profile", "synth", "plan", "simulate", "show", "sweep", "calibrate", "demo"]
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:

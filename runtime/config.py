@@ -1,0 +1,186 @@
+"""The runtime's one configuration dataclass, plus size parsing and backend selection from the environment.
+
+Machine-level settings come from ``TERAIO_*`` environment variables only where the caller left the
+option unset, so an explicit argument always wins and a job script can steer the backend without code.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import ConfigError
+
+PAGE_NBYTES = 4096
+BACKENDS = ("auto", "posix", "kvikio", "host")
+CHECKSUMS = ("crc32c", "xxhash")
+ENV_BACKEND = "TERAIO_IO_BACKEND"
+ENV_DIRS = "TERAIO_OFFLOAD_DIRS"
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_nbytes(value: int | str, *, what: str = "size") -> int:
+    """Parse a byte count given as an int or a string with a unit ("512MiB", "2GB", "4096").
+
+    Raises:
+        ConfigError: the value is negative, not a number, or has an unknown unit.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a byte count, got {value!r}")
+    if isinstance(value, int):
+        nbytes = value
+    elif isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ConfigError(
+                f"{what}={value!r} is not a size: use bytes or a unit like '512MiB', '2GB', '1GiB'"
+            )
+        nbytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    else:
+        raise ConfigError(f"{what} must be an int or a string like '512MiB', got {type(value).__name__}")
+    if nbytes < 0:
+        raise ConfigError(f"{what} must be >= 0, got {value!r}")
+    return nbytes
+
+
+# A fault injector is called before every syscall that touches an offload file, with the action
+# ("create", "preallocate", "write", "read"), the file path, the file offset and the byte count; it
+# may raise OSError to simulate the device failing. See runtime.testing.FaultInjector.
+FaultInjectorFn = Callable[[str, str, int, int], None]
+
+
+@dataclass
+class RuntimeConfig:
+    """Options of the offload engine.
+
+    Attributes:
+        dirs: offload directories, one per SSD; requests are striped across them. Default: the
+            colon-separated ``TERAIO_OFFLOAD_DIRS``. Not needed for the host backend.
+        backend: ``auto|posix|kvikio|host``; None reads ``TERAIO_IO_BACKEND`` (default ``auto``).
+        io_threads: I/O worker threads (each runs one chunk at a time).
+        chunk_bytes: size of one I/O request and the stripe unit across directories (multiple of 4096).
+        reserve_bytes: bytes to preallocate at start, split over ``dirs``; the engine fails at start if
+            they do not fit (size your planned peak here).
+        host_capacity_bytes: limit of the host-memory tier; None means unlimited.
+        checksum: False, True (= "crc32c"), "crc32c" or "xxhash": one checksum per chunk, verified on read.
+        rank: distributed rank, part of the per-process subdirectory name.
+        direct_io: None tries O_DIRECT and falls back to buffered I/O + fsync + fadvise(DONTNEED)
+            with a logged reason; False forces that fallback; True fails if O_DIRECT is refused.
+        bounce_reads: True reads every O_DIRECT chunk through the I/O thread's aligned buffer and
+            copies it out, even into a 4096-aligned fetched tensor (to test or compare that path);
+            False (default) reads straight into aligned tensors (see ``runtime.tiers.posix``).
+        fault_injector: test seam, see :data:`FaultInjectorFn` and ``runtime.testing.FaultInjector``.
+    """
+
+    dirs: Sequence[str | os.PathLike[str]] = ()
+    backend: str | None = None
+    io_threads: int = 2
+    chunk_bytes: int | str = 4 << 20
+    reserve_bytes: int | str = 0
+    host_capacity_bytes: int | str | None = None
+    checksum: bool | str = False
+    rank: int = 0
+    direct_io: bool | None = None
+    bounce_reads: bool = False
+    fault_injector: FaultInjectorFn | None = field(default=None, repr=False)
+
+    def resolved(self) -> ResolvedConfig:
+        """Validate every option and return the normalised config the engine runs with.
+
+        Raises:
+            ConfigError: naming the bad option and the accepted values.
+        """
+        backend = self.backend if self.backend is not None else os.environ.get(ENV_BACKEND, "auto")
+        backend = backend.strip().lower()
+        if backend not in BACKENDS:
+            src = "backend" if self.backend is not None else ENV_BACKEND
+            raise ConfigError(f"{src}={backend!r} is not a backend: use one of {', '.join(BACKENDS)}")
+        dirs: Sequence[Any] = self.dirs
+        if isinstance(dirs, (str, os.PathLike)):
+            dirs = [dirs]
+        if not dirs and os.environ.get(ENV_DIRS):
+            dirs = [d for d in os.environ[ENV_DIRS].split(":") if d]
+        paths = tuple(Path(os.path.abspath(os.fspath(d))) for d in dirs)
+        if len(set(paths)) != len(paths):
+            raise ConfigError(f"dirs lists a directory twice: {[str(p) for p in paths]}")
+        if backend != "host" and not paths:
+            raise ConfigError(
+                f"backend {backend!r} needs offload directories: pass dirs=[...] (one per SSD) "
+                f"or set {ENV_DIRS}=/nvme0/x:/nvme1/x, or use backend='host'"
+            )
+        if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or self.io_threads < 1:
+            raise ConfigError(f"io_threads must be an int >= 1, got {self.io_threads!r}")
+        chunk_nbytes = parse_nbytes(self.chunk_bytes, what="chunk_bytes")
+        if chunk_nbytes <= 0 or chunk_nbytes % PAGE_NBYTES:
+            raise ConfigError(f"chunk_bytes must be a positive multiple of 4096, got {self.chunk_bytes!r}")
+        reserve_nbytes = parse_nbytes(self.reserve_bytes, what="reserve_bytes")
+        host_capacity = (
+            None
+            if self.host_capacity_bytes is None
+            else parse_nbytes(self.host_capacity_bytes, what="host_capacity_bytes")
+        )
+        if self.checksum is True:
+            checksum: str | None = "crc32c"
+        elif self.checksum is False or self.checksum is None:
+            checksum = None
+        elif isinstance(self.checksum, str) and self.checksum.lower() in CHECKSUMS:
+            checksum = self.checksum.lower()
+        else:
+            raise ConfigError(f"checksum={self.checksum!r}: use False, True, 'crc32c' or 'xxhash'")
+        if not isinstance(self.rank, int) or self.rank < 0:
+            raise ConfigError(f"rank must be an int >= 0, got {self.rank!r}")
+        if self.direct_io not in (None, True, False):
+            raise ConfigError(f"direct_io must be None, True or False, got {self.direct_io!r}")
+        if not isinstance(self.bounce_reads, bool):
+            raise ConfigError(f"bounce_reads must be True or False, got {self.bounce_reads!r}")
+        return ResolvedConfig(
+            dirs=paths,
+            backend=backend,
+            io_threads=self.io_threads,
+            chunk_nbytes=chunk_nbytes,
+            reserve_nbytes=reserve_nbytes,
+            host_capacity_nbytes=host_capacity,
+            checksum=checksum,
+            rank=self.rank,
+            direct_io=self.direct_io,
+            bounce_reads=self.bounce_reads,
+            fault_injector=self.fault_injector,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A validated :class:`RuntimeConfig` with sizes in bytes and the backend chosen."""
+
+    dirs: tuple[Path, ...]
+    backend: str
+    io_threads: int
+    chunk_nbytes: int
+    reserve_nbytes: int
+    host_capacity_nbytes: int | None
+    checksum: str | None
+    rank: int
+    direct_io: bool | None
+    bounce_reads: bool
+    fault_injector: FaultInjectorFn | None

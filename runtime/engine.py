@@ -1,0 +1,670 @@
+"""The offload engine: named requests that move tensors to a tier and back, in the background.
+
+The injected graph ops call ``offload``/``release``/``prefetch``/``fetch``/``drop`` by key. The engine
+splits each request into chunks run by a pool of I/O threads (FIFO, so transfers run in the order
+the plan issued them), deduplicates storages offloaded twice, serves fetches from memory when the data
+is still there, verifies checksums, and turns every OS failure into a typed error at the request that
+hit it. It never interprets a plan.
+
+Notes referenced in the code:
+
+Note: [Keepalive until the write completes]
+    A write reads the source storage on an I/O thread long after ``offload`` returned. The write
+    request holds a strong reference to the source region until its last chunk is done, so a caller
+    that drops its tensor (or an allocator that reuses the buffer) cannot change the bytes mid-write.
+    The key record keeps its own reference until ``release``, which waits for the write first.
+
+Note: [Storage identity]
+    Dedup and forwarding identify a storage by the Python storage object (torch preserves one object
+    per live StorageImpl) through a weak reference, never by data_ptr alone: a freed address is
+    reused by the next allocation. The ``_cdata`` pointer is only a dict key; a hit is confirmed by
+    ``ref() is storage``, and the version counter rejects a storage that was modified in place.
+
+Note: [Fetched buffers are torch memory]
+    A read's destination is an ordinary torch allocation made by the tier's ``new_buffer`` in the
+    caller's thread (prefetch or fetch): torch's allocator and its profiler then account for every
+    fetched byte (teraio measures a step's peak with the profiler's ``[memory]`` events, which are
+    recorded per thread), and the buffer is freed normally when the last tensor over it dies.
+
+Note: [CUDA ordering]
+    A CUDA tensor's producing kernels may still be queued when ``offload`` returns: an event recorded
+    on the caller's current stream is synchronised by the I/O thread before the first byte is read.
+    A read buffer is allocated in the caller's thread on its current stream (so the caching allocator
+    ties it to the compute stream) and an event recorded right after the allocation is synchronised
+    before the I/O thread writes into it, since the block may still be in use by earlier kernels of
+    that stream. The host waits for the read before ``fetch`` returns, so kernels enqueued after it see
+    the bytes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.config import ResolvedConfig, RuntimeConfig
+from runtime.errors import (
+    ChecksumError,
+    ConfigError,
+    EngineClosedError,
+    RuntimeIOError,
+    UnknownKeyError,
+    UnsupportedTensorError,
+)
+from runtime.handle import Handle
+from runtime.integrity import make_checksum
+from runtime.space import OffloadDir
+from runtime.stats import DirStats, RuntimeStats, StatsCollector, tb_per_day
+from runtime.tiers.base import Chunk, Placement, Tier
+from runtime.tiers.host import HostTier
+
+log = logging.getLogger(__name__)
+
+_LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    """Remove every offload file at interpreter exit, even if the user forgot close()."""
+    for engine in list(_LIVE_ENGINES):
+        try:
+            engine.close()
+        except Exception as exc:  # noqa: BLE001 - best effort at exit
+            log.warning("closing a teraio runtime engine at exit failed: %s", exc)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _span_nbytes(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range [lo, hi) of the storage that the view ``t`` can touch."""
+    itemsize = t.element_size()
+    lo = t.storage_offset() * itemsize
+    if t.numel() == 0:
+        return lo, lo
+    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
+    return lo, lo + extent * itemsize
+
+
+@dataclass(eq=False)  # identity semantics: entries hold tensors
+class _Entry:
+    """One stored byte region of one storage, shared by every key that deduplicated onto it."""
+
+    tier: Tier
+    device: torch.device
+    storage_ref: weakref.ref
+    storage_id: int
+    version: int | None
+    region_lo: int
+    nbytes: int
+    placement: Placement
+    write_handle: Handle
+    checksums: list[int | None]
+    keys: set[str] = field(default_factory=set)
+    read_handle: Handle | None = None
+    loaded_ref: weakref.ref | None = None  # storage of the last fetched buffer, while users hold it
+
+
+@dataclass(eq=False)
+class _Key:
+    """What one key needs to rebuild its tensor: view metadata plus the in-memory reference."""
+
+    entry: _Entry | None  # None for zero-size tensors (nothing stored)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    byte_offset: int  # of the view's first element in its storage
+    device: torch.device
+    tensor: torch.Tensor | None  # held until release (forwarding)
+
+
+class _Request:
+    """Counts down the chunks of one request and completes its handle."""
+
+    def __init__(self, handle: Handle, nchunks: int, on_done) -> None:
+        self.handle = handle
+        self.remaining = nchunks
+        self.error: BaseException | None = None
+        self.lock = threading.Lock()
+        self.on_done = on_done
+
+    def chunk_finished(self, exc: BaseException | None) -> None:
+        with self.lock:
+            if exc is not None and self.error is None:
+                self.error = exc
+            self.remaining -= 1
+            last = self.remaining == 0
+        if last:
+            self.on_done(self)
+
+
+class Engine:
+    """Offload, prefetch and fetch tensors by key. See the module docstring and ``RuntimeConfig``.
+
+    Usable as a context manager; ``close()`` waits for in-flight I/O and removes every file.
+    """
+
+    def __init__(self, config: RuntimeConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            config = RuntimeConfig(**kwargs)
+        elif kwargs:
+            raise ConfigError("pass either a RuntimeConfig or keyword options, not both")
+        self.config: ResolvedConfig = config.resolved()
+        cfg = self.config
+        self._lock = threading.RLock()
+        self._keys: dict[str, _Key] = {}
+        self._by_storage: dict[int, list[_Entry]] = {}
+        self._closed = False
+        self._stats = StatsCollector()
+        self._checksum = make_checksum(cfg.checksum)
+        self._dirs: list[OffloadDir] = []
+        self._ssd: Tier | None = None
+        self.backend = self._choose_backend(cfg.backend)
+        self._host = HostTier(chunk_nbytes=cfg.chunk_nbytes, capacity_nbytes=cfg.host_capacity_nbytes)
+        try:
+            if self.backend != "host":
+                self._open_ssd_tier()
+        except BaseException:
+            for odir in self._dirs:
+                odir.close()
+            raise
+        self.default_tier = "host" if self.backend == "host" else "ssd"
+        self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="teraio-io")
+        _LIVE_ENGINES.add(self)
+
+    # -- set-up ---------------------------------------------------------------------------------
+    @staticmethod
+    def _choose_backend(requested: str) -> str:
+        if requested != "auto":
+            return requested
+        from runtime.tiers.gds import kvikio_status
+
+        if not torch.cuda.is_available():
+            log.info("TERAIO_IO_BACKEND=auto chose posix: no CUDA device")
+            return "posix"
+        ok, reason = kvikio_status()
+        if not ok:
+            log.warning("TERAIO_IO_BACKEND=auto chose posix although CUDA is present: %s", reason)
+            return "posix"
+        log.info("TERAIO_IO_BACKEND=auto chose kvikio: CUDA device and kvikio present")
+        return "kvikio"
+
+    def _open_ssd_tier(self) -> None:
+        cfg = self.config
+        for base in cfg.dirs:
+            self._dirs.append(
+                OffloadDir(base, rank=cfg.rank, direct_io=cfg.direct_io, fault_injector=cfg.fault_injector)
+            )
+        if cfg.reserve_nbytes:
+            # Split like the striping does: whole chunks round-robin, so each share is what it holds.
+            nchunks = -(-cfg.reserve_nbytes // cfg.chunk_nbytes)
+            for i, odir in enumerate(self._dirs):
+                share = len(range(i, nchunks, len(self._dirs))) * cfg.chunk_nbytes
+                odir.reserve(share)
+        if self.backend == "kvikio":
+            from runtime.tiers.gds import KvikioTier
+
+            self._ssd = KvikioTier(
+                self._dirs, chunk_nbytes=cfg.chunk_nbytes, fault_injector=cfg.fault_injector
+            )
+        else:
+            from runtime.tiers.posix import PosixTier
+
+            self._ssd = PosixTier(
+                self._dirs,
+                chunk_nbytes=cfg.chunk_nbytes,
+                fault_injector=cfg.fault_injector,
+                bounce_reads=cfg.bounce_reads,
+            )
+
+    @property
+    def offload_paths(self) -> list[str]:
+        """This process's private subdirectories (one per offload directory)."""
+        return [str(d.path) for d in self._dirs]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the runtime engine is closed; create a new Engine")
+
+    def _tier(self, tier: str | None) -> Tier:
+        name = tier or self.default_tier
+        if name == "host":
+            return self._host
+        if name == "ssd":
+            if self._ssd is None:
+                raise ConfigError("tier 'ssd' needs offload directories; this engine runs backend 'host'")
+            return self._ssd
+        raise ConfigError(f"tier={tier!r} is not a tier: use 'ssd', 'host' or None (the default tier)")
+
+    def _record(self, key: str) -> _Key:
+        rec = self._keys.get(key)
+        if rec is None:
+            raise UnknownKeyError(f"no offloaded tensor under key {key!r}: offload it first")
+        return rec
+
+    def _stall(self, seconds: float) -> None:
+        self._stats.add_stall(seconds)
+
+    @staticmethod
+    def _validate(key: str, tensor: torch.Tensor) -> None:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"key must be a non-empty str, got {key!r}")
+        if not isinstance(tensor, torch.Tensor):
+            raise UnsupportedTensorError(
+                f"offload({key!r}) needs a torch.Tensor, got {type(tensor).__name__}"
+            )
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
+            raise UnsupportedTensorError(
+                f"offload({key!r}): only dense strided tensors can be offloaded, got layout {tensor.layout}"
+            )
+        if tensor.device.type not in ("cpu", "cuda"):
+            raise UnsupportedTensorError(
+                f"offload({key!r}): tensors on {tensor.device} are not supported (cpu or cuda only)"
+            )
+
+    # -- offload --------------------------------------------------------------------------------
+    def offload(self, key: str, tensor: torch.Tensor, tier: str | None = None) -> Handle:
+        """Start writing ``tensor`` under ``key``; return at once with a handle on the write.
+
+        An existing ``key`` is dropped first (the step-to-step reuse case). A storage already stored
+        (another view of the same buffer) is not written again.
+
+        Raises:
+            OutOfSpaceError, TierCapacityError: no room for the bytes (nothing is registered then).
+            UnsupportedTensorError, ConfigError: bad arguments.
+        """
+        self._validate(key, tensor)
+        target = self._tier(tier)
+        t = tensor.detach()
+        lo, hi = _span_nbytes(t)
+        while True:
+            with self._lock:
+                self._check_open()
+                old = self._keys.get(key)
+                if old is None:
+                    break
+            self._drop_record(key)
+        meta = dict(
+            dtype=t.dtype,
+            shape=tuple(t.shape),
+            stride=tuple(t.stride()),
+            byte_offset=lo,
+            device=t.device,
+        )
+        if t.numel() == 0:
+            with self._lock:
+                self._keys[key] = _Key(entry=None, tensor=t, **meta)
+            return Handle.completed(key, "offload")
+        storage = t.untyped_storage()
+        storage_id = storage._cdata
+        version = _version_of(t)
+        with self._lock:
+            entry = self._find_entry(storage, storage_id, version, target, t, lo, hi)
+            if entry is not None:
+                entry.keys.add(key)
+                self._keys[key] = _Key(entry=entry, tensor=t, **meta)
+                self._stats.count("dedup_hits")
+                self._stats.count("dedup_saved_nbytes", hi - lo)
+                return entry.write_handle
+        # A region: the whole storage when the view covers at least half of it (so sibling views
+        # such as q/k/v of one qkv buffer dedup onto it), else only the view's own span.
+        storage_nbytes = storage.nbytes()
+        region_lo, region_hi = (0, storage_nbytes) if 2 * (hi - lo) >= storage_nbytes else (lo, hi)
+        nbytes = region_hi - region_lo
+        placement = target.allocate(nbytes)  # raises OutOfSpaceError / TierCapacityError now
+        self._stats.hold(target.name, nbytes)
+        region = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, region_lo, (nbytes,), (1,))
+        handle = Handle(key, "offload", self._stall)
+        entry = _Entry(
+            tier=target,
+            device=t.device,
+            storage_ref=weakref.ref(storage),
+            storage_id=storage_id,
+            version=version,
+            region_lo=region_lo,
+            nbytes=nbytes,
+            placement=placement,
+            write_handle=handle,
+            checksums=[None] * len(placement.chunks),
+            keys={key},
+        )
+        with self._lock:
+            self._by_storage.setdefault(storage_id, []).append(entry)
+            self._keys[key] = _Key(entry=entry, tensor=t, **meta)
+        self._submit_write(entry, region)
+        return handle
+
+    def _find_entry(self, storage, storage_id, version, target, t, lo, hi) -> _Entry | None:
+        entries = self._by_storage.get(storage_id)
+        if not entries:
+            return None
+        entries[:] = [e for e in entries if e.storage_ref() is not None]
+        for e in entries:
+            if (
+                e.storage_ref() is storage  # Note: [Storage identity]
+                and e.version == version
+                and e.tier is target
+                and e.region_lo <= lo
+                and hi <= e.region_lo + e.nbytes
+                and (lo - e.region_lo) % t.element_size() == 0
+                and not (e.write_handle.done() and e.write_handle._exc is not None)
+            ):
+                return e
+        return None
+
+    def _submit_write(self, entry: _Entry, region: torch.Tensor) -> None:
+        tier = entry.tier
+        kind = f"{tier.name}.write"
+        event = None
+        if region.device.type == "cuda":  # Note: [CUDA ordering]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(region.device))
+        checksum = self._checksum if region.device.type == "cpu" else None
+
+        def on_done(req: _Request) -> None:
+            nonlocal region  # Note: [Keepalive until the write completes]: released only here
+            error = req.error
+            if error is None:
+                try:
+                    tier.finish_write(entry.placement)
+                except BaseException as exc:  # noqa: BLE001 - delivered through the handle
+                    error = exc
+            region = None
+            self._stats.finish(kind, entry.nbytes if error is None else 0)
+            if error is None:
+                req.handle._set_result(None)
+            else:
+                req.handle._set_exception(_typed(error, f"offload of {sorted(entry.keys)}"))
+
+        req = _Request(entry.write_handle, len(entry.placement.chunks), on_done)
+        self._stats.start(kind)
+        for idx, chunk in enumerate(entry.placement.chunks):
+            self._pool.submit(self._write_chunk, req, entry, idx, chunk, region, event, checksum)
+
+    def _write_chunk(self, req, entry, idx, chunk: Chunk, region, event, checksum) -> None:
+        exc: BaseException | None = None
+        try:
+            if req.error is None:  # a failed request skips its remaining chunks
+                if event is not None:
+                    event.synchronize()
+                if checksum is not None:
+                    entry.checksums[idx] = checksum(region.data_ptr() + chunk.region_offset, chunk.nbytes)
+                entry.tier.write_chunk(entry.placement, chunk, region)
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            exc = e
+        req.chunk_finished(exc)
+
+    # -- release --------------------------------------------------------------------------------
+    def release(self, key: str) -> None:
+        """Wait for ``key``'s write, then drop the engine's in-memory reference to its tensor.
+
+        Raises:
+            RuntimeIOError: the write failed; the tensor then stays in memory (fetch still works).
+        """
+        with self._lock:
+            self._check_open()
+            rec = self._record(key)
+            if rec.tensor is None or rec.entry is None:
+                if rec.entry is None:
+                    rec.tensor = None
+                return
+            handle = rec.entry.write_handle
+        handle.wait()
+        with self._lock:
+            if self._keys.get(key) is rec:
+                rec.tensor = None
+
+    # -- prefetch / fetch -----------------------------------------------------------------------
+    def prefetch(self, key: str) -> Handle:
+        """Start reading ``key`` back into a fresh buffer; return a handle at once.
+
+        Forwards (a done handle, no read) when the data is still in memory.
+        """
+        with self._lock:
+            self._check_open()
+            rec = self._record(key)
+            entry = rec.entry
+            if entry is None or self._memory_copy(entry) is not None:
+                return Handle.completed(key, "prefetch")
+            if entry.read_handle is None:
+                entry.read_handle = self._submit_read(key, entry)
+            return entry.read_handle
+
+    def _memory_copy(self, entry: _Entry) -> tuple[torch.UntypedStorage, int] | None:
+        """A live storage holding the entry's bytes, and the storage byte offset of region start."""
+        for k in entry.keys:
+            other = self._keys.get(k)
+            if other is not None and other.tensor is not None:
+                return other.tensor.untyped_storage(), 0
+        if entry.loaded_ref is not None:
+            loaded = entry.loaded_ref()
+            if loaded is not None:
+                return loaded, entry.region_lo
+            entry.loaded_ref = None
+        return None
+
+    def _submit_read(self, key: str, entry: _Entry) -> Handle:
+        tier = entry.tier
+        kind = f"{tier.name}.read"
+        buf = tier.new_buffer(entry.nbytes, entry.device)  # Note: [Fetched buffers are torch memory]
+        event = None
+        if buf.device.type == "cuda":  # Note: [CUDA ordering]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(buf.device))
+        handle = Handle(key, "prefetch", self._stall)
+        keys = sorted(entry.keys)
+
+        def on_done(req: _Request) -> None:
+            self._stats.finish(kind, entry.nbytes if req.error is None else 0)
+            if req.error is None:
+                req.handle._set_result(buf)
+            else:
+                req.handle._set_exception(_typed(req.error, f"read of {keys}"))
+
+        verify = self._checksum if buf.device.type == "cpu" else None
+        group_chunks = getattr(tier, "group_chunks", None)
+        if group_chunks is not None and buf.device.type == "cpu":
+            groups = group_chunks(entry.placement, self.config.io_threads)
+        else:
+            groups = [[i] for i in range(len(entry.placement.chunks))]
+        req = _Request(handle, len(groups), on_done)
+        self._stats.start(kind)
+        for idxs in groups:
+            self._pool.submit(self._read_group, req, entry, idxs, buf, event, verify, keys)
+        return handle
+
+    def _read_group(self, req, entry, idxs: list[int], buf, event, verify, keys) -> None:
+        exc: BaseException | None = None
+        try:
+            if req.error is None:
+                if event is not None:
+                    event.synchronize()
+                if len(idxs) == 1:
+                    entry.tier.read_chunk(entry.placement, entry.placement.chunks[idxs[0]], buf)
+                else:
+                    entry.tier.read_group(entry.placement, idxs, buf)
+                self._verify(entry, idxs, buf, verify, keys)
+        except BaseException as e:  # noqa: BLE001 - delivered through the handle
+            exc = e
+        req.chunk_finished(exc)
+
+    def _verify(self, entry, idxs: list[int], buf, verify, keys) -> None:
+        for idx in idxs:
+            chunk = entry.placement.chunks[idx]
+            expected = entry.checksums[idx]
+            if verify is not None and expected is not None:
+                got = verify(buf.data_ptr() + chunk.region_offset, chunk.nbytes)
+                if got != expected:
+                    self._stats.count("checksum_failures")
+                    path = self._chunk_path(chunk)
+                    raise ChecksumError(
+                        f"checksum mismatch for key {keys[0]!r}"
+                        + (f" (shared with {keys[1:]})" if len(keys) > 1 else "")
+                        + f": {path} at offset {chunk.file_offset}, {chunk.nbytes} bytes read back "
+                        f"differ from those written; the device or filesystem corrupted data",
+                        key=keys[0],
+                        path=path,
+                        file_offset=chunk.file_offset,
+                    )
+
+    def _chunk_path(self, chunk: Chunk) -> str:
+        if chunk.dir_idx < 0:
+            return "<host memory>"
+        return str(self._dirs[chunk.dir_idx].data_path)
+
+    def fetch(self, key: str) -> torch.Tensor:
+        """Return ``key``'s tensor with its dtype, shape, strides and bytes (from memory if still
+        there, else from the prefetched or a new read). Views deduplicated onto one storage come back
+        as views of one buffer.
+
+        Raises:
+            ChecksumError, DiskIOError, RuntimeIOError: the read failed (the key stays readable).
+        """
+        with self._lock:
+            self._check_open()
+            rec = self._record(key)
+            entry = rec.entry
+            if entry is None:
+                return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=rec.device)
+            if rec.tensor is not None:
+                self._stats.count("forwarded_fetches")
+                self._stats.count("forwarded_nbytes", entry.nbytes)
+                return rec.tensor
+            copy = self._memory_copy(entry)
+            if copy is not None:
+                self._stats.count("forwarded_fetches")
+                self._stats.count("forwarded_nbytes", entry.nbytes)
+                return self._rebuild(rec, copy[0], copy[1])
+            handle = entry.read_handle
+            if handle is None:
+                handle = entry.read_handle = self._submit_read(key, entry)
+        try:
+            buf = handle.result()
+        except BaseException:
+            with self._lock:
+                if entry.read_handle is handle:
+                    entry.read_handle = None  # a later fetch retries the read
+            raise
+        if buf.device != rec.device:  # posix tier with an accelerator tensor: move the whole region
+            buf = buf.to(rec.device)
+        with self._lock:
+            storage = buf.untyped_storage()
+            if entry.read_handle is handle:
+                # The buffer now belongs to the returned tensors; remember it only weakly so sibling
+                # keys share it while someone holds it and the memory goes when they let go.
+                entry.read_handle = None
+                entry.loaded_ref = weakref.ref(storage)
+            return self._rebuild(rec, storage, entry.region_lo)
+
+    @staticmethod
+    def _rebuild(rec: _Key, storage: torch.UntypedStorage, storage_lo: int) -> torch.Tensor:
+        itemsize = torch.empty(0, dtype=rec.dtype).element_size()
+        offset_elems = (rec.byte_offset - storage_lo) // itemsize
+        out = torch.empty(0, dtype=rec.dtype, device=storage.device)
+        return out.set_(storage, offset_elems, rec.shape, rec.stride)
+
+    # -- drop / close ---------------------------------------------------------------------------
+    def drop(self, key: str, *, missing_ok: bool = False) -> None:
+        """Forget ``key``; when no other key shares its bytes, free its space for reuse.
+
+        Waits for in-flight I/O on those bytes first. Raises UnknownKeyError unless ``missing_ok``.
+        """
+        with self._lock:
+            self._check_open()
+            if key not in self._keys:
+                if missing_ok:
+                    return
+                raise UnknownKeyError(f"no offloaded tensor under key {key!r}: nothing to drop")
+        self._drop_record(key)
+
+    def _drop_record(self, key: str) -> None:
+        with self._lock:
+            rec = self._keys.pop(key, None)
+            if rec is None or rec.entry is None:
+                return
+            entry = rec.entry
+            entry.keys.discard(key)
+            if entry.keys:
+                return
+            siblings = self._by_storage.get(entry.storage_id, [])
+            if entry in siblings:
+                siblings.remove(entry)
+            if not siblings:
+                self._by_storage.pop(entry.storage_id, None)
+            pending = [h for h in (entry.write_handle, entry.read_handle) if h is not None]
+            entry.read_handle = None
+        for h in pending:  # no chunk may still touch the space we hand back
+            h._event.wait()
+        entry.tier.free(entry.placement)
+        self._stats.hold(entry.tier.name, -entry.nbytes)
+
+    def keys(self) -> list[str]:
+        """The keys currently offloaded."""
+        with self._lock:
+            return list(self._keys)
+
+    def close(self) -> None:
+        """Wait for in-flight I/O, then remove every file this engine created. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._keys.clear()
+            self._by_storage.clear()
+        self._pool.shutdown(wait=True)
+        try:
+            if self._ssd is not None:
+                self._ssd.close()
+            self._host.close()
+        finally:
+            for odir in self._dirs:
+                odir.close()
+            _LIVE_ENGINES.discard(self)
+
+    # -- stats ----------------------------------------------------------------------------------
+    def stats(self) -> RuntimeStats:
+        """A snapshot of the counters (see :class:`runtime.stats.RuntimeStats`)."""
+        elapsed = max(1e-9, time.perf_counter() - self._stats.started)
+        io_path = self._ssd.io_path if self._ssd is not None else self._host.io_path
+        dirs = tuple(
+            DirStats(
+                path=str(d.base),
+                io_path="posix-odirect" if d.direct else "posix-buffered",
+                bytes_written=d.usage.bytes_written,
+                bytes_read=d.usage.bytes_read,
+                file_capacity_nbytes=d.capacity_nbytes,
+                used_nbytes=d.allocator.used_nbytes,
+                peak_used_nbytes=d.allocator.peak_used_nbytes,
+                tb_written_per_day=tb_per_day(d.usage.bytes_written, elapsed),
+            )
+            for d in self._dirs
+        )
+        read_nbytes = dict(getattr(self._ssd, "read_nbytes", {}))
+        return self._stats.snapshot(backend=self.backend, io_path=io_path, dirs=dirs, read_nbytes=read_nbytes)
+
+
+def _typed(exc: BaseException, what: str) -> BaseException:
+    """Keep the runtime's typed errors; wrap anything else so callers catch one base class."""
+    if isinstance(exc, RuntimeIOError):
+        return exc
+    wrapped = RuntimeIOError(f"{what} failed: {type(exc).__name__}: {exc}")
+    wrapped.__cause__ = exc
+    return wrapped

@@ -1,0 +1,485 @@
+"""Offload files on disk: safe creation, preallocation, extent reuse and cleanup.
+
+Three problems live here. (1) Space: each offload directory gets one data file, preallocated with
+fallocate so a write never discovers a full disk halfway, and an extent allocator hands out and reuses
+ranges of it so a long run does not grow the file step after step. (2) Safety: the bytes are training
+data, so the per-process subdirectory is created 0700 and files 0600 with O_EXCL|O_NOFOLLOW (never
+following a planted symlink, never reusing a planted file), and cleanup only touches teraio's own
+subdirectories. (3) Leftovers: files are removed on close and at interpreter exit, and a process
+that was killed leaves a subdirectory whose lock nobody holds, which the next start removes; a live
+process holds its lock (flock), so its files are never touched.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import errno
+import fcntl
+import logging
+import os
+import re
+import secrets
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.config import PAGE_NBYTES, FaultInjectorFn
+from runtime.errors import (
+    ConfigError,
+    OffloadPermissionError,
+    OutOfSpaceError,
+    RuntimeIOError,
+    UnsafePathError,
+    map_os_error,
+)
+
+log = logging.getLogger(__name__)
+
+SUBDIR_RE = re.compile(r"^teraio-r(\d+)-p(\d+)-([0-9a-f]{8})$")
+LOCK_NAME = "lock"
+DATA_NAME = "data.bin"
+_OUR_FILES = (DATA_NAME, LOCK_NAME)
+_RAM_FS_MAGICS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+def align_up(nbytes: int, align: int = PAGE_NBYTES) -> int:
+    """Round ``nbytes`` up to a multiple of ``align``."""
+    return (nbytes + align - 1) // align * align
+
+
+def filesystem_type(path: Path) -> str | None:
+    """Return "tmpfs"/"ramfs" when ``path`` lives in RAM, "other" for a real filesystem, None if unknown.
+
+    O_DIRECT "works" on tmpfs on some kernels, so it cannot tell the medium; statfs's f_type can.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+        if libc.statfs(os.fsencode(str(path)), buf) != 0:
+            return None
+        f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    except (OSError, AttributeError):
+        return None
+    return _RAM_FS_MAGICS.get(f_type, "other")
+
+
+def available_nbytes(path: Path) -> int | None:
+    """Free bytes an unprivileged writer may use in the filesystem holding ``path``."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+class ExtentAllocator:
+    """First-fit allocator of page-aligned byte ranges inside one growable file.
+
+    Freed ranges are coalesced, so a step that allocates and frees the same sizes as the last one
+    lands on the same ranges and the file stops growing after the first step.
+    """
+
+    def __init__(self, capacity_nbytes: int = 0) -> None:
+        self.capacity_nbytes = capacity_nbytes
+        self.used_nbytes = 0
+        self.peak_used_nbytes = 0
+        # Sorted, non-adjacent free ranges as parallel lists (offsets for bisect).
+        self._free_offsets: list[int] = [0] if capacity_nbytes else []
+        self._free_lengths: list[int] = [capacity_nbytes] if capacity_nbytes else []
+
+    def allocate(self, nbytes: int) -> int | None:
+        """Return the offset of a free range of ``nbytes`` (page-aligned), or None if none fits."""
+        nbytes = align_up(nbytes)
+        for i, length in enumerate(self._free_lengths):
+            if length >= nbytes:
+                offset = self._free_offsets[i]
+                if length == nbytes:
+                    del self._free_offsets[i], self._free_lengths[i]
+                else:
+                    self._free_offsets[i] += nbytes
+                    self._free_lengths[i] -= nbytes
+                self.used_nbytes += nbytes
+                self.peak_used_nbytes = max(self.peak_used_nbytes, self.used_nbytes)
+                return offset
+        return None
+
+    def growth_needed(self, nbytes: int) -> int:
+        """Bytes to append to the file so that ``allocate(nbytes)`` succeeds (reusing a free tail)."""
+        nbytes = align_up(nbytes)
+        tail = 0
+        if self._free_offsets and self._free_offsets[-1] + self._free_lengths[-1] == self.capacity_nbytes:
+            tail = self._free_lengths[-1]
+        return nbytes - tail
+
+    def extend(self, new_capacity_nbytes: int) -> None:
+        """Record that the file now holds ``new_capacity_nbytes`` (the new tail is free)."""
+        if new_capacity_nbytes <= self.capacity_nbytes:
+            return
+        added = new_capacity_nbytes - self.capacity_nbytes
+        old = self.capacity_nbytes
+        self.capacity_nbytes = new_capacity_nbytes
+        self._insert_free(old, added)
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a range obtained from :meth:`allocate`."""
+        nbytes = align_up(nbytes)
+        self.used_nbytes -= nbytes
+        self._insert_free(offset, nbytes)
+
+    def _insert_free(self, offset: int, nbytes: int) -> None:
+        i = bisect.bisect_left(self._free_offsets, offset)
+        if i < len(self._free_offsets) and self._free_offsets[i] < offset + nbytes:
+            raise AssertionError(f"double free of extent at {offset}")
+        if i > 0 and self._free_offsets[i - 1] + self._free_lengths[i - 1] > offset:
+            raise AssertionError(f"double free of extent at {offset}")
+        # Merge with the following range, then with the preceding one.
+        if i < len(self._free_offsets) and self._free_offsets[i] == offset + nbytes:
+            nbytes += self._free_lengths[i]
+            del self._free_offsets[i], self._free_lengths[i]
+        if i > 0 and self._free_offsets[i - 1] + self._free_lengths[i - 1] == offset:
+            self._free_lengths[i - 1] += nbytes
+        else:
+            self._free_offsets.insert(i, offset)
+            self._free_lengths.insert(i, nbytes)
+
+    @property
+    def free_extents(self) -> list[tuple[int, int]]:
+        """The free ranges as (offset, nbytes), for tests and diagnostics."""
+        return list(zip(self._free_offsets, self._free_lengths))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale_subdirs(base: Path) -> list[str]:
+    """Remove teraio subdirectories in ``base`` left by dead processes; return the removed names.
+
+    A subdirectory is stale when nobody holds its lock (flock is released when a process dies, even
+    by SIGKILL), or, if it has no lock file, when the pid in its name is gone. Only our own names,
+    only real directories owned by us, and only our own file names inside are ever removed.
+    """
+    removed: list[str] = []
+    try:
+        base_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return removed
+    try:
+        for name in os.listdir(base_fd):
+            match = SUBDIR_RE.match(name)
+            if not match:
+                continue
+            try:
+                st = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if _remove_if_stale(base_fd, name, int(match.group(2))):
+                removed.append(name)
+    finally:
+        os.close(base_fd)
+    if removed:
+        log.warning("removed %d stale offload subdirectories of dead processes in %s", len(removed), base)
+    return removed
+
+
+def _remove_if_stale(base_fd: int, name: str, pid: int) -> bool:
+    try:
+        dfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=base_fd)
+    except OSError:
+        return False
+    try:
+        try:
+            lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW, dir_fd=dfd)
+        except FileNotFoundError:
+            lock_fd = None
+        except OSError:
+            return False
+        if lock_fd is None:
+            if pid == os.getpid() or _pid_alive(pid):
+                return False  # being created right now, or a live process without its lock yet
+        else:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(lock_fd)
+                return False  # its owner is alive
+        try:
+            for fname in _OUR_FILES:
+                try:
+                    os.unlink(fname, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)
+    finally:
+        os.close(dfd)
+    try:
+        os.rmdir(name, dir_fd=base_fd)
+    except OSError as exc:  # someone put other files there: leave them, say so
+        log.warning("stale offload subdirectory %s left in place: %s", name, exc.strerror)
+        return False
+    return True
+
+
+@dataclass
+class DirUsage:
+    """Byte counters of one offload directory."""
+
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+class OffloadDir:
+    """One offload directory: its private subdirectory, its lock, one data file and its allocator.
+
+    Args:
+        base: the user's directory (one per SSD); created 0700 if missing.
+        rank: distributed rank, part of the subdirectory name.
+        direct_io: None = try O_DIRECT, fall back with a logged reason; True = require; False = never.
+        fault_injector: test seam called before create/preallocate syscalls.
+    """
+
+    def __init__(
+        self, base: Path, *, rank: int, direct_io: bool | None, fault_injector: FaultInjectorFn | None
+    ) -> None:
+        self.base = base
+        self._inject = fault_injector
+        self._lock = threading.Lock()
+        self.usage = DirUsage()
+        self.closed = False
+        self.fs_type = None
+        self._base_fd = -1
+        self._dir_fd = -1
+        self._lock_fd = -1
+        self.fd = -1
+        self._create_base()
+        self.fs_type = filesystem_type(base)
+        if self.fs_type in ("tmpfs", "ramfs"):
+            log.warning(
+                "offload directory %s is on %s: offloaded bytes stay in RAM and save no memory; "
+                "use a directory on an SSD",
+                base,
+                self.fs_type,
+            )
+        clean_stale_subdirs(base)
+        try:
+            self._create_subdir(rank)
+            self._open_data_file(direct_io)
+        except BaseException:
+            self.close()
+            raise
+        self.allocator = ExtentAllocator(0)
+
+    # -- creation -------------------------------------------------------------------------------
+    def _create_base(self) -> None:
+        try:
+            os.makedirs(self.base, mode=0o700, exist_ok=True)
+            self._base_fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY)
+        except NotADirectoryError as exc:
+            raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
+        except FileExistsError as exc:
+            raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
+        except OSError as exc:
+            raise map_os_error(
+                exc, action="create", path=str(self.base), directory=str(self.base), needed_nbytes=0
+            ) from exc
+
+    def _create_subdir(self, rank: int) -> None:
+        for _ in range(8):
+            name = f"teraio-r{rank}-p{os.getpid()}-{secrets.token_hex(4)}"
+            path = self.base / name
+            try:
+                if self._inject:
+                    self._inject("create", str(path), 0, 0)
+                # mkdir never follows a symlink at its last component: a planted one gives EEXIST.
+                os.mkdir(name, mode=0o700, dir_fd=self._base_fd)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise map_os_error(
+                    exc, action="create", path=str(path), directory=str(self.base), needed_nbytes=0
+                ) from exc
+            break
+        else:
+            raise UnsafePathError(f"could not create a fresh subdirectory in {self.base}: names collide")
+        self.path = path
+        self._dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._base_fd)
+        st = os.fstat(self._dir_fd)
+        if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
+            raise UnsafePathError(f"{path} is not a directory owned by this user; refusing to use it")
+        os.fchmod(self._dir_fd, 0o700)  # umask may only take bits away; make it exact anyway
+        self._lock_fd = self._create_file(LOCK_NAME, 0)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    def _create_file(self, name: str, extra_flags: int) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra_flags
+        fd = os.open(name, flags, 0o600, dir_fd=self._dir_fd)
+        os.fchmod(fd, 0o600)
+        return fd
+
+    def _open_data_file(self, direct_io: bool | None) -> None:
+        self.data_path = self.path / DATA_NAME
+        self.direct = False
+        self.fallback_reason: str | None = None
+        if self._inject:
+            self._inject("create", str(self.data_path), 0, 0)
+        want_direct = direct_io is not False and _O_DIRECT != 0
+        try:
+            try:
+                self.fd = self._create_file(DATA_NAME, _O_DIRECT if want_direct else 0)
+                self.direct = want_direct
+            except OSError as exc:
+                if not want_direct or exc.errno != errno.EINVAL:
+                    raise
+                self.fallback_reason = f"open with O_DIRECT refused ({exc.strerror})"
+                self.fd = self._create_file(DATA_NAME, 0)
+            if self.direct:
+                self._probe_direct()
+        except RuntimeIOError:
+            raise
+        except OSError as exc:
+            raise map_os_error(
+                exc, action="create", path=str(self.data_path), directory=str(self.base), needed_nbytes=0
+            ) from exc
+        if direct_io is True and not self.direct:
+            raise ConfigError(f"direct_io=True but {self.base} refuses O_DIRECT: {self.fallback_reason}")
+        if direct_io is False:
+            self.fallback_reason = "direct_io=False"
+        if not self.direct:
+            log.warning(
+                "offload directory %s: using buffered I/O + fsync + fadvise(DONTNEED) instead of "
+                "O_DIRECT (%s)",
+                self.base,
+                self.fallback_reason,
+            )
+
+    def _probe_direct(self) -> None:
+        """Write one aligned page with O_DIRECT; some filesystems accept the flag and refuse the I/O."""
+        import mmap
+
+        page = mmap.mmap(-1, PAGE_NBYTES)
+        try:
+            os.posix_fallocate(self.fd, 0, PAGE_NBYTES)
+            os.pwrite(self.fd, page, 0)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.fallback_reason = f"O_DIRECT write refused ({exc.strerror})"
+            fl = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fl & ~_O_DIRECT)
+            self.direct = False
+        finally:
+            page.close()
+
+    # -- space ----------------------------------------------------------------------------------
+    def reserve(self, nbytes: int) -> None:
+        """Preallocate the file to at least ``nbytes`` now, failing now if the disk cannot hold it.
+
+        Raises:
+            OutOfSpaceError: naming the directory, the bytes needed and the bytes free.
+        """
+        with self._lock:
+            target = align_up(nbytes)
+            if target > self.allocator.capacity_nbytes:
+                self._grow_locked(target - self.allocator.capacity_nbytes, reason="reserve")
+
+    def allocate(self, nbytes: int) -> int:
+        """Return the file offset of ``nbytes`` (page-aligned) of free space, growing the file if needed.
+
+        Raises:
+            OutOfSpaceError: the filesystem cannot grow the file.
+        """
+        with self._lock:
+            offset = self.allocator.allocate(nbytes)
+            if offset is None:
+                self._grow_locked(self.allocator.growth_needed(nbytes), reason="allocate")
+                offset = self.allocator.allocate(nbytes)
+                assert offset is not None
+            return offset
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Give back a range from :meth:`allocate` for reuse."""
+        with self._lock:
+            if not self.closed:
+                self.allocator.free(offset, nbytes)
+
+    def _grow_locked(self, add_nbytes: int, *, reason: str) -> None:
+        old = self.allocator.capacity_nbytes
+        new = old + align_up(add_nbytes)
+        avail = available_nbytes(self.base)
+        try:
+            if self._inject:
+                self._inject("preallocate", str(self.data_path), old, new - old)
+            if avail is not None and new - old > avail:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.posix_fallocate(self.fd, old, new - old)
+        except OSError as exc:
+            err = map_os_error(
+                exc,
+                action="preallocate" if reason == "reserve" else "allocate",
+                path=str(self.data_path),
+                directory=str(self.base),
+                needed_nbytes=new - old,
+                available_nbytes=avail,
+            )
+            raise err from exc
+        self.allocator.extend(new)
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return self.allocator.capacity_nbytes
+
+    # -- teardown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Close and delete this process's files and subdirectory (only those)."""
+        if self.closed:
+            return
+        self.closed = True
+        for fd in (self.fd,):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = -1
+        if self._dir_fd >= 0:
+            for name in _OUR_FILES:
+                try:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                except FileNotFoundError:
+                    pass
+                except OSError as exc:
+                    log.warning("could not remove %s/%s: %s", self.path, name, exc.strerror)
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+            try:
+                os.rmdir(self.path.name, dir_fd=self._base_fd)
+            except OSError as exc:
+                log.warning("could not remove offload subdirectory %s: %s", self.path, exc.strerror)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releasing the lock last: the directory is gone by now
+            self._lock_fd = -1
+        if self._base_fd >= 0:
+            os.close(self._base_fd)
+            self._base_fd = -1
+
+
+__all__ = [
+    "ExtentAllocator",
+    "OffloadDir",
+    "OffloadPermissionError",
+    "OutOfSpaceError",
+    "align_up",
+    "available_nbytes",
+    "clean_stale_subdirs",
+    "filesystem_type",
+]

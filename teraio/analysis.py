@@ -1,0 +1,311 @@
+"""Tables and plots for looking at a Profile and the Plans made from it (the notebooks' toolbox).
+
+Notebooks only import and plot, so everything they show is built here: a one-row profile summary,
+the tensors worth offloading, plan comparisons, a budget sweep, the memory timeline (unplanned,
+smallest achievable, planned, budget) and the I/O timeline as a Gantt chart. matplotlib is imported
+inside the plotting functions so ``import teraio.analysis`` stays cheap (no matplotlib, no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from planner.budget import BudgetError, format_size
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from planner.lifetimes import Lifetimes
+    from planner.plan import Plan
+    from planner.profile import Profile
+    from planner.simulate import SimResult
+
+#: Columns of :func:`budget_sweep`.
+SWEEP_COLUMNS = (
+    "budget",
+    "budget_bytes",
+    "predicted_peak_bytes",
+    "predicted_peak",
+    "predicted_step_s",
+    "predicted_stall_s",
+    "moved_bytes",
+    "decisions",
+    "status",
+    "wall_s",
+    "note",
+)
+
+#: Columns of :func:`plan_table`.
+PLAN_COLUMNS = (
+    "plan",
+    "solver",
+    "status",
+    "budget",
+    "predicted_peak",
+    "simulated_peak",
+    "predicted_step_s",
+    "predicted_stall_s",
+    "moved",
+    "decisions",
+    "wall_s",
+    "violations",
+)
+
+_MIB = 1024**2
+
+
+def profile_summary(profile: Profile, lifetimes: Lifetimes) -> pd.DataFrame:
+    """One row per headline figure of a profile: sizes of the tables, peaks and nominal step time.
+
+    Returns:
+        A two-column DataFrame (``figure``, ``value``) with human-readable values.
+    """
+    lt = lifetimes
+    rows: list[tuple[str, Any]] = [
+        ("ops (fwd + bwd)", f"{lt.num_ops} ({lt.num_fwd_ops} fwd)"),
+        ("saved tensors", len(profile.tensors)),
+        ("offload candidates", len(lt.candidates)),
+        ("candidate bytes", format_size(lt.candidate_bytes)),
+        ("unplanned peak", f"{format_size(lt.baseline_peak_bytes)} at op {lt.op_name(lt.baseline_peak_idx)}"),
+        ("smallest achievable peak", format_size(lt.min_feasible_peak_bytes)),
+        ("compute per step", f"{lt.compute_s:.3f} s"),
+    ]
+    return pd.DataFrame(rows, columns=["figure", "value"])
+
+
+def top_inactive_tensors(lifetimes: Lifetimes, n: int = 10) -> pd.DataFrame:
+    """The ``n`` candidates with the largest bytes x inactive time: the cheapest memory to move away.
+
+    A tensor that is big and idle for long between its last forward use and its first backward use
+    frees the most memory-time per byte of I/O.
+
+    Returns:
+        Candidate rows sorted by ``mib_s`` (MiB x seconds idle), with ``size`` and ``inactive_s`` added.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    cand = lifetimes.candidates
+    out = pd.DataFrame(
+        {
+            "name": cand["name"],
+            "module": cand["module"],
+            "size": [format_size(b) for b in cand["nbytes"]],
+            "nbytes": cand["nbytes"],
+            "inactive_s": cand["inactive_us"] / 1e6,
+            "inactive_ops": cand["inactive_end_idx"] - cand["inactive_start_idx"] + 1,
+            "mib_s": cand["nbytes"] / _MIB * cand["inactive_us"] / 1e6,
+        }
+    )
+    return out.sort_values("mib_s", ascending=False, kind="stable").head(n).reset_index(drop=True)
+
+
+def plan_table(plans: Mapping[str, Plan], sims: Mapping[str, SimResult] | None = None) -> pd.DataFrame:
+    """One row per labelled plan: solver, status, budget and the predicted (and re-simulated) figures.
+
+    Args:
+        plans: label -> Plan.
+        sims: label -> the simulator's replay of that plan; adds ``simulated_peak`` and ``violations``.
+    """
+    rows = []
+    for label, plan in plans.items():
+        sim = sims.get(label) if sims is not None else None
+        rows.append(
+            {
+                "plan": label,
+                "solver": plan.solver,
+                "status": plan.stats.status,
+                "budget": format_size(plan.budget_bytes),
+                "predicted_peak": format_size(plan.predicted_peak_bytes),
+                "simulated_peak": format_size(sim.peak_bytes) if sim is not None else "",
+                "predicted_step_s": plan.predicted_step_s,
+                "predicted_stall_s": plan.predicted_stall_s,
+                "moved": format_size(plan.moved_bytes),
+                "decisions": len(plan.decisions),
+                "wall_s": plan.stats.wall_s,
+                "violations": len(sim.violations) if sim is not None else np.nan,
+            }
+        )
+    return pd.DataFrame(rows, columns=list(PLAN_COLUMNS))
+
+
+def budget_sweep(
+    profile: Profile,
+    budgets: Iterable[str | int | float] = ("100%", "75%", "50%", "30%"),
+    solver: str = "greedy",
+    *,
+    lifetimes: Lifetimes | None = None,
+    **solve_kwargs: Any,
+) -> pd.DataFrame:
+    """Plan ``profile`` at each budget and tabulate the predicted peak, step time and stall.
+
+    A budget no plan can meet gives a row with NaN figures and the planner's message in ``note``
+    rather than stopping the sweep: the point of a sweep is to see where plans stop existing.
+
+    Args:
+        budgets: anything :func:`planner.solve.solve` accepts ("50%", 0.5, "512MiB", bytes).
+        solver: a registered solver name (an unknown name raises UnknownSolverError).
+        lifetimes: ``analyse(profile)`` when the caller already has it.
+        solve_kwargs: passed to :func:`planner.solve.solve` (``hardware``, ``time_limit_s``, ...).
+
+    Returns:
+        One row per budget, columns :data:`SWEEP_COLUMNS`.
+    """
+    # Lazy: the solver registry imports OR-Tools, which a caller only plotting should not pay for.
+    from planner.lifetimes import analyse
+    from planner.solve import solve
+
+    lt = lifetimes if lifetimes is not None else analyse(profile)
+    rows = []
+    for budget in budgets:
+        try:
+            plan = solve(profile, budget=budget, solver=solver, lifetimes=lt, **solve_kwargs)
+        except BudgetError as e:
+            rows.append({"budget": str(budget), "status": "NO PLAN", "note": str(e)})
+            continue
+        rows.append(
+            {
+                "budget": str(budget),
+                "budget_bytes": plan.budget_bytes,
+                "predicted_peak_bytes": plan.predicted_peak_bytes,
+                "predicted_peak": format_size(plan.predicted_peak_bytes),
+                "predicted_step_s": plan.predicted_step_s,
+                "predicted_stall_s": plan.predicted_stall_s,
+                "moved_bytes": plan.moved_bytes,
+                "decisions": len(plan.decisions),
+                "status": plan.stats.status,
+                "wall_s": plan.stats.wall_s,
+                "note": "",
+            }
+        )
+    return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
+
+
+def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
+    if ax is not None:
+        return ax
+    import matplotlib.pyplot as plt
+
+    _, new_ax = plt.subplots(figsize=figsize)
+    return new_ax
+
+
+def plot_memory_timeline(
+    lifetimes: Lifetimes,
+    sims: Mapping[str, SimResult] | None = None,
+    *,
+    budget_bytes: int | None = None,
+    show_floor: bool = True,
+    ax: Axes | None = None,
+    title: str = "Memory per op",
+) -> Axes:
+    """Plot memory during each op: unplanned, the smallest achievable, each planned run, and the budget.
+
+    Args:
+        lifetimes: ``analyse(profile)``; gives the unplanned and smallest achievable timelines.
+        sims: label -> SimResult; each is drawn as a step line of its ``memory_bytes``.
+        budget_bytes: draws a horizontal budget line when given.
+        show_floor: draw the memory with every candidate away over its whole idle interval.
+        ax: axes to draw on; a new figure when None.
+
+    Returns:
+        The axes drawn on (MiB on the y axis, op index on the x axis, forward/backward boundary marked).
+    """
+    ax = _new_axes(ax, (10, 4))
+    idx = np.arange(lifetimes.num_ops)
+    ax.step(
+        idx, lifetimes.baseline_memory_bytes / _MIB, where="mid", color="black", lw=1.5, label="unplanned"
+    )
+    if show_floor:
+        ax.step(
+            idx,
+            lifetimes.min_memory_bytes / _MIB,
+            where="mid",
+            color="grey",
+            lw=1,
+            ls=":",
+            label="smallest achievable",
+        )
+    for label, sim in (sims or {}).items():
+        ax.step(idx, np.asarray(sim.memory_bytes) / _MIB, where="mid", lw=1.2, label=label)
+    if budget_bytes is not None:
+        ax.axhline(
+            budget_bytes / _MIB, color="red", ls="--", lw=1, label=f"budget {format_size(budget_bytes)}"
+        )
+    ax.axvline(lifetimes.num_fwd_ops - 0.5, color="grey", lw=0.8, alpha=0.6)
+    ax.text(lifetimes.num_fwd_ops - 0.5, ax.get_ylim()[1], " bwd ->", va="top", ha="left", fontsize=8)
+    ax.set_xlabel("op index")
+    ax.set_ylabel("memory (MiB)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
+    return ax
+
+
+def plot_io_timeline(
+    sim: SimResult,
+    *,
+    num_fwd_ops: int | None = None,
+    ax: Axes | None = None,
+    title: str = "I/O timeline",
+) -> Axes:
+    """Plot a simulated run's transfers as a Gantt chart: one row per tensor, writes and reads as bars.
+
+    A thin line before each bar runs from the moment the transfer was issued to the moment its
+    channel started it: time spent queued behind other transfers.
+
+    Args:
+        sim: a SimResult; its ``io_timeline`` has columns name, tier, direction, issue_s, start_s,
+            end_s, nbytes.
+        num_fwd_ops: when given, marks the end of forward (the start of op ``num_fwd_ops``).
+        ax: axes to draw on; a new figure sized to the number of tensors when None.
+
+    Returns:
+        The axes drawn on (seconds on the x axis).
+    """
+    io = sim.io_timeline
+    names = list(dict.fromkeys(io.sort_values("start_s", kind="stable")["name"]))
+    ax = _new_axes(ax, (10, max(2.5, 0.18 * len(names) + 1.0)))
+    row = {name: k for k, name in enumerate(names)}
+    colors = {"write": "tab:orange", "read": "tab:blue"}
+    for direction, part in io.groupby("direction", sort=True):
+        y = part["name"].map(row).to_numpy()
+        color = colors.get(str(direction), "tab:grey")
+        ax.barh(
+            y,
+            (part["end_s"] - part["start_s"]).to_numpy(),
+            left=part["start_s"].to_numpy(),
+            height=0.7,
+            color=color,
+            label=str(direction),
+        )
+        ax.hlines(y, part["issue_s"].to_numpy(), part["start_s"].to_numpy(), color=color, lw=0.8, alpha=0.6)
+    if num_fwd_ops is not None and 0 <= num_fwd_ops < len(sim.op_start_s):
+        ax.axvline(sim.op_start_s[num_fwd_ops], color="grey", lw=0.8, ls="--", label="end of forward")
+    ax.set_xlim(0, max(sim.step_s, float(io["end_s"].max()) if len(io) else 0.0))
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels(names, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("time in step (s)")
+    ax.set_title(f"{title} ({len(names)} tensors, stall {sim.stall_s * 1e3:.1f} ms)")
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+def plot_sweep(sweep: pd.DataFrame, *, ax: Axes | None = None, title: str = "Budget sweep") -> Axes:
+    """Plot a :func:`budget_sweep` table: predicted peak (bars) and step time (line) per budget."""
+    ax = _new_axes(ax, (7, 3.5))
+    ok = sweep.dropna(subset=["predicted_peak_bytes"])
+    x = np.arange(len(ok))
+    ax.bar(x, ok["predicted_peak_bytes"].astype(float) / _MIB, color="tab:green", alpha=0.7, label="peak")
+    ax.set_xticks(x)
+    ax.set_xticklabels(ok["budget"].tolist())
+    ax.set_xlabel("budget")
+    ax.set_ylabel("predicted peak (MiB)")
+    step_ax = ax.twinx()
+    step_ax.plot(x, ok["predicted_step_s"].astype(float), color="black", marker="o", label="step")
+    step_ax.set_ylabel("predicted step (s)")
+    ax.set_title(title)
+    return ax

@@ -1,0 +1,132 @@
+"""``teraio demo``: the main job. Train the built-in GPT with no offload, with teraio, and with checkpointing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from teraio.errors import UserInputError
+from teraio.units import format_bytes
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="train the built-in GPT three ways (no offload, teraio, checkpointing) and compare",
+        description="Train the built-in GPT with no offload, with teraio's planned offload, and with full "
+        "activation checkpointing, in one run; print peak memory, step time, overhead, bytes moved, "
+        "achieved I/O and predicted-vs-measured figures.",
+    )
+    p.add_argument(
+        "--model", default="demo", choices=["demo", "tiny"], help="built-in GPT config (default demo)"
+    )
+    p.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
+    p.add_argument("--budget", default="50%", help="teraio memory budget: bytes, units, fraction or auto")
+    p.add_argument("--solver", default="ilp", help="planner solver (ilp, greedy, all, none)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds")
+    p.add_argument("--inner", default="eager", choices=["eager", "inductor"], help="inner compiler")
+    p.add_argument(
+        "--offload-dir",
+        default=None,
+        help="where offloaded bytes go (default: a fresh directory under the temp dir, removed after)",
+    )
+    p.add_argument("--methods", default="no-offload,teraio,checkpoint", help="comma list of methods to run")
+    p.add_argument("--run-dir", default=None, help="write profile, plan, config and stats here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.set_defaults(func=run)
+
+
+def _table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = result["rows"]
+    t = Table(
+        title=f"teraio demo: GPT '{result['model']}' {result['config']}, inner={result['inner']}, "
+        f"budget {result['budget']}"
+    )
+    for col in (
+        "method",
+        "peak",
+        "vs no-offload",
+        "step s",
+        "overhead",
+        "moved/step",
+        "I/O GB/s",
+        "predicted peak",
+        "predicted step s",
+    ):
+        t.add_column(col, justify="left" if col == "method" else "right")
+    for r in rows:
+        t.add_row(
+            r["method"],
+            format_bytes(r["peak_bytes"]),
+            f"{r.get('peak_vs_no_offload', float('nan')):.1%}",
+            f"{r['step_s']:.3f}",
+            f"{r.get('overhead', float('nan')):+.1%}",
+            format_bytes(r["moved_bytes_per_step"]) if r["moved_bytes_per_step"] else "-",
+            f"{r['io_gb_per_s']:.2f}" if r["io_gb_per_s"] else "-",
+            format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "-",
+            f"{r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-",
+        )
+    console = Console(width=max(Console().width, 132))
+    console.print(t)
+    acts = next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None)
+    if acts:
+        console.print(f"saved activations without offload: {format_bytes(acts)}")
+    tr = next((r for r in rows if r["method"] == "teraio"), None)
+    if tr is not None and "predicted_peak_bytes" in tr:
+        console.print(
+            f"teraio: plan by {tr['solver']} ({tr['solver_status']}), io path {tr.get('io_path')}; measured/predicted "
+            f"peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, step {tr['step_s'] / tr['predicted_step_s']:.2f}"
+        )
+    if "losses_bit_identical" in result:
+        console.print(
+            f"losses bit-identical to no-offload: {'yes' if result['losses_bit_identical'] else 'NO'}"
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    from teraio.demo import METHODS, DemoConfig, run_demo
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise UserInputError(f"--methods: unknown {bad or methods}; choose from {', '.join(METHODS)}")
+    if args.steps < 1:
+        raise UserInputError("--steps must be at least 1")
+    if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
+        raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
+
+    def progress(row: dict[str, Any]) -> None:
+        if not args.json:
+            print(
+                f"  {row['method']}: step {row['step_s']:.3f} s, peak {format_bytes(row['peak_bytes'])}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    cfg = DemoConfig(
+        model=args.model,
+        steps=args.steps,
+        budget=args.budget,
+        solver=args.solver,
+        time_limit=args.time_limit,
+        inner=args.inner,
+        offload_dir=args.offload_dir,
+        methods=methods,
+        run_dir=args.run_dir,
+        on_row=progress,
+    )
+    result = run_demo(cfg)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _table(result)
+    return 0

@@ -1,0 +1,205 @@
+"""torch.compile(backend=teraio) end to end on the FX-only path: exactness, stats, run_dir, faults."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from planner.budget import BudgetError
+from planner.plan import Plan
+from runtime.errors import RuntimeIOError
+from runtime.testing import FaultInjector
+from teraio.backend import TeraioBackend
+from teraio.errors import TeraioError
+from teraio.workload import builtin_workload, compute_loss
+
+from .models import WORKLOADS
+from .training import assert_bit_identical, assert_same_snapshot, snapshot, train
+
+STEPS = 20
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("solver", ["greedy", "ilp"])
+def test_offload_is_bit_identical_over_20_steps(name: str, solver: str, tmp_path: Path) -> None:
+    workload = WORKLOADS[name]()
+    reference = train(workload, TeraioBackend(inner="eager", enabled=False), STEPS)
+    be = TeraioBackend(
+        inner="eager",
+        memory_budget="auto",
+        solver=solver,
+        time_limit=10,
+        offload_dirs=[str(tmp_path)],
+        checksum=True,
+    )
+    try:
+        got = train(workload, be, STEPS)
+        stats = be.stats()
+    finally:
+        be.close()
+    assert_bit_identical(reference, got)
+    plan = be.runners[0].plan
+    assert plan is not None and plan.decisions, "the plan moved nothing: the test would prove nothing"
+    # Every running step moved the planned bytes (profiling steps move nothing).
+    running_steps = STEPS - be.cfg.profile_steps
+    assert stats["offloaded_bytes"] == running_steps * plan.moved_bytes
+    assert stats["prefetched_bytes"] == running_steps * plan.moved_bytes
+
+
+def test_stats_and_run_dir(tmp_path: Path) -> None:
+    workload = builtin_workload("tiny")
+    run_dir = tmp_path / "run"
+    be = TeraioBackend(
+        inner="eager",
+        memory_budget="50%",
+        solver="greedy",
+        run_dir=str(run_dir),
+        offload_dirs=[str(tmp_path)],
+    )
+    try:
+        train(workload, be, 8)
+        stats = be.stats()
+    finally:
+        be.close()
+    for key in (
+        "steps",
+        "offloaded_bytes",
+        "prefetched_bytes",
+        "stall_s",
+        "measured_peak_bytes",
+        "predicted_peak_bytes",
+        "step_s",
+    ):
+        assert key in stats, key
+    assert stats["steps"] == 8 and stats["offloaded_bytes"] > 0 and stats["step_s"] > 0
+    # Measured by the torch profiler: the planned peak holds within 10%.
+    assert stats["measured_peak_bytes"] == pytest.approx(stats["predicted_peak_bytes"], rel=0.10)
+    assert (run_dir / "config.json").exists()
+    assert (run_dir / "graph0" / "profile" / "meta.json").exists()
+    plan = Plan.load(run_dir / "graph0" / "plan.json")
+    assert plan.fingerprint == be.runners[0].profile.fingerprint
+    lines = (run_dir / "stats.jsonl").read_text().splitlines()
+    assert len(lines) >= 4 and "step_s" in json.loads(lines[-1])
+    trace = json.loads((run_dir / "graph0" / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any(str(n).startswith("write ") for n in names) and any(str(n).startswith("read ") for n in names)
+
+
+def test_plan_path_skips_profiling_and_matches_exactly(tmp_path: Path) -> None:
+    workload = builtin_workload("tiny")
+    run_dir = tmp_path / "run"
+    be = TeraioBackend(inner="eager", memory_budget="50%", solver="greedy", run_dir=str(run_dir))
+    try:
+        first = train(workload, be, 6)
+    finally:
+        be.close()
+    reference = train(workload, TeraioBackend(inner="eager", enabled=False), 6)
+    be2 = TeraioBackend(inner="eager", plan=str(run_dir))
+    try:
+        second = train(workload, be2, 6)
+        stats = be2.stats()
+    finally:
+        be2.close()
+    assert be2.runners[0].profile is None, "with plan= the backend must not profile"
+    assert stats["offloaded_bytes"] == 6 * be2.runners[0].plan.moved_bytes
+    # Profiling steps run the interpreter, the plan run compiles at once: both equal the FX-only reference.
+    assert_bit_identical(reference, first)
+    assert_bit_identical(reference, second)
+
+
+def _one_failing_step(workload, be, steps_before: int, expect: type[BaseException], match: str):
+    torch._dynamo.reset()
+    model = copy.deepcopy(workload.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend=be)
+    for step in range(steps_before):
+        opt.zero_grad(set_to_none=True)
+        compute_loss(compiled, workload, step).backward()
+        opt.step()
+    before = snapshot(model, opt)
+    with pytest.raises(expect, match=match):
+        opt.zero_grad(set_to_none=True)
+        compute_loss(compiled, workload, steps_before).backward()
+        opt.step()
+    assert_same_snapshot(before, snapshot(model, opt))
+
+
+def test_plan_for_another_graph_is_a_clear_error(tmp_path: Path) -> None:
+    other = builtin_workload("tiny")
+    run_dir = tmp_path / "run"
+    be = TeraioBackend(inner="eager", memory_budget="50%", solver="greedy", run_dir=str(run_dir))
+    try:
+        train(other, be, 5)
+    finally:
+        be.close()
+    from .models import hf_gpt2
+
+    be2 = TeraioBackend(inner="eager", plan=str(run_dir))
+    try:
+        _one_failing_step(hf_gpt2(), be2, 0, TeraioError, "was made for graph")
+    finally:
+        be2.close()
+    # With on_plan_mismatch="reprofile" the same run profiles and plans afresh.
+    be3 = TeraioBackend(
+        inner="eager", plan=str(run_dir), on_plan_mismatch="reprofile", memory_budget="auto", solver="greedy"
+    )
+    try:
+        train(hf_gpt2(), be3, 5)
+        assert be3.runners[0].plan is not None and be3.runners[0].profile is not None
+    finally:
+        be3.close()
+
+
+def test_budget_below_smallest_peak_is_a_clear_error() -> None:
+    be = TeraioBackend(inner="eager", memory_budget="1KiB", solver="greedy")
+    try:
+        _one_failing_step(builtin_workload("tiny"), be, 3, BudgetError, "smallest achievable peak")
+    finally:
+        be.close()
+
+
+def test_unusable_offload_directory_is_a_clear_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    be = TeraioBackend(inner="eager", memory_budget="50%", solver="greedy", offload_dirs=[str(blocker / "x")])
+    try:
+        _one_failing_step(builtin_workload("tiny"), be, 3, RuntimeIOError, str(blocker))
+    finally:
+        be.close()
+    assert blocker.read_text() == "not a directory"
+
+
+def test_disk_filling_mid_run_is_a_clear_error_and_changes_nothing(tmp_path: Path) -> None:
+    injector = FaultInjector()
+    be = TeraioBackend(
+        inner="eager",
+        memory_budget="50%",
+        solver="greedy",
+        offload_dirs=[str(tmp_path)],
+        runtime_options={"fault_injector": injector},
+    )
+    workload = builtin_workload("tiny")
+    try:
+        torch._dynamo.reset()
+        model = copy.deepcopy(workload.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        compiled = torch.compile(model, backend=be)
+        for step in range(6):  # profiling, planning, and two steps with offload
+            opt.zero_grad(set_to_none=True)
+            compute_loss(compiled, workload, step).backward()
+            opt.step()
+        assert be.stats()["offloaded_bytes"] > 0
+        injector.fail("write", errno.ENOSPC)  # the disk is full from now on
+        before = snapshot(model, opt)
+        with pytest.raises(RuntimeIOError, match=str(tmp_path)):
+            opt.zero_grad(set_to_none=True)
+            compute_loss(compiled, workload, 6).backward()
+            opt.step()
+        assert_same_snapshot(before, snapshot(model, opt))
+    finally:
+        be.close()

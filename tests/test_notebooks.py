@@ -1,0 +1,140 @@
+"""Every notebook runs top to bottom, and the analysis helpers the notebooks call give the right tables.
+
+The notebooks are executed in a fresh kernel that runs *this* interpreter: the test writes its own
+kernelspec (``sys.executable -m ipykernel_launcher``) into a temporary ``JUPYTER_PATH`` entry, so a
+clean clone with only ``pip install -e .[dev]`` works, and a user-level ``python3`` kernelspec pointing
+at another Python cannot hijack the run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.lifetimes import analyse
+from planner.synth import synth_profile
+from teraio import analysis
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
+KERNEL_NAME = "teraio-test-python"
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    profile = synth_profile(layers=2)
+    return profile, analyse(profile)
+
+
+@pytest.fixture
+def test_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A kernelspec running this interpreter, found first through JUPYTER_PATH; returns its name."""
+    spec_dir = tmp_path / "jupyter" / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "teraio test kernel",
+        "language": "python",
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    # The kernel inherits the environment: headless plotting.
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    return KERNEL_NAME
+
+
+def test_there_are_notebooks() -> None:
+    assert NOTEBOOKS, "no notebooks found under notebooks/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_runs(path: Path, test_kernel: str) -> None:
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    # Stored without outputs so diffs stay small.
+    stale = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not stale, f"{path.name}: clear the outputs of cells {stale} before committing"
+    client = NotebookClient(
+        nb,
+        kernel_name=test_kernel,
+        timeout=300,
+        allow_errors=False,  # any cell error raises CellExecutionError naming the cell
+        resources={"metadata": {"path": str(REPO_ROOT)}},
+    )
+    client.execute()
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.execution_count for c in code_cells), "some code cells did not run"
+    errors = [o for c in code_cells for o in c.outputs if o.output_type == "error"]
+    assert not errors
+
+
+def test_import_is_cheap() -> None:
+    code = (
+        "import sys, teraio.analysis; print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_budget_sweep_rows_and_columns(small_profile) -> None:
+    profile, lt = small_profile
+    budgets = ["100%", "60%", "45%"]
+    sweep = analysis.budget_sweep(profile, budgets, solver="greedy", lifetimes=lt)
+    assert list(sweep.columns) == list(analysis.SWEEP_COLUMNS)
+    assert sweep["budget"].tolist() == budgets
+    assert (sweep["predicted_peak_bytes"] <= sweep["budget_bytes"]).all()
+    # At 100% nothing needs to move; tighter budgets give lower peaks.
+    assert sweep.loc[0, "predicted_peak_bytes"] == lt.baseline_peak_bytes
+    assert sweep["predicted_peak_bytes"].is_monotonic_decreasing
+    assert sweep.loc[2, "predicted_peak_bytes"] < sweep.loc[1, "predicted_peak_bytes"]
+
+
+def test_budget_sweep_keeps_going_past_an_impossible_budget(small_profile) -> None:
+    profile, lt = small_profile
+    too_small = lt.min_feasible_peak_bytes - 1
+    sweep = analysis.budget_sweep(profile, ["50%", too_small], solver="greedy", lifetimes=lt)
+    assert sweep["status"].tolist()[1] == "NO PLAN"
+    assert sweep["predicted_peak_bytes"].isna().tolist() == [False, True]
+    assert "smallest achievable peak" in sweep.loc[1, "note"]
+
+
+def test_top_inactive_tensors_ranks_by_bytes_times_idle_time(small_profile) -> None:
+    _, lt = small_profile
+    top = analysis.top_inactive_tensors(lt, n=5)
+    assert len(top) == 5
+    assert top["mib_s"].is_monotonic_decreasing
+    cand = lt.candidates
+    score = cand["nbytes"] * cand["inactive_us"]
+    assert top.loc[0, "name"] == cand.loc[score.idxmax(), "name"]
+
+
+def test_plots_draw_what_they_say(small_profile) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from planner.simulate import simulate
+    from planner.solve import solve
+
+    profile, lt = small_profile
+    plan = solve(profile, budget="50%", solver="greedy", lifetimes=lt)
+    sim = simulate(profile, plan, lifetimes=lt)
+    try:
+        ax = analysis.plot_memory_timeline(lt, {"greedy": sim}, budget_bytes=plan.budget_bytes)
+        labels = [line.get_label() for line in ax.get_lines()]
+        assert labels[:3] == ["unplanned", "smallest achievable", "greedy"]
+        assert ax.get_lines()[2].get_ydata().max() == pytest.approx(sim.peak_bytes / 1024**2)
+
+        ax = analysis.plot_io_timeline(sim, num_fwd_ops=lt.num_fwd_ops)
+        # One write bar and one read bar per moved tensor.
+        assert len(ax.patches) == 2 * len(plan.decisions)
+        assert len(ax.get_yticklabels()) == len(plan.decisions)
+    finally:
+        plt.close("all")
