@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Page-aligned torch allocations for large tensors, so O_DIRECT reads land in fetched tensors without
+    # a bounce copy (runtime/tiers/posix.py). torch reads it once, at its first CPU allocation.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

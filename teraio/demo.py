@@ -36,8 +36,8 @@ METHODS = ("no-offload", "teraio", "checkpoint")
 @dataclass
 class DemoConfig:
     model: str = "demo"
-    steps: int = 8  # measured steps per method, after warm-up/profiling/compile
-    budget: str = "50%"
+    steps: int = 8  # timed steps per method, after warm-up/profiling/compile and the memory step
+    budget: str = "55%"
     solver: str = "ilp"
     time_limit: float = 30.0
     inner: str = "eager"
@@ -45,7 +45,7 @@ class DemoConfig:
     methods: tuple[str, ...] = METHODS
     run_dir: str | None = None
     seed: int = 0
-    profile_steps: int = 3
+    profile_steps: int = 4
     lr: float = 1e-4
     on_row: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
 
@@ -67,10 +67,40 @@ class CheckpointedGPT(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
-def _train(
-    method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None
-) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    torch._dynamo.reset()
+@dataclass
+class _Method:
+    """One method's model, optimizer, backend and measurements while the demo interleaves them."""
+
+    name: str
+    model: GPT
+    opt: torch.optim.Optimizer
+    backend: TeraioBackend
+    compiled: Any
+    times: list[float] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    peak_bytes: int | None = None
+    io_before: dict[str, Any] = field(default_factory=dict)
+
+    def step(self, step: int, cfg: DemoConfig, measure: bool = False) -> float:
+        idx, targets = synthetic_batch(self.model.cfg, step, cfg.seed)
+        self.opt.zero_grad(set_to_none=True)
+        rec = MemoryRecorder("cpu") if measure else None
+        if rec is not None:
+            self.io_before = self.backend.stats()
+            rec.start()
+        t0 = time.perf_counter()
+        loss = self.compiled(idx, targets)
+        loss.backward()
+        if rec is not None:
+            rec.mark_end()
+            self.peak_bytes = rec.stop().peak_bytes
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        self.losses.append(loss.detach().clone())
+        return dt
+
+
+def _setup(method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None) -> _Method:
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     if method == "teraio":
@@ -90,56 +120,31 @@ def _train(
             enabled=False, inner=cfg.inner, profile_steps=cfg.profile_steps, measure_memory=False
         )
         runnable = CheckpointedGPT(model) if method == "checkpoint" else model
-    compiled = torch.compile(runnable, backend=be)
-    mcfg = base.cfg
-    warmup = cfg.profile_steps + 1  # profiling steps, then the step that plans and compiles
-    total = warmup + 1 + cfg.steps  # + the memory-measurement step
-    times: list[float] = []
-    losses: list[torch.Tensor] = []
-    peak_bytes = None
-    io_before: dict[str, Any] = {}
-    try:
-        for step in range(total):
-            idx, targets = synthetic_batch(mcfg, step, cfg.seed)
-            opt.zero_grad(set_to_none=True)
-            measure = step == warmup
-            if measure:
-                io_before = be.stats()
-                rec = MemoryRecorder("cpu")
-                rec.start()
-            t0 = time.perf_counter()
-            loss = compiled(idx, targets)
-            loss.backward()
-            if measure:
-                rec.mark_end()
-                peak_bytes = rec.stop().peak_bytes
-            opt.step()
-            dt = time.perf_counter() - t0
-            losses.append(loss.detach().clone())
-            if step > warmup:
-                times.append(dt)
-        stats = be.stats()
-    finally:
-        be.close()
-    plan = be.runners[0].plan if be.runners and be.runners[0].plan is not None else None
-    moved = stats["offloaded_bytes"] - io_before.get("offloaded_bytes", 0)
-    read = stats["prefetched_bytes"] - io_before.get("prefetched_bytes", 0)
-    measured_steps = len(times) + 1  # the steps after the measurement step, and that step
-    step_s = statistics.median(times)
-    profile = be.runners[0].profile if be.runners else None
+    return _Method(method, model, opt, be, torch.compile(runnable, backend=be))
+
+
+def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
+    stats = m.backend.stats()
+    plan = m.backend.runners[0].plan if m.backend.runners else None
+    profile = m.backend.runners[0].profile if m.backend.runners else None
+    n = len(m.times) + 1  # the timed steps and the memory-measurement step
+    moved = stats["offloaded_bytes"] - m.io_before.get("offloaded_bytes", 0)
+    read = stats["prefetched_bytes"] - m.io_before.get("prefetched_bytes", 0)
+    step_s = statistics.median(m.times)
     row: dict[str, Any] = {
-        "method": method,
-        "peak_bytes": int(peak_bytes) if peak_bytes is not None else None,
+        "method": m.name,
+        "peak_bytes": int(m.peak_bytes) if m.peak_bytes is not None else None,
         "step_s": step_s,
-        "steps_measured": len(times),
+        "steps_measured": len(m.times),
         "activation_bytes": profile.activation_bytes() if profile is not None else None,
-        "moved_bytes_per_step": int(moved / measured_steps) if moved else 0,
-        "io_gb_per_s": (moved + read) / measured_steps / 1e9 / step_s if moved else 0.0,
-        "stall_s_per_step": (stats["stall_s"] - io_before.get("stall_s", 0.0)) / measured_steps
-        if moved
-        else 0.0,
-        "final_loss": float(losses[-1]),
+        "moved_bytes_per_step": int(moved / n) if moved else 0,
+        "io_gb_per_s": (moved + read) / n / 1e9 / step_s if moved else 0.0,
+        "stall_s_per_step": (stats["stall_s"] - m.io_before.get("stall_s", 0.0)) / n if moved else 0.0,
+        "final_loss": float(m.losses[-1]),
     }
+    if ref_times is not None:
+        # Paired by round: both methods ran back to back, so machine noise mostly cancels.
+        row["overhead"] = statistics.median(t / r for t, r in zip(m.times, ref_times)) - 1.0
     if plan is not None:
         row.update(
             predicted_peak_bytes=plan.predicted_peak_bytes,
@@ -150,39 +155,57 @@ def _train(
             solver_status=plan.stats.status,
             io_path=stats.get("io_path"),
         )
-    return row, losses
+    return row
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Train with every method in ``cfg.methods``; return ``{"rows": [...], ...}`` (see the README)."""
+    """Train with every method in ``cfg.methods``; return ``{"rows": [...], ...}`` (see the README).
+
+    Each method first runs its warm-up (profiling, planning, compiling) and one memory-measurement
+    step; then the timed steps run in rounds, one step of each method per round, so that the shared
+    machine's slow and fast periods fall on every method alike.
+    """
     base = build_gpt(cfg.model, seed=cfg.seed)
     own_dir = cfg.offload_dir is None
     offload_dir = tempfile.mkdtemp(prefix="teraio-demo-") if own_dir else cfg.offload_dir
-    rows, losses = [], {}
+    warmup = cfg.profile_steps + 1  # profiling steps, then the step that plans and compiles
+    methods: list[_Method] = []
+    torch._dynamo.reset()
     try:
-        for method in cfg.methods:
-            row, losses[method] = _train(method, base, cfg, offload_dir)
-            rows.append(row)
-            if cfg.on_row is not None:
-                cfg.on_row(row)
+        for name in cfg.methods:
+            m = _setup(name, base, cfg, offload_dir)
+            methods.append(m)
+            for step in range(warmup):
+                m.step(step, cfg)
+            m.step(warmup, cfg, measure=True)
+        for r in range(cfg.steps):
+            for m in methods:
+                m.times.append(m.step(warmup + 1 + r, cfg))
+        by_name = {m.name: m for m in methods}
+        ref = by_name.get("no-offload")
+        rows = [_row(m, ref.times if ref is not None else None) for m in methods]
     finally:
+        for m in methods:
+            m.backend.close()
         if own_dir:
             shutil.rmtree(offload_dir, ignore_errors=True)
-    by = {r["method"]: r for r in rows}
-    ref = by.get("no-offload")
+    for row in rows:
+        if cfg.on_row is not None:
+            cfg.on_row(row)
+    ref_row = next((r for r in rows if r["method"] == "no-offload"), None)
     for r in rows:
-        if ref is not None and ref["peak_bytes"]:
-            r["peak_vs_no_offload"] = r["peak_bytes"] / ref["peak_bytes"]
-            r["overhead"] = r["step_s"] / ref["step_s"] - 1.0
+        if ref_row is not None and ref_row["peak_bytes"]:
+            r["peak_vs_no_offload"] = r["peak_bytes"] / ref_row["peak_bytes"]
     result: dict[str, Any] = {
         "model": cfg.model,
         "config": base.cfg.to_dict(),
         "inner": cfg.inner,
         "budget": cfg.budget,
+        "steps": cfg.steps,
         "rows": rows,
         "torch_version": torch.__version__,
     }
-    if "no-offload" in losses and "teraio" in losses:
-        a, b = losses["no-offload"], losses["teraio"]
+    if "no-offload" in by_name and "teraio" in by_name:
+        a, b = by_name["no-offload"].losses, by_name["teraio"].losses
         result["losses_bit_identical"] = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
     return result

@@ -3,7 +3,7 @@
 Order between migration ops and compute is carried by data, never by graph position alone, because
 compilers reorder and reuse buffers (FINDINGS.md, three proven hazards):
 
-- ``offload(x) -> handle`` starts writing the whole storage behind ``x``.
+- ``offload(x, anchors) -> handle`` starts writing the whole storage behind ``x``.
 - ``wait_write(handle, keepalive=x, anchors) -> token`` blocks until the write is done and lets the
   engine drop its reference. See Note: [Keepalive until the write completes].
 - ``prefetch(token, anchors) -> token`` starts reading the bytes back.
@@ -80,7 +80,9 @@ _INFLIGHT: dict[str, int] = {}
 # compiler copies) and, when its layout is not the promised one, writes a copy in the promised layout;
 # the engine owns that copy until the write is done, so no keepalive is needed for it.
 @torch.library.custom_op("teraio::offload", mutates_args=(), tags=(torch.Tag.flexible_layout,))
-def offload(x: torch.Tensor, key: str, engine: int, stride: list[int]) -> torch.Tensor:
+def offload(
+    x: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int, stride: list[int]
+) -> torch.Tensor:
     """Start writing the storage behind ``x`` under ``key``; return a handle token at once."""
     covers = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
     if list(x.stride()) == list(stride) and covers:
@@ -95,7 +97,9 @@ def offload(x: torch.Tensor, key: str, engine: int, stride: list[int]) -> torch.
 
 
 @offload.register_fake
-def _offload_fake(x: torch.Tensor, key: str, engine: int, stride: list[int]) -> torch.Tensor:
+def _offload_fake(
+    x: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int, stride: list[int]
+) -> torch.Tensor:
     return torch.empty(1, dtype=torch.int64)
 
 

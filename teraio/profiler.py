@@ -38,9 +38,10 @@ class GraphRun:
 class TimingInterpreter(fx.Interpreter):
     """Runs a GraphModule op by op, recording each op's duration and the bytes live while it ran."""
 
-    def __init__(self, gm: fx.GraphModule, excluded: set[StorageWeakRef]) -> None:
+    def __init__(self, gm: fx.GraphModule, excluded: set[StorageWeakRef], census: bool = True) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.excluded = excluded
+        self.census = census
         self.record = GraphRun()
 
     def _live_bytes(self, extra: Any) -> int:
@@ -63,8 +64,10 @@ class TimingInterpreter(fx.Interpreter):
         t0 = time.perf_counter_ns()
         out = super().run_node(n)
         self.record.duration_ns.append(time.perf_counter_ns() - t0)
-        # Census before the interpreter frees this op's last-used inputs: memory *during* the op.
-        self.record.live_bytes.append(self._live_bytes(out))
+        # Census before the interpreter frees this op's last-used inputs: memory *during* the op. It walks
+        # the whole environment, so it runs only on the warm-up step and leaves the timed steps alone.
+        if self.census:
+            self.record.live_bytes.append(self._live_bytes(out))
         return out
 
 
@@ -103,7 +106,7 @@ class StepProfiler:
         self._input_refs = {
             StorageWeakRef(a.untyped_storage()) for a in args_list if isinstance(a, torch.Tensor)
         }
-        interp = TimingInterpreter(self.step.fw_gm, self._input_refs)
+        interp = TimingInterpreter(self.step.fw_gm, self._input_refs, census=not self.fwd_runs)
         t0 = time.perf_counter()
         out = interp.run(*args_list)
         interp.record.wall_s = time.perf_counter() - t0
@@ -113,7 +116,7 @@ class StepProfiler:
     def run_bwd(self, *args: Any) -> Any:
         # Saved activations arrive as arguments but were allocated in this step: count them. Only the
         # storages that existed before the step (the forward's inputs) are excluded.
-        interp = TimingInterpreter(self.step.bw_gm, self._input_refs)
+        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census=not self.bwd_runs)
         args_list = list(args)
         del args
         t0 = time.perf_counter()
@@ -140,7 +143,8 @@ class StepProfiler:
         ops_nodes = [("fwd", n) for n in a.fw_ops] + [("bwd", n) for n in a.bw_ops]
         durations = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
         durations += [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
-        live = list(fwd[-1].live_bytes) + list(bwd[-1].live_bytes)
+        # Memory is deterministic: the census of the first step is the step's memory timeline.
+        live = list(self.fwd_runs[0].live_bytes) + list(self.bwd_runs[0].live_bytes)
 
         kinds = self.input_kinds or []
         fw_placeholders = [n for n in self.step.fw_gm.graph.nodes if n.op == "placeholder"]
@@ -200,7 +204,9 @@ class StepProfiler:
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
             "census_peak_bytes": int(max(live)) if live else 0,
-            "census_after_fwd_bytes": int(fwd[-1].live_bytes[-1]) if fwd[-1].live_bytes else 0,
+            "census_after_fwd_bytes": int(self.fwd_runs[0].live_bytes[-1])
+            if self.fwd_runs[0].live_bytes
+            else 0,
             "created_unix_s": time.time(),
         }
         meta.update(extra_meta or {})

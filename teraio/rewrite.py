@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
 from planner.plan import Decision, Plan
@@ -65,18 +66,56 @@ def _fake_val(mode, target: Any, args: tuple, kwargs: dict | None = None) -> Any
         return target(*to_val(args), **(kwargs or {}))
 
 
-def _anchor_before(ops: list[fx.Node], pos: int, floor: fx.Node | None = None) -> list[fx.Node]:
-    """The tensor output of the nearest op before ``ops[pos]`` (pos == len(ops): the last op).
+def _allocating_ops(gm: fx.GraphModule) -> set[fx.Node]:
+    """Ops whose output is a new storage (a real computation), not a view of an earlier value.
 
-    Note: [Anchors pin positions] in ``teraio.ops``.
+    A view (``permute`` of a weight, ``view`` of an old buffer) is ready as soon as its base is, so a
+    node anchored on it could still be hoisted up to the base: anchors must be allocating ops.
     """
-    for i in range(min(pos, len(ops)) - 1, -1, -1):
-        n = ops[i]
-        if isinstance(n.meta.get("val"), torch.Tensor):
-            return [n]
-        if floor is not None and n is floor:
-            break
-    return []
+    seen: set[StorageWeakRef] = set()
+    out: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor):
+            continue
+        ref = StorageWeakRef(v.untyped_storage())
+        if ref not in seen:
+            seen.add(ref)
+            if n.op == "call_function":
+                out.add(n)
+    return out
+
+
+@dataclass(frozen=True)
+class _AnchorIndex:
+    """What anchor choice needs of one graph: its ops, which of them allocate, and their depths."""
+
+    ops: list[fx.Node]
+    allocating: set[fx.Node]
+    depth: dict[fx.Node, int]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, ops: list[fx.Node]) -> _AnchorIndex:
+        depth: dict[fx.Node, int] = {}
+        for n in gm.graph.nodes:
+            depth[n] = 1 + max((depth[i] for i in n.all_input_nodes), default=-1)
+        return cls(ops, _allocating_ops(gm), depth)
+
+    def before(self, pos: int) -> list[fx.Node]:
+        """Anchors for a node placed before ``ops[pos]`` (pos == len(ops): after the last op).
+
+        Two anchors, both allocating ops before the position: the nearest one, and the deepest one
+        (longest chain of ops from the inputs, latest on ties). Inductor fuses an op into an earlier
+        kernel when it can, so the nearest op alone may be computed early; the deepest op sits on the
+        step's critical chain (the residual stream) and cannot run before everything that chain needs.
+        Note: [Anchors pin positions] in ``teraio.ops``.
+        """
+        cands = [n for n in self.ops[: min(pos, len(self.ops))] if n in self.allocating]
+        if not cands:
+            return []
+        deepest = max(reversed(cands), key=lambda n: self.depth[n])
+        nearest = cands[-1]
+        return [nearest] if deepest is nearest else [nearest, deepest]
 
 
 def _insert(graph: fx.Graph, mode, before: fx.Node, target: Any, args: tuple, name: str) -> fx.Node:
@@ -140,6 +179,7 @@ def apply_plan(
     bw_placeholders = step.bw_saved_placeholders
     ops_teraio = torch.ops.teraio
     moved_bytes = 0
+    fw_anchor, bw_anchor = _AnchorIndex.of(step.fw_gm, a.fw_ops), _AnchorIndex.of(step.bw_gm, a.bw_ops)
 
     for d in plan.decisions:
         if d.name not in groups:
@@ -151,14 +191,17 @@ def apply_plan(
 
         # Forward: offload right after its start op, wait before the op that needs the memory gone.
         owner_stride = [int(x) for x in owner.meta["val"].stride()]
-        offload_args = (owner, key, engine_id, owner_stride)
+        # Anchored on the op it follows, so the write is issued where the plan (and the FIFO order of
+        # the simulator) has it, not as soon as the tensor exists.
+        offload_anchors = fw_anchor.before(d.offload_after_idx + 1)
+        offload_args = (owner, offload_anchors, key, engine_id, owner_stride)
         with fw_graph.inserting_after(a.fw_ops[d.offload_after_idx]):
             h = fw_graph.create_node(
                 "call_function", ops_teraio.offload.default, offload_args, name=f"teraio_offload_{g.name}"
             )
         h.meta["val"] = _fake_val(fw_mode, ops_teraio.offload.default, offload_args)
         wait_at = a.fw_ops[d.wait_before_idx] if d.wait_before_idx < nf else fw_out
-        anchors = _anchor_before(a.fw_ops, d.wait_before_idx)
+        anchors = fw_anchor.before(d.wait_before_idx)
         tok = _insert(
             fw_graph,
             fw_mode,
@@ -185,13 +228,13 @@ def apply_plan(
             bw_mode,
             p_at,
             ops_teraio.prefetch.default,
-            (ph, _anchor_before(bw_ops, d.prefetch_before_idx - nf), key, engine_id),
+            (ph, bw_anchor.before(d.prefetch_before_idx - nf), key, engine_id),
             f"teraio_prefetch_{g.name}",
         )
         f_at = bw_ops[d.fetch_before_idx - nf]
         numel = g.nbytes // old_vals[g.members[0]].element_size()
         dtype, device = old_vals[g.members[0]].dtype, old_vals[g.members[0]].device
-        f_anchor = _anchor_before(bw_ops, d.fetch_before_idx - nf)
+        f_anchor = bw_anchor.before(d.fetch_before_idx - nf)
         flat = _insert(
             bw_graph,
             bw_mode,

@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", default="demo", choices=["demo", "tiny"], help="built-in GPT config (default demo)"
     )
-    p.add_argument("--steps", type=int, default=8, help="measured steps per method (default 8)")
-    p.add_argument("--budget", default="50%", help="teraio memory budget: bytes, units, fraction or auto")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per method, run in rounds (default 8)")
+    p.add_argument("--budget", default="55%", help="teraio memory budget: bytes, units, fraction or auto")
     p.add_argument("--solver", default="ilp", help="planner solver (ilp, greedy, all, none)")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds")
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"], help="inner compiler")

@@ -19,12 +19,12 @@ def engine_id(request, tmp_path):
 
 
 def _offload(eid: int, key: str, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.teraio.offload(x, key, eid, list(x.stride()))
+    return torch.ops.teraio.offload(x, [], key, eid, list(x.stride()))
 
 
 def test_opcheck_offload_and_wait(engine_id: int) -> None:
     x = torch.randn(33, 17)
-    torch.library.opcheck(torch.ops.teraio.offload.default, (x, "k", engine_id, list(x.stride())))
+    torch.library.opcheck(torch.ops.teraio.offload.default, (x, [x], "k", engine_id, list(x.stride())))
     h = _offload(engine_id, "k", x)
     # opcheck calls the op on copies of its inputs; a copy as keepalive is refused (tested below), so
     # check the op once the write is waited for (the keepalive check then has nothing in flight).
@@ -57,7 +57,7 @@ def test_offload_in_another_layout_writes_the_promised_layout(engine_id: int) ->
     logical = torch.arange(24.0).reshape(2, 3, 4)
     other_layout = logical.permute(2, 0, 1).contiguous().permute(1, 2, 0)  # same values, other strides
     assert other_layout.stride() != logical.stride()
-    h = torch.ops.teraio.offload(other_layout, "lay", engine_id, list(logical.stride()))
+    h = torch.ops.teraio.offload(other_layout, [], "lay", engine_id, list(logical.stride()))
     tok = torch.ops.teraio.wait_write(h, other_layout, [], "lay", engine_id)
     flat = torch.ops.teraio.fetch(tok, [], "lay", engine_id, 24, torch.float32, torch.device("cpu"))
     assert torch.equal(flat.as_strided((2, 3, 4), logical.stride(), 0), logical)

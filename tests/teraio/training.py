@@ -50,7 +50,7 @@ def assert_bit_identical(a: Trace, b: Trace) -> None:
 def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Parameters and optimizer state, cloned: to check a failed step changed nothing."""
     snap = {f"param:{n}": p.detach().clone() for n, p in model.named_parameters()}
-    for i, (p, st) in enumerate(opt.state.items()):
+    for i, st in enumerate(opt.state.values()):
         for k, v in st.items():
             if isinstance(v, torch.Tensor):
                 snap[f"opt:{i}:{k}"] = v.clone()
