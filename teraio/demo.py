@@ -203,6 +203,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "budget": cfg.budget,
         "steps": cfg.steps,
         "rows": rows,
+        # Saved activations of one step without offload (the bytes a plan can move).
+        "activation_bytes": next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None),
         "torch_version": torch.__version__,
     }
     if "no-offload" in by_name and "teraio" in by_name:
