@@ -241,11 +241,19 @@ class GraphRunner:
                         fingerprint[:12],
                     )
 
+        def run_fwd(args: list[Any]) -> Any:
+            return self.profiler.run_fwd(args)
+
+        def run_bwd(args: list[Any]) -> Any:
+            return self.profiler.run_bwd(args)
+
+        run_fwd._boxed_call = run_bwd._boxed_call = True  # type: ignore[attr-defined]
+
         def fw_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            return boxed(lambda *args: self.profiler.run_fwd(*args))
+            return boxed(run_fwd)
 
         def bw_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-            return boxed(lambda *args: self.profiler.run_bwd(*args), after=self._after_bwd)
+            return boxed(run_bwd, after=self._after_bwd)
 
         return aot_autograd(
             fw_compiler=fw_compiler,

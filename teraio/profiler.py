@@ -99,8 +99,8 @@ class StepProfiler:
         self.input_kinds: list[str] | None = None
         self._input_refs: set[StorageWeakRef] = set()
 
-    def run_fwd(self, *args: Any) -> Any:
-        args_list = list(args)
+    def run_fwd(self, args_list: list[Any]) -> Any:
+        """Boxed: the interpreter clears ``args_list`` so inputs die as they would in compiled code."""
         if self.input_kinds is None:
             self.input_kinds = classify_inputs(args_list)
         self._input_refs = {
@@ -108,19 +108,20 @@ class StepProfiler:
         }
         interp = TimingInterpreter(self.step.fw_gm, self._input_refs, census=not self.fwd_runs)
         t0 = time.perf_counter()
-        out = interp.run(*args_list)
+        out = interp.boxed_run(args_list)
         interp.record.wall_s = time.perf_counter() - t0
         self.fwd_runs.append(interp.record)
         return out
 
-    def run_bwd(self, *args: Any) -> Any:
-        # Saved activations arrive as arguments but were allocated in this step: count them. Only the
-        # storages that existed before the step (the forward's inputs) are excluded.
+    def run_bwd(self, args_list: list[Any]) -> Any:
+        """Boxed, like ``run_fwd``: saved tensors are freed after their last use, as in compiled code.
+
+        Saved activations arrive as arguments but were allocated in this step: the census counts them.
+        Only the storages that existed before the step (the forward's inputs) are excluded.
+        """
         interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census=not self.bwd_runs)
-        args_list = list(args)
-        del args
         t0 = time.perf_counter()
-        out = interp.run(*args_list)
+        out = interp.boxed_run(args_list)
         interp.record.wall_s = time.perf_counter() - t0
         self.bwd_runs.append(interp.record)
         return out
