@@ -159,3 +159,21 @@ def test_new_plan_is_not_served_from_a_compile_cache(runs, tmp_path: Path) -> No
             outs.append({k for code in codes for op, k, _ in _teraio_calls(code) if op == "offload"})
     assert outs[0] == {f"g0/{d.name}" for d in plan.decisions}
     assert outs[1] == {f"g0/{d.name}" for d in half.decisions}
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-bert"])
+def test_inductor_offload_is_bit_identical_on_hf_models(deterministic, name: str, tmp_path: Path) -> None:
+    from .models import WORKLOADS
+    from .training import train
+
+    workload = WORKLOADS[name]()
+    reference = train(workload, TeraioBackend(inner="inductor", enabled=False), STEPS)
+    be = TeraioBackend(
+        inner="inductor", memory_budget="auto", solver="greedy", offload_dirs=[str(tmp_path)], checksum=True
+    )
+    try:
+        got = train(workload, be, STEPS)
+    finally:
+        be.close()
+    assert be.runners[0].plan.decisions, "nothing was moved: the test would prove nothing"
+    assert_bit_identical(reference, got)
