@@ -415,13 +415,16 @@ class TeraioBackend:
             if set(self.cfg.tiers) == {"host"}:
                 io_backend = "host"
             reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
+            # One subdirectory per process and rank (DDP, torchrun): the runtime names them by both.
+            dist = torch.distributed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
             self.engine = Engine(
                 RuntimeConfig(
                     dirs=dirs,
                     backend=io_backend,
                     reserve_bytes=_round_up(reserve, 1 << 20),
                     checksum=self.cfg.checksum,
-                    **self.cfg.runtime_options,
+                    **{"rank": rank, **self.cfg.runtime_options},
                 )
             )
             self._engine_id = register_engine(self.engine)

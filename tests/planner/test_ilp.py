@@ -162,7 +162,8 @@ def test_io_bound_12_layers_beats_greedy_and_reports_stats():
     assert plan.predicted_peak_bytes <= plan.budget_bytes
     sim = simulate(profile, plan)
     assert sim.ok and sim.step_s == pytest.approx(plan.predicted_step_s)
-    assert plan.predicted_stall_s < greedy.predicted_stall_s
+    # The objective is step time (compute + stall + interference): the ILP may trade a little stall for
+    # less interference, so only the step time must beat greedy's (seen in CI under load).
     assert plan.predicted_step_s < greedy.predicted_step_s
     s = plan.stats
     assert s.status in ("OPTIMAL", "FEASIBLE") and s.bound <= s.objective and 0 <= s.gap < 1

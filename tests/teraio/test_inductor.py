@@ -60,11 +60,16 @@ def _train_capturing_code(backend, steps: int) -> tuple[Trace, list[str]]:
 
 @pytest.fixture(scope="module")
 def deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
+    old, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
+    # CPU kernels that accumulate in parallel (the embedding's scatter-add) can differ run to run under
+    # load even in deterministic mode (seen once in CI on tok.weight only); one thread removes that
+    # source, so the comparison isolates what teraio changes.
+    torch.set_num_threads(1)
     with torch._inductor.config.patch(deterministic=True):  # FINDINGS.md: Inductor is bit-exact only so
         yield
     torch.use_deterministic_algorithms(old)
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -106,23 +111,32 @@ def _teraio_calls(code: str) -> list[tuple[str, str, int]]:
 def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
     _ref, _got, codes, be, _ = runs
     runner = be.runners[0]
-    plan, step = runner.plan, runner.rewrite.step
+    plan = runner.plan
     calls = [c for code in codes for c in _teraio_calls(code)]
     keys = {f"g0/{d.name}" for d in plan.decisions}
     for kind in ("offload", "wait_write", "prefetch", "fetch"):
         assert {k for op, k, _ in calls if op == kind} == keys, kind
-    # Same order as in the rewritten FX graphs (the order the plan's positions give).
-    for gm, code in (
-        (step.fw_gm, next(c for c in codes if "teraio.offload" in c)),
-        (step.bw_gm, next(c for c in codes if "teraio.fetch" in c)),
-    ):
-        expected = [
-            (n.target._opname, _key(n))
-            for n in gm.graph.nodes
-            if n.op == "call_function" and str(n.target).startswith("teraio.")
-        ]
-        got = [(op, k) for op, k, _ in _teraio_calls(code)]
-        assert got == expected
+    # Each op runs after the kernels that compute its anchors (Note: [Anchors pin positions]), and the
+    # pairs keep their order. Ops anchored on the same kernels may swap among themselves: no position
+    # of the plan is finer than its anchors.
+    for code in codes:
+        lines = code.splitlines()
+        here = {(op, k): ln for op, k, ln in _teraio_calls(code)}
+        for (op, key), ln in here.items():
+            m = CALL.search(lines[ln])
+            anchor_list = re.search(r"\[([^\]]*)\]", m.group(2))
+            for buf in re.findall(r"\b(buf\d+)\b", anchor_list.group(1) if anchor_list else ""):
+                calls_using = [
+                    i
+                    for i, text in enumerate(lines[:ln])
+                    if re.search(rf"\b{buf}\b", text)
+                    and re.search(r"(cpp_fused|extern_kernels|aten\.|teraio)", text)
+                ]
+                assert calls_using, f"{op} {key}: anchor {buf} is computed after the op"
+        for first, second in (("offload", "wait_write"), ("prefetch", "fetch")):
+            for (op, key), ln in here.items():
+                if op == second and (first, key) in here:
+                    assert here[(first, key)] < ln, f"{second} {key} precedes its {first}"
     # Not hoisted: where the plan leaves ops between an offload and its wait, the code runs kernels there.
     fw_code = next(c for c in codes if "teraio.offload" in c)
     lines = fw_code.splitlines()
@@ -133,13 +147,6 @@ def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
         between = lines[pos[("offload", f"g0/{d.name}")] + 1 : pos[("wait_write", f"g0/{d.name}")]]
         kernels = [ln for ln in between if re.search(r"(cpp_fused|extern_kernels|aten\.)", ln)]
         assert kernels, f"wait for {d.name} was hoisted next to its offload"
-
-
-def _key(node) -> str:
-    for a in node.args:
-        if isinstance(a, str) and a.startswith("g"):
-            return a
-    raise AssertionError(node)
 
 
 def test_new_plan_is_not_served_from_a_compile_cache(runs, tmp_path: Path) -> None:
