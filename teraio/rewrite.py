@@ -88,29 +88,34 @@ def _allocating_ops(gm: fx.GraphModule) -> set[fx.Node]:
 
 @dataclass(frozen=True)
 class _AnchorIndex:
-    """What anchor choice needs of one graph: its ops, which of them allocate, and their depths."""
+    """What anchor choice needs of one graph: its ops, which allocate, their depths and last uses."""
 
     ops: list[fx.Node]
     allocating: set[fx.Node]
     depth: dict[fx.Node, int]
+    last_use: dict[fx.Node, int]  # index in ``ops`` of the last op reading the node (len(ops): output)
 
     @classmethod
     def of(cls, gm: fx.GraphModule, ops: list[fx.Node]) -> _AnchorIndex:
         depth: dict[fx.Node, int] = {}
         for n in gm.graph.nodes:
             depth[n] = 1 + max((depth[i] for i in n.all_input_nodes), default=-1)
-        return cls(ops, _allocating_ops(gm), depth)
+        index = {n: i for i, n in enumerate(ops)}
+        last_use = {n: max((index.get(u, len(ops)) for u in n.users), default=-1) for n in ops}
+        return cls(ops, _allocating_ops(gm), depth, last_use)
 
     def before(self, pos: int) -> list[fx.Node]:
         """Anchors for a node placed before ``ops[pos]`` (pos == len(ops): after the last op).
 
-        Two anchors, both allocating ops before the position: the nearest one, and the deepest one
-        (longest chain of ops from the inputs, latest on ties). Inductor fuses an op into an earlier
-        kernel when it can, so the nearest op alone may be computed early; the deepest op sits on the
-        step's critical chain (the residual stream) and cannot run before everything that chain needs.
-        Note: [Anchors pin positions] in ``teraio.ops``.
+        Two anchors, both allocating ops before the position whose values are still alive there (so
+        anchoring never lengthens a lifetime the plan's memory model did not count): the nearest one,
+        and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses an
+        op into an earlier kernel when it can, so the nearest op alone may be computed early; the
+        deepest op sits on the step's critical chain (the residual stream) and cannot run before
+        everything that chain needs. Note: [Anchors pin positions] in ``teraio.ops``.
         """
-        cands = [n for n in self.ops[: min(pos, len(self.ops))] if n in self.allocating]
+        end = min(pos, len(self.ops))
+        cands = [n for n in self.ops[:end] if n in self.allocating and self.last_use[n] >= end]
         if not cands:
             return []
         deepest = max(reversed(cands), key=lambda n: self.depth[n])

@@ -1,0 +1,18 @@
+"""Exactness tests compare bits across runs: use deterministic kernels, so a difference means teraio.
+
+Some CPU kernels (parallel accumulations such as the embedding backward) may order additions
+differently from run to run under load; deterministic mode removes that source of noise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def deterministic_kernels():
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(old)
