@@ -210,8 +210,6 @@ class GraphRunner:
         self._pending_error: Exception | None = None
         self.phase = "profiling"
         self.steps = 0
-        self.fwd_calls = 0
-        self.bwd_calls = 0
         self.step_times_s: list[float] = []
         self._fwd_start: float | None = None
         self._lock = threading.Lock()
@@ -284,7 +282,6 @@ class GraphRunner:
 
     # ------------------------------------------------------------------------------------- running
     def _after_bwd(self) -> None:
-        self.bwd_calls += 1
         if self._mem_prof is not None:
             self._mem_prof.mark_end()  # stopped at the next call: Note: [Profiler state inside backward]
         elif self._fwd_start is not None:
@@ -332,7 +329,6 @@ class GraphRunner:
                 if self._measure_next and torch.is_grad_enabled():
                     self._start_memory_measurement()
                 self._measure_next = True
-            self.fwd_calls += 1
             self.steps += 1
             if torch.is_grad_enabled():
                 self._fwd_start = time.perf_counter()

@@ -68,8 +68,9 @@ def whole_storage(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=x.dtype, device=x.device).set_(storage, 0, (numel,), (1,))
 
 
-# Storage address of each in-flight write, to check the keepalive really is the written buffer.
-_INFLIGHT: dict[str, int] = {}
+# Storage address of each in-flight write by (engine, key), to check the keepalive really is the
+# written buffer. Keys repeat across backends ("g0/..."), so the engine is part of the identity.
+_INFLIGHT: dict[tuple[int, str], int] = {}
 
 
 # Note: [Exact layout of offloaded tensors]
@@ -87,12 +88,12 @@ def offload(
     covers = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
     if list(x.stride()) == list(stride) and covers:
         get_engine(engine).offload(key, whole_storage(x))
-        _INFLIGHT[key] = x.untyped_storage().data_ptr()
+        _INFLIGHT[(engine, key)] = x.untyped_storage().data_ptr()
     else:
         staged = torch.empty_strided(tuple(x.shape), tuple(stride), dtype=x.dtype, device=x.device)
         staged.copy_(x)
         get_engine(engine).offload(key, whole_storage(staged))
-        _INFLIGHT.pop(key, None)
+        _INFLIGHT.pop((engine, key), None)
     return _token()
 
 
@@ -113,7 +114,7 @@ def wait_write(
     pin the position (Note: [Anchors pin positions]). flexible_layout: the compiler must hand over the
     buffer itself, never a copy, or the keepalive would protect the wrong memory; checked below.
     """
-    written = _INFLIGHT.pop(key, None)
+    written = _INFLIGHT.pop((engine, key), None)
     if written is not None and keepalive.untyped_storage().data_ptr() != written:
         get_engine(engine).release(key)
         raise RuntimeError(

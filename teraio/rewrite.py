@@ -178,7 +178,6 @@ def apply_plan(
     fw_graph, bw_graph = step.fw_gm.graph, step.bw_gm.graph
     fw_mode, bw_mode = _fake_mode(step.fw_gm), _fake_mode(step.bw_gm)
     fw_out = next(n for n in reversed(fw_graph.nodes) if n.op == "output")
-    bw_out = next(n for n in reversed(bw_graph.nodes) if n.op == "output")
     outputs = list(fw_out.args[0])
     saved_pos0 = step.num_fwd_outputs
     bw_placeholders = step.bw_saved_placeholders
@@ -270,7 +269,6 @@ def apply_plan(
         gm.graph.lint()
         gm.recompile()
     _ensure_nothing_moved_is_saved(step, a, plan)
-    del bw_out
     return RewriteResult(step=step, moved_groups=len(plan.decisions), moved_bytes=moved_bytes)
 
 

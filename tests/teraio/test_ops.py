@@ -74,3 +74,19 @@ def test_keepalive_that_is_not_the_written_buffer_is_refused(engine_id: int) -> 
 def test_unknown_engine_is_a_clear_error() -> None:
     with pytest.raises(RuntimeError, match="not registered"):
         _offload(987654, "k", torch.ones(3))
+
+
+def test_keepalive_check_is_per_engine(tmp_path) -> None:
+    """Two backends use the same keys ("g0/..."): one engine's write must not stand in for another's."""
+    engines = [Engine(RuntimeConfig(dirs=[tmp_path], backend="host")) for _ in range(2)]
+    ids = [ops.register_engine(e) for e in engines]
+    try:
+        a, b = torch.randn(32, 32), torch.randn(32, 32)
+        ha, hb = _offload(ids[0], "g0/x", a), _offload(ids[1], "g0/x", b)
+        torch.ops.teraio.wait_write(ha, a, [], "g0/x", ids[0])  # passes: a is engine 0's buffer
+        with pytest.raises(RuntimeError, match="keepalive is not the buffer being written"):
+            torch.ops.teraio.wait_write(hb, a, [], "g0/x", ids[1])
+    finally:
+        for eid, e in zip(ids, engines):
+            ops.unregister_engine(eid)
+            e.close()
