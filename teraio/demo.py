@@ -77,11 +77,13 @@ class _Method:
     backend: TeraioBackend
     compiled: Any
     times: list[float] = field(default_factory=list)
+    fwd_bwd_times: list[float] = field(default_factory=list)  # the part of a step a plan predicts
     losses: list[torch.Tensor] = field(default_factory=list)
     peak_bytes: int | None = None
     io_before: dict[str, Any] = field(default_factory=dict)
 
-    def step(self, step: int, cfg: DemoConfig, measure: bool = False) -> float:
+    def step(self, step: int, cfg: DemoConfig, measure: bool = False) -> tuple[float, float]:
+        """One training step; returns (whole step s, forward+backward s)."""
         idx, targets = synthetic_batch(self.model.cfg, step, cfg.seed)
         self.opt.zero_grad(set_to_none=True)
         rec = MemoryRecorder("cpu") if measure else None
@@ -91,13 +93,14 @@ class _Method:
         t0 = time.perf_counter()
         loss = self.compiled(idx, targets)
         loss.backward()
+        fwd_bwd_s = time.perf_counter() - t0
         if rec is not None:
             rec.mark_end()
             self.peak_bytes = rec.stop().peak_bytes
         self.opt.step()
         dt = time.perf_counter() - t0
         self.losses.append(loss.detach().clone())
-        return dt
+        return dt, fwd_bwd_s
 
 
 def _setup(method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None) -> _Method:
@@ -135,6 +138,8 @@ def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
         "method": m.name,
         "peak_bytes": int(m.peak_bytes) if m.peak_bytes is not None else None,
         "step_s": step_s,
+        # Forward+backward only: what a plan's predicted_step_s predicts (step_s adds the optimizer).
+        "fwd_bwd_s": statistics.median(m.fwd_bwd_times),
         "steps_measured": len(m.times),
         "activation_bytes": profile.activation_bytes() if profile is not None else None,
         "moved_bytes_per_step": int(moved / n) if moved else 0,
@@ -145,6 +150,9 @@ def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
     if ref_times is not None:
         # Paired by round: both methods ran back to back, so machine noise mostly cancels.
         row["overhead"] = statistics.median(t / r for t, r in zip(m.times, ref_times)) - 1.0
+    if profile is not None:
+        # The profiling steps' compute for this method's own graph: how well profiling timed it.
+        row["profiled_compute_s"] = float(profile.ops["duration_us"].sum()) / 1e6
     if plan is not None:
         row.update(
             predicted_peak_bytes=plan.predicted_peak_bytes,
@@ -180,7 +188,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             m.step(warmup, cfg, measure=True)
         for r in range(cfg.steps):
             for m in methods:
-                m.times.append(m.step(warmup + 1 + r, cfg))
+                step_s, fwd_bwd_s = m.step(warmup + 1 + r, cfg)
+                m.times.append(step_s)
+                m.fwd_bwd_times.append(fwd_bwd_s)
         by_name = {m.name: m for m in methods}
         ref = by_name.get("no-offload")
         rows = [_row(m, ref.times if ref is not None else None) for m in methods]

@@ -54,6 +54,7 @@ def _table(result: dict[str, Any]) -> None:
         "peak",
         "vs no-offload",
         "step s",
+        "fwd+bwd s",
         "overhead",
         "moved/step",
         "I/O GB/s",
@@ -67,6 +68,7 @@ def _table(result: dict[str, Any]) -> None:
             format_bytes(r["peak_bytes"]),
             f"{r.get('peak_vs_no_offload', float('nan')):.1%}",
             f"{r['step_s']:.3f}",
+            f"{r['fwd_bwd_s']:.3f}",
             f"{r.get('overhead', float('nan')):+.1%}",
             format_bytes(r["moved_bytes_per_step"]) if r["moved_bytes_per_step"] else "-",
             f"{r['io_gb_per_s']:.2f}" if r["io_gb_per_s"] else "-",
@@ -82,7 +84,8 @@ def _table(result: dict[str, Any]) -> None:
     if tr is not None and "predicted_peak_bytes" in tr:
         console.print(
             f"teraio: plan by {tr['solver']} ({tr['solver_status']}), io path {tr.get('io_path')}; measured/predicted "
-            f"peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, step {tr['step_s'] / tr['predicted_step_s']:.2f}"
+            f"peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, forward+backward "
+            f"{tr['fwd_bwd_s'] / tr['predicted_step_s']:.2f} (predicted {tr['predicted_step_s']:.3f} s)"
         )
     if "losses_bit_identical" in result:
         console.print(

@@ -26,7 +26,12 @@ from teraio.workload import builtin_workload, compute_loss
 
 from .training import Trace, assert_bit_identical
 
-STEPS = 6
+STEPS = 20  # optimizer steps, as for the FX-only path (after the Inductor compiles they take ~1 s)
+# The step measured under the torch profiler is left out of exactness comparisons: with Inductor, such a
+# step sometimes differs between two identical compiles that run no teraio op at all (enabled=False on
+# both sides; first at the first profiled step, seen with another process competing for the cores). That
+# is torch's nondeterminism, not teraio's; benchmarks/profiler_determinism.py reproduces it.
+UNMEASURED = {"measure_memory": False}
 CALL = re.compile(r"torch\.ops\.teraio\.(offload|wait_write|prefetch|fetch)\.default\((.*)")
 
 
@@ -62,9 +67,7 @@ def _train_capturing_code(backend, steps: int) -> tuple[Trace, list[str]]:
 def deterministic():
     old, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
-    # CPU kernels that accumulate in parallel (the embedding's scatter-add) can differ run to run under
-    # load even in deterministic mode (seen once in CI on tok.weight only); one thread removes that
-    # source, so the comparison isolates what teraio changes.
+    # One intra-op thread: the comparison then isolates what teraio changes from parallel reductions.
     torch.set_num_threads(1)
     with torch._inductor.config.patch(deterministic=True):  # FINDINGS.md: Inductor is bit-exact only so
         yield
@@ -75,9 +78,10 @@ def deterministic():
 @pytest.fixture(scope="module")
 def runs(deterministic, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inductor")
-    reference, _ = _train_capturing_code(TeraioBackend(inner="inductor", enabled=False), STEPS)
+    reference, _ = _train_capturing_code(TeraioBackend(inner="inductor", enabled=False, **UNMEASURED), STEPS)
     be = TeraioBackend(
         inner="inductor",
+        **UNMEASURED,
         memory_budget="65%",
         solver="greedy",
         run_dir=str(tmp / "run"),
@@ -92,12 +96,6 @@ def runs(deterministic, tmp_path_factory):
     return reference, got, codes, be, tmp
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open: in 2 of 5 CI runs only tok.weight's gradient differed at step 5 (the step measured under "
-    "the torch profiler), even with one thread and deterministic kernels; other gradients and all losses "
-    "were identical. Not yet explained; see the issue #4 note. The HF Inductor tests below stay strict.",
-)
 def test_inductor_offload_is_bit_identical_in_deterministic_mode(runs) -> None:
     reference, got, _codes, be, _ = runs
     assert be.runners[0].plan.decisions, "nothing was moved: the test would prove nothing"
@@ -196,9 +194,14 @@ def test_inductor_offload_is_bit_identical_on_hf_models(deterministic, name: str
     from .training import train
 
     workload = WORKLOADS[name]()
-    reference = train(workload, TeraioBackend(inner="inductor", enabled=False), STEPS)
+    reference = train(workload, TeraioBackend(inner="inductor", enabled=False, **UNMEASURED), STEPS)
     be = TeraioBackend(
-        inner="inductor", memory_budget="auto", solver="greedy", offload_dirs=[str(tmp_path)], checksum=True
+        inner="inductor",
+        **UNMEASURED,
+        memory_budget="auto",
+        solver="greedy",
+        offload_dirs=[str(tmp_path)],
+        checksum=True,
     )
     try:
         got = train(workload, be, STEPS)
