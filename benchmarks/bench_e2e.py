@@ -5,7 +5,7 @@ JSON/CSV. Step times are medians of the timed steps, which run in rounds (one st
 round) so the shared machine's noise falls on every method alike; warm-up, profiling, compile and the
 memory-measurement step are excluded.
 
-    python -m benchmarks.bench_e2e [--model demo] [--budget 55%] [--solver ilp] [--steps 8] [--json] [--out F]
+    python -m benchmarks.bench_e2e [--model demo] [--budget 55%] [--solver ilp] [--steps 12] [--json] [--out F]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run(
     model: str = "demo",
     budget: str = "55%",
     solver: str = "ilp",
-    steps: int = 8,
+    steps: int = 12,
     inner: str = "eager",
     time_limit: float = 30.0,
     offload_dir: str | None = None,
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="demo", choices=["demo", "tiny"])
     p.add_argument("--budget", default="55%")
     p.add_argument("--solver", default="ilp")
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=12)
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--offload-dir", default=None)

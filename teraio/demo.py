@@ -36,7 +36,7 @@ METHODS = ("no-offload", "teraio", "checkpoint")
 @dataclass
 class DemoConfig:
     model: str = "demo"
-    steps: int = 8  # timed steps per method, after warm-up/profiling/compile and the memory step
+    steps: int = 12  # timed steps per method, after warm-up/profiling/compile and the memory step
     budget: str = "55%"
     solver: str = "ilp"
     time_limit: float = 30.0
@@ -140,6 +140,7 @@ def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
         "step_s": step_s,
         # Forward+backward only: what a plan's predicted_step_s predicts (step_s adds the optimizer).
         "fwd_bwd_s": statistics.median(m.fwd_bwd_times),
+        "step_times_s": list(m.times),  # per round, in the order the rounds ran
         "steps_measured": len(m.times),
         "activation_bytes": profile.activation_bytes() if profile is not None else None,
         "moved_bytes_per_step": int(moved / n) if moved else 0,

@@ -15,7 +15,7 @@ def test_bench_e2e_tiny(capsys) -> None:
     assert out["losses_bit_identical"] is True
     t = rows["teraio"]
     assert t["moved_bytes_per_step"] > 0 and t["peak_bytes"] < rows["no-offload"]["peak_bytes"]
-    # Peak prediction accuracy is asserted in tests/teraio/test_offload_e2e.py::test_stats_and_run_dir;
-    # here only that the benchmark reports it (on tiny, one extra 256 KiB buffer is 13%: open, issue #4).
-    assert t["predicted_peak_bytes"] > 0
+    # The measured peak is the plan's: memory prediction is exact up to allocator rounding (it was 13%
+    # off in about one run in six while I/O threads freed buffers unseen by the profiler: fixed).
+    assert abs(t["peak_bytes"] - t["predicted_peak_bytes"]) <= 0.10 * t["predicted_peak_bytes"]
     assert "torch" in out["machine"]

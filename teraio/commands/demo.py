@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model", default="demo", choices=["demo", "tiny"], help="built-in GPT config (default demo)"
     )
-    p.add_argument("--steps", type=int, default=8, help="timed steps per method, run in rounds (default 8)")
+    p.add_argument("--steps", type=int, default=12, help="timed steps per method, run in rounds (default 12)")
     p.add_argument("--budget", default="55%", help="teraio memory budget: bytes, units, fraction or auto")
     p.add_argument("--solver", default="ilp", help="planner solver (ilp, greedy, all, none)")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds")

@@ -1,0 +1,56 @@
+"""``teraio demo`` (the main job) through ``teraio.cli.main``, at tiny size: its JSON keys, table and errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from teraio.cli import main
+
+TINY = ["demo", "--model", "tiny", "--steps", "2", "--solver", "greedy"]
+
+
+def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
+    offload_dir = tmp_path / "off"
+    offload_dir.mkdir()
+    out_file = tmp_path / "demo.json"
+    assert main([*TINY, "--json", "--offload-dir", str(offload_dir), "--out", str(out_file)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert json.loads(out_file.read_text()) == result
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["no-offload", "teraio", "checkpoint"]
+    for row in rows.values():
+        assert row["peak_bytes"] > 0 and row["step_s"] > 0 and 0 < row["fwd_bwd_s"] <= row["step_s"]
+        assert len(row["step_times_s"]) == 2
+        assert row["activation_bytes"] > 0  # saved by this method's own graph
+    assert (
+        result["activation_bytes"]
+        == rows["no-offload"]["activation_bytes"]
+        == rows["teraio"]["activation_bytes"]
+    )
+    assert rows["checkpoint"]["activation_bytes"] < result["activation_bytes"]
+    teraio = rows["teraio"]
+    assert teraio["predicted_peak_bytes"] > 0 and teraio["predicted_step_s"] > 0
+    assert teraio["moved_bytes_per_step"] > 0
+    assert teraio["peak_bytes"] < rows["no-offload"]["peak_bytes"]
+    assert result["losses_bit_identical"] is True
+    assert list(offload_dir.iterdir()) == [], "the runtime left files in --offload-dir"
+
+
+def test_demo_table_names_every_method_and_figure(capsys) -> None:
+    assert main([*TINY, "--methods", "no-offload,teraio"]) == 0
+    out = capsys.readouterr().out
+    for word in ("no-offload", "teraio", "peak", "step s", "fwd+bwd s", "overhead", "predicted peak"):
+        assert word in out, word
+    assert "losses bit-identical to no-offload: yes" in out
+
+
+def test_demo_rejects_bad_options_with_one_line(capsys, tmp_path: Path) -> None:
+    for argv, needle in (
+        ([*TINY, "--offload-dir", str(tmp_path / "missing")], "--offload-dir"),
+        ([*TINY, "--methods", "teraio,magic"], "--methods"),
+        ([*TINY, "--steps", "0"], "--steps"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
