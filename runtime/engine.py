@@ -20,6 +20,14 @@ Note: [Storage identity]
     reused by the next allocation. The ``_cdata`` pointer is only a dict key; a hit is confirmed by
     ``ref() is storage``, and the version counter rejects a storage that was modified in place.
 
+Note: [No dedup after release]
+    A storage is deduplicated only while the entry's write still owns its source, i.e. before any of its
+    keys was released. After ``release`` the caller may reuse the memory for new data: Inductor binds a
+    later buffer to the same storage object (``buf9 = buf5  # reuse``) and its C++ kernels write through
+    raw pointers without bumping the version counter, and the graph ops offload a fresh view
+    (``whole_storage``) whose counter starts at 0 anyway. Matching such a storage to the old entry would
+    hand the new key the old bytes.
+
 Note: [Fetched buffers are torch memory]
     A read's destination is an ordinary torch allocation made by the tier's ``new_buffer`` in the
     caller's thread (prefetch or fetch): torch's allocator and its profiler then account for every
@@ -377,6 +385,8 @@ class Engine:
         for e in entries:
             if (
                 e.storage_ref() is storage  # Note: [Storage identity]
+                and e.write_req is not None
+                and e.write_req.buffer is not None  # Note: [No dedup after release]
                 and e.version == version
                 and e.tier is target
                 and e.region_lo <= lo

@@ -114,6 +114,29 @@ def test_freed_address_reuse_is_not_deduplicated(make_engine):
     assert torch.equal(eng.fetch("b"), b)
 
 
+def _fresh_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A float view over the whole storage with its own version counter (what the graph ops offload)."""
+    return torch.empty(0).set_(storage, 0, (storage.nbytes() // 4,), (1,))
+
+
+def test_storage_reused_after_release_is_written_again(make_engine):
+    """Note: [No dedup after release]: a compiler reuses a released buffer for new data, writing through
+    raw pointers (no version bump); the new key must get the new bytes, not the old entry's."""
+    eng = make_engine()
+    buf = torch.full((1 << 16,), 1.0)
+    storage = buf.untyped_storage()
+    eng.offload("a", _fresh_view(storage))
+    eng.release("a")
+    before = buf._version
+    buf.numpy()[:] = 2.0  # a write the version counter does not see, like an Inductor C++ kernel's
+    assert buf._version == before
+    eng.offload("b", _fresh_view(storage))
+    eng.release("b")
+    assert eng.stats().dedup_hits == 0
+    assert torch.equal(eng.fetch("a"), torch.full((1 << 16,), 1.0))
+    assert torch.equal(eng.fetch("b"), torch.full((1 << 16,), 2.0))
+
+
 def test_in_place_modification_defeats_dedup(make_engine):
     eng = make_engine()
     base = torch.zeros(10_000)
