@@ -56,7 +56,7 @@ class Handle:
             raise self._exc
 
     def result(self, timeout: float | None = None) -> Any:
-        """Wait, then return the request's value (the read buffer for a prefetch, None for an offload)."""
+        """Wait, then return the request's value (None: the bytes of a prefetch come back through ``fetch``)."""
         self.wait(timeout)
         return self._result
 
