@@ -10,9 +10,9 @@ Notes referenced in the code:
 
 Note: [Keepalive until the write completes]
     A write reads the source storage on an I/O thread long after ``offload`` returned. The write
-    request holds a strong reference to the source region until its last chunk is done, so a caller
-    that drops its tensor (or an allocator that reuses the buffer) cannot change the bytes mid-write.
-    The key record keeps its own reference until ``release``, which waits for the write first.
+    request holds a strong reference to the source region until ``release`` (which waits for the write
+    first) or ``drop``, so a caller that drops its tensor (or an allocator that reuses the buffer)
+    cannot change the bytes mid-write. The key record keeps its own reference until ``release`` too.
 
 Note: [Storage identity]
     Dedup and forwarding identify a storage by the Python storage object (torch preserves one object
