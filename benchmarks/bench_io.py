@@ -28,8 +28,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from runtime import Engine, RuntimeConfig, parse_nbytes
-from runtime.buffers import aligned_buffer, memmove
+from teraio.runtime import Engine, RuntimeConfig, parse_nbytes
+from teraio.runtime.buffers import aligned_buffer, memmove
 
 MIB = 1 << 20
 

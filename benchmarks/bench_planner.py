@@ -50,12 +50,12 @@ def run(
     profile_dirs: tuple[str, ...] = (),
 ) -> pd.DataFrame:
     """One row per (profile, budget, solver) with the simulated figures of the plan."""
-    from planner.budget import BudgetError
-    from planner.hardware import HardwareModel
-    from planner.lifetimes import analyse
-    from planner.profile import Profile
-    from planner.solve import solve
-    from planner.synth import synth_profile
+    from teraio.planner.budget import BudgetError
+    from teraio.planner.hardware import HardwareModel
+    from teraio.planner.lifetimes import analyse
+    from teraio.planner.profile import Profile
+    from teraio.planner.solve import solve
+    from teraio.planner.synth import synth_profile
 
     hardware = HardwareModel()
     cases = [(f"synth-{n}L", synth_profile(layers=n, hidden=hidden, seq=seq, batch=batch)) for n in layers]

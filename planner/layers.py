@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.profile import Profile
+from teraio.planner.profile import Profile
 
 _LAYER_RE = re.compile(r"^(?P<prefix>(?:[^.]+\.)*?[^.]+)\.(?P<idx>\d+)(?:\.|$)")
 

@@ -23,8 +23,8 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
-from planner.plan import Decision
-from planner.profile import Profile, ProfileError
+from teraio.planner.plan import Decision
+from teraio.planner.profile import Profile, ProfileError
 
 #: Columns of :attr:`Lifetimes.candidates`.
 CANDIDATE_COLUMNS = (

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.hardware import HardwareModel
+from teraio.planner.hardware import HardwareModel
 
 PLAN_SCHEMA_VERSION = 1
 

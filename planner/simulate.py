@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from planner.hardware import HardwareModel
-from planner.lifetimes import Lifetimes, analyse
-from planner.plan import Decision, Plan, PlanError
-from planner.profile import Profile
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.lifetimes import Lifetimes, analyse
+from teraio.planner.plan import Decision, Plan, PlanError
+from teraio.planner.profile import Profile
 
 IO_COLUMNS = ("name", "tier", "direction", "issue_idx", "issue_s", "start_s", "end_s", "nbytes")
 #: Stall below this (seconds) counts as none: float sums of many op durations are not exact.

@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planner.budget import BudgetError, format_size, infeasible, resolve_budget
-from planner.hardware import HardwareModel
-from planner.lifetimes import Lifetimes, analyse
-from planner.plan import Decision, Plan, PlanError, SolverStats
-from planner.profile import Profile
-from planner.simulate import STALL_TOLERANCE_S, SimResult, simulate_decisions
+from teraio.planner.budget import BudgetError, format_size, infeasible, resolve_budget
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.lifetimes import Lifetimes, analyse
+from teraio.planner.plan import Decision, Plan, PlanError, SolverStats
+from teraio.planner.profile import Profile
+from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, simulate_decisions
 
 #: ``progress(fraction_done, message)``; fraction in [0, 1].
 ProgressFn = Callable[[float, str], None]
@@ -101,7 +101,7 @@ def register_solver(
 
 def _load_builtin_solvers() -> None:
     # Imported lazily: the solver modules import this one to register themselves.
-    importlib.import_module("planner.solvers")
+    importlib.import_module("teraio.planner.solvers")
 
 
 def solver_info(name: str) -> SolverInfo:

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from planner.profile import Profile, ProfileError, make_profile
+from teraio.planner.profile import Profile, ProfileError, make_profile
 
 SYNTH_VERSION = 1
 FLOAT32_NBYTES = 4

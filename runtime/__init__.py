@@ -3,10 +3,10 @@
 Never imports ``planner`` or ``teraio``: it executes named requests, it does not read plans.
 """
 
-from runtime.config import RuntimeConfig, parse_nbytes
-from runtime.engine import Engine
-from runtime.handle import Handle
-from runtime.stats import DirStats, RuntimeStats, TransferStats
+from teraio.runtime.config import RuntimeConfig, parse_nbytes
+from teraio.runtime.engine import Engine
+from teraio.runtime.handle import Handle
+from teraio.runtime.stats import DirStats, RuntimeStats, TransferStats
 
 __all__ = [
     "DirStats",

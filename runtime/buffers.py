@@ -20,7 +20,7 @@ import mmap
 
 import torch
 
-from runtime.config import PAGE_NBYTES
+from teraio.runtime.config import PAGE_NBYTES
 
 
 def fetch_buffer(nbytes: int) -> torch.Tensor:

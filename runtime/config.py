@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runtime.errors import ConfigError
+from teraio.runtime.errors import ConfigError
 
 PAGE_NBYTES = 4096
 BACKENDS = ("auto", "posix", "kvikio", "host")
@@ -66,7 +66,7 @@ def parse_nbytes(value: int | str, *, what: str = "size") -> int:
 
 # A fault injector is called before every syscall that touches an offload file, with the action
 # ("create", "preallocate", "write", "read"), the file path, the file offset and the byte count; it
-# may raise OSError to simulate the device failing. See runtime.testing.FaultInjector.
+# may raise OSError to simulate the device failing. See teraio.runtime.testing.FaultInjector.
 FaultInjectorFn = Callable[[str, str, int, int], None]
 
 

@@ -68,8 +68,8 @@ from typing import Any
 
 import torch
 
-from runtime.config import ResolvedConfig, RuntimeConfig
-from runtime.errors import (
+from teraio.runtime.config import ResolvedConfig, RuntimeConfig
+from teraio.runtime.errors import (
     ChecksumError,
     ConfigError,
     EngineClosedError,
@@ -77,12 +77,12 @@ from runtime.errors import (
     UnknownKeyError,
     UnsupportedTensorError,
 )
-from runtime.handle import Handle
-from runtime.integrity import make_checksum
-from runtime.space import OffloadDir
-from runtime.stats import DirStats, RuntimeStats, StatsCollector, tb_per_day
-from runtime.tiers.base import Chunk, Placement, Tier
-from runtime.tiers.host import HostTier
+from teraio.runtime.handle import Handle
+from teraio.runtime.integrity import make_checksum
+from teraio.runtime.space import OffloadDir
+from teraio.runtime.stats import DirStats, RuntimeStats, StatsCollector, tb_per_day
+from teraio.runtime.tiers.base import Chunk, Placement, Tier
+from teraio.runtime.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Engine:
     def _choose_backend(requested: str) -> str:
         if requested != "auto":
             return requested
-        from runtime.tiers.gds import kvikio_status
+        from teraio.runtime.tiers.gds import kvikio_status
 
         if not torch.cuda.is_available():
             log.info("TERAIO_IO_BACKEND=auto chose posix: no CUDA device")
@@ -238,13 +238,13 @@ class Engine:
                 share = len(range(i, nchunks, len(self._dirs))) * cfg.chunk_nbytes
                 odir.reserve(share)
         if self.backend == "kvikio":
-            from runtime.tiers.gds import KvikioTier
+            from teraio.runtime.tiers.gds import KvikioTier
 
             self._ssd = KvikioTier(
                 self._dirs, chunk_nbytes=cfg.chunk_nbytes, fault_injector=cfg.fault_injector
             )
         else:
-            from runtime.tiers.posix import PosixTier
+            from teraio.runtime.tiers.posix import PosixTier
 
             self._ssd = PosixTier(
                 self._dirs,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from runtime.buffers import address_view
-from runtime.errors import ConfigError
+from teraio.runtime.buffers import address_view
+from teraio.runtime.errors import ConfigError
 
 ChecksumFn = Callable[[int, int], int]
 

@@ -25,8 +25,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.config import PAGE_NBYTES, FaultInjectorFn
-from runtime.errors import (
+from teraio.runtime.config import PAGE_NBYTES, FaultInjectorFn
+from teraio.runtime.errors import (
     ConfigError,
     OffloadPermissionError,
     OutOfSpaceError,

@@ -14,15 +14,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from planner.budget import BudgetError, format_size
+from teraio.planner.budget import BudgetError, format_size
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from planner.lifetimes import Lifetimes
-    from planner.plan import Plan
-    from planner.profile import Profile
-    from planner.simulate import SimResult
+    from teraio.planner.lifetimes import Lifetimes
+    from teraio.planner.plan import Plan
+    from teraio.planner.profile import Profile
+    from teraio.planner.simulate import SimResult
 
 #: Columns of :func:`budget_sweep`.
 SWEEP_COLUMNS = (
@@ -155,8 +155,8 @@ def budget_sweep(
         One row per budget, columns :data:`SWEEP_COLUMNS`.
     """
     # Lazy: the solver registry imports OR-Tools, which a caller only plotting should not pay for.
-    from planner.lifetimes import analyse
-    from planner.solve import solve
+    from teraio.planner.lifetimes import analyse
+    from teraio.planner.solve import solve
 
     lt = lifetimes if lifetimes is not None else analyse(profile)
     rows = []

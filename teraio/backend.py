@@ -31,10 +31,10 @@ import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 
-from planner.hardware import HardwareModel
-from planner.plan import Plan
-from planner.profile import Profile
 from teraio.capture import CapturedStep, capturing_partition
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.plan import Plan
+from teraio.planner.profile import Profile
 from teraio.profiler import StepProfiler
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan
 
@@ -132,7 +132,7 @@ def inner_compiler(inner: str, is_backward: bool) -> Callable[..., Any]:
 
 def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
     """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto): ops and transfers."""
-    from planner.simulate import simulate
+    from teraio.planner.simulate import simulate
 
     sim = simulate(profile, plan)
     events: list[dict[str, Any]] = []
@@ -184,7 +184,7 @@ def load_plans(path: str | os.PathLike) -> list[Plan]:
     if p.is_dir():
         files = sorted(p.glob("graph*/plan.json")) or sorted(p.glob("*.json"))
         if not files:
-            from planner.plan import PlanError
+            from teraio.planner.plan import PlanError
 
             raise PlanError(f"plan directory '{p}' holds no graph*/plan.json")
         return [Plan.load(f) for f in files]
@@ -364,7 +364,7 @@ class TeraioBackend:
         return hw
 
     def _make_plan(self, runner: GraphRunner) -> Plan:
-        from planner.solve import solve
+        from teraio.planner.solve import solve
 
         plan = solve(
             runner.profile,
@@ -400,8 +400,8 @@ class TeraioBackend:
         if self.engine is None:
             import tempfile
 
-            from runtime import Engine, RuntimeConfig
             from teraio.ops import register_engine
+            from teraio.runtime import Engine, RuntimeConfig
 
             dirs = self.cfg.offload_dirs
             if not dirs:

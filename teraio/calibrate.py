@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from planner.hardware import HardwareModel
 from teraio.errors import UserInputError
+from teraio.planner.hardware import HardwareModel
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +145,8 @@ def _engine_round_trip(directory: Path, nbytes: int, repeats: int) -> tuple[list
     """Time ``runtime.Engine`` (posix) offloading a uint8 tensor and reading it back, ``repeats`` times."""
     import torch
 
-    from runtime.config import RuntimeConfig
-    from runtime.engine import Engine
+    from teraio.runtime.config import RuntimeConfig
+    from teraio.runtime.engine import Engine
 
     writes, reads = [], []
     with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix")) as engine:

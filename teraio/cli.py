@@ -19,13 +19,13 @@ COMMAND_MODULES = ["profile", "synth", "plan", "simulate", "show", "sweep", "cal
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """Exception types whose message is meant for the user (one line, no traceback)."""
-    from planner.hardware import HardwareError
-    from planner.plan import PlanError
-    from planner.profile import ProfileError
     from teraio.errors import TeraioError
+    from teraio.planner.hardware import HardwareError
+    from teraio.planner.plan import PlanError
+    from teraio.planner.profile import ProfileError
 
     types: list[type[BaseException]] = [TeraioError, ProfileError, PlanError, HardwareError]
-    for mod, name in (("planner.budget", "BudgetError"), ("runtime.errors", "RuntimeIOError")):
+    for mod, name in (("teraio.planner.budget", "BudgetError"), ("teraio.runtime.errors", "RuntimeIOError")):
         try:
             types.append(getattr(importlib.import_module(mod), name))
         except (ImportError, AttributeError):

@@ -47,7 +47,9 @@ def unregister_engine(engine_id: int) -> None:
         _ENGINES.pop(engine_id, None)
 
 
-def get_engine(engine_id: int):  # -> runtime.Engine (untyped here: ops must not import runtime eagerly)
+def get_engine(
+    engine_id: int,
+):  # -> runtime.Engine (untyped here: ops must not import teraio.runtime eagerly)
     try:
         return _ENGINES[engine_id]
     except KeyError:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from planner.profile import Profile
 from teraio.errors import CaptureError
+from teraio.planner.profile import Profile
 from teraio.workload import Workload, compute_loss
 
 

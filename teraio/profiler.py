@@ -22,8 +22,8 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from planner.profile import Profile, make_profile
 from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
+from teraio.planner.profile import Profile, make_profile
 
 
 @dataclass

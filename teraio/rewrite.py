@@ -30,9 +30,9 @@ from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
-from planner.plan import Decision, Plan
 from teraio.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
 from teraio.errors import TeraioError
+from teraio.planner.plan import Decision, Plan
 
 
 class PlanMismatchError(TeraioError):

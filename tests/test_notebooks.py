@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.lifetimes import analyse
-from planner.synth import synth_profile
 from teraio import analysis
+from teraio.planner.lifetimes import analyse
+from teraio.planner.synth import synth_profile
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
@@ -120,8 +120,8 @@ def test_plots_draw_what_they_say(small_profile) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from planner.simulate import simulate
-    from planner.solve import solve
+    from teraio.planner.simulate import simulate
+    from teraio.planner.solve import solve
 
     profile, lt = small_profile
     plan = solve(profile, budget="50%", solver="greedy", lifetimes=lt)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from planner.solvers import baselines, greedy
+from teraio.planner.solvers import baselines, greedy
 
 __all__ = ["baselines", "greedy"]
 
-if importlib.util.find_spec("planner.solvers.ilp") is not None:
-    from planner.solvers import ilp  # noqa: F401
+if importlib.util.find_spec("teraio.planner.solvers.ilp") is not None:
+    from teraio.planner.solvers import ilp  # noqa: F401
 
     __all__.append("ilp")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from planner.plan import Plan, SolverStats
-from planner.solve import Problem, make_plan, register_solver
+from teraio.planner.plan import Plan, SolverStats
+from teraio.planner.solve import Problem, make_plan, register_solver
 
 
 @register_solver("none", baseline=True)

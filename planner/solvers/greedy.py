@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.hardware import HardwareModel
-from planner.lifetimes import Lifetimes
-from planner.plan import Decision, Plan, SolverStats
-from planner.solve import Problem, make_plan, register_solver
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.lifetimes import Lifetimes
+from teraio.planner.plan import Decision, Plan, SolverStats
+from teraio.planner.solve import Problem, make_plan, register_solver
 
 _EPS_US = 1e-6
 

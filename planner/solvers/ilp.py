@@ -51,11 +51,11 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from planner.budget import BudgetError, infeasible
-from planner.layers import find_layers
-from planner.plan import Decision, Plan, SolverStats
-from planner.simulate import STALL_TOLERANCE_S, SimResult
-from planner.solve import Problem, get_solver, make_plan, register_solver
+from teraio.planner.budget import BudgetError, infeasible
+from teraio.planner.layers import find_layers
+from teraio.planner.plan import Decision, Plan, SolverStats
+from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult
+from teraio.planner.solve import Problem, get_solver, make_plan, register_solver
 
 #: Memory is counted in units of the largest power of two dividing every size (exact, and keeps the
 #: cumulative constraint's numbers small); never coarser than this.

@@ -16,10 +16,10 @@ import logging
 
 import torch
 
-from runtime.errors import ConfigError, RuntimeIOError, map_os_error
-from runtime.space import OffloadDir
-from runtime.tiers.base import Chunk, Placement
-from runtime.tiers.posix import PosixTier
+from teraio.runtime.errors import ConfigError, RuntimeIOError, map_os_error
+from teraio.runtime.space import OffloadDir
+from teraio.runtime.tiers.base import Chunk, Placement
+from teraio.runtime.tiers.posix import PosixTier
 
 log = logging.getLogger(__name__)
 

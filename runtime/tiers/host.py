@@ -10,9 +10,9 @@ import threading
 
 import torch
 
-from runtime.buffers import aligned_buffer, fetch_buffer, memmove
-from runtime.errors import TierCapacityError
-from runtime.tiers.base import Chunk, Placement, split_chunks
+from teraio.runtime.buffers import aligned_buffer, fetch_buffer, memmove
+from teraio.runtime.errors import TierCapacityError
+from teraio.runtime.tiers.base import Chunk, Placement, split_chunks
 
 
 class HostTier:

@@ -29,11 +29,11 @@ import threading
 
 import torch
 
-from runtime.buffers import address_view, aligned_buffer, fetch_buffer, memmove, memset
-from runtime.config import PAGE_NBYTES, FaultInjectorFn
-from runtime.errors import RuntimeIOError, map_os_error
-from runtime.space import OffloadDir, align_up
-from runtime.tiers.base import Chunk, Placement, split_chunks
+from teraio.runtime.buffers import address_view, aligned_buffer, fetch_buffer, memmove, memset
+from teraio.runtime.config import PAGE_NBYTES, FaultInjectorFn
+from teraio.runtime.errors import RuntimeIOError, map_os_error
+from teraio.runtime.space import OffloadDir, align_up
+from teraio.runtime.tiers.base import Chunk, Placement, split_chunks
 
 log = logging.getLogger(__name__)
 

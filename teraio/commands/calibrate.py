@@ -29,8 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.budget import BudgetError, parse_size
     from teraio.calibrate import calibrate
+    from teraio.planner.budget import BudgetError, parse_size
 
     try:
         nbytes, block = parse_size(args.size), parse_size(args.block)

@@ -18,7 +18,7 @@ from teraio.units import format_bytes
 # --------------------------------------------------------------------------------- shared helpers
 def load_profile_arg(path: str):
     """Load a single-graph profile directory; a multi-graph one names its graphs in the error."""
-    from planner.profile import Profile
+    from teraio.planner.profile import Profile
 
     p = Path(path)
     index = p / "index.json"
@@ -36,7 +36,7 @@ def load_profile_arg(path: str):
 
 
 def load_hardware_arg(path: str | None):
-    from planner.hardware import HardwareModel
+    from teraio.planner.hardware import HardwareModel
 
     return HardwareModel.load(path) if path else HardwareModel()
 
@@ -105,7 +105,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.solve import solve
+    from teraio.planner.solve import solve
 
     if args.time_limit <= 0:
         raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")

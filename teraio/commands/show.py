@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.plan import Plan
+    from teraio.planner.plan import Plan
 
     modules: dict[str, str] = {}
     if args.profile:

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _bw(text: str, option: str) -> float:
-    from planner.budget import BudgetError, parse_size
+    from teraio.planner.budget import BudgetError, parse_size
 
     try:
         value = parse_size(text)
@@ -46,10 +46,10 @@ def _bw(text: str, option: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.budget import resolve_budget
-    from planner.lifetimes import analyse
-    from planner.plan import Plan
-    from planner.simulate import simulate
+    from teraio.planner.budget import resolve_budget
+    from teraio.planner.lifetimes import analyse
+    from teraio.planner.plan import Plan
+    from teraio.planner.simulate import simulate
 
     profile = load_profile_arg(args.profile)
     plan = Plan.load(args.plan, expect_fingerprint=profile.fingerprint)

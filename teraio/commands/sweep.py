@@ -58,9 +58,9 @@ def sweep(
     """One row per (solver, budget): a pandas DataFrame with :data:`COLUMNS`."""
     import pandas as pd
 
-    from planner.budget import BudgetError
-    from planner.lifetimes import analyse
-    from planner.solve import solve
+    from teraio.planner.budget import BudgetError
+    from teraio.planner.lifetimes import analyse
+    from teraio.planner.solve import solve
 
     lt = analyse(profile)
     rows = []
@@ -110,8 +110,8 @@ def sweep(
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from planner.budget import resolve_budget
-    from planner.solve import solver_info
+    from teraio.planner.budget import resolve_budget
+    from teraio.planner.solve import solver_info
 
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     solvers = [s.strip() for s in args.solver.split(",") if s.strip()]

@@ -55,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from planner.lifetimes import analyse
-    from planner.synth import synth_profile
+    from teraio.planner.lifetimes import analyse
+    from teraio.planner.synth import synth_profile
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from planner.hardware import HardwareModel, TierModel
-from planner.profile import Profile, make_profile
+from teraio.planner.hardware import HardwareModel, TierModel
+from teraio.planner.profile import Profile, make_profile
 
 MB = 10**6
 

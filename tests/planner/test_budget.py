@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner.budget import BudgetError, format_size, infeasible, parse_size, resolve_budget
+from teraio.planner.budget import BudgetError, format_size, infeasible, parse_size, resolve_budget
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.budget import BudgetError
-from planner.hardware import HardwareModel, TierModel
-from planner.lifetimes import analyse
-from planner.profile import make_profile
-from planner.simulate import simulate
-from planner.solve import solve
-from planner.synth import synth_profile
+from teraio.planner.budget import BudgetError
+from teraio.planner.hardware import HardwareModel, TierModel
+from teraio.planner.lifetimes import analyse
+from teraio.planner.profile import make_profile
+from teraio.planner.simulate import simulate
+from teraio.planner.solve import solve
+from teraio.planner.synth import synth_profile
 
 
 def _hw(write_us_per_kb: float, read_us_per_kb: float, **tier) -> HardwareModel:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from planner.lifetimes import analyse
-from planner.profile import Profile, ProfileError, make_profile
+from teraio.planner.lifetimes import analyse
+from teraio.planner.profile import Profile, ProfileError, make_profile
 from tests.planner.planner_cases import MB, act, ops_rows, param, pyramid
 
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.budget import BudgetError
-from planner.hardware import HardwareModel, TierModel
-from planner.lifetimes import analyse
-from planner.plan import Plan
-from planner.profile import make_profile
-from planner.simulate import STALL_TOLERANCE_S, simulate
-from planner.solve import solve
+from teraio.planner.budget import BudgetError
+from teraio.planner.hardware import HardwareModel, TierModel
+from teraio.planner.lifetimes import analyse
+from teraio.planner.plan import Plan
+from teraio.planner.profile import make_profile
+from teraio.planner.simulate import STALL_TOLERANCE_S, simulate
+from teraio.planner.solve import solve
 from tests.planner.planner_cases import ops_rows
 
 SOLVERS = ("none", "all", "greedy")

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from planner.hardware import TierModel
-from planner.lifetimes import analyse
-from planner.plan import Plan, PlanError, SolverStats
-from planner.profile import make_profile
-from planner.simulate import simulate, simulate_decisions
+from teraio.planner.hardware import TierModel
+from teraio.planner.lifetimes import analyse
+from teraio.planner.plan import Plan, PlanError, SolverStats
+from teraio.planner.profile import make_profile
+from teraio.planner.simulate import simulate, simulate_decisions
 from tests.planner.planner_cases import MB, act, ops_rows, pyramid, ssd_only
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from planner.budget import BudgetError
-from planner.lifetimes import analyse
-from planner.plan import Plan, SolverStats
-from planner.profile import make_profile
-from planner.simulate import simulate
-from planner.solve import (
+from teraio.planner.budget import BudgetError
+from teraio.planner.lifetimes import analyse
+from teraio.planner.plan import Plan, SolverStats
+from teraio.planner.profile import make_profile
+from teraio.planner.simulate import simulate
+from teraio.planner.solve import (
     Problem,
     SolverBugError,
     UnknownSolverError,
@@ -142,7 +142,7 @@ def test_register_a_solver_and_infeasible_result_is_an_error():
         # auto via bisection: the lazy solver never moves anything, so the unplanned peak is the answer.
         assert solve(pyramid(), "auto", "test-lazy", FAST).predicted_peak_bytes == 400 * MB
     finally:
-        from planner import solve as solve_mod
+        from teraio.planner import solve as solve_mod
 
         solve_mod._REGISTRY.pop("test-lazy")
 

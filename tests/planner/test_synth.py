@@ -7,11 +7,11 @@ import json
 import pandas as pd
 import pytest
 
-from planner.layers import find_layers, layer_key
-from planner.lifetimes import analyse
-from planner.profile import Profile, ProfileError
-from planner.synth import SynthConfig, synth_profile
 from teraio.cli import main
+from teraio.planner.layers import find_layers, layer_key
+from teraio.planner.lifetimes import analyse
+from teraio.planner.profile import Profile, ProfileError
+from teraio.planner.synth import SynthConfig, synth_profile
 
 MB = 1e6
 

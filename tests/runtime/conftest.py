@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime import Engine, RuntimeConfig
+from teraio.runtime import Engine, RuntimeConfig
 
 HAS_KVIKIO = importlib.util.find_spec("kvikio") is not None
 TIERS = ["host", "posix", "posix-buffered", "kvikio"]
@@ -32,7 +32,7 @@ def make_config(tier: str, base: Path, **kw) -> RuntimeConfig:
     if tier == "kvikio":
         if not HAS_KVIKIO:
             pytest.skip("kvikio not installed (pip install the 'gds' extra, see README)")
-        from runtime.testing import load_cuda_driver_standin
+        from teraio.runtime.testing import load_cuda_driver_standin
 
         load_cuda_driver_standin()
         return RuntimeConfig(backend="kvikio", dirs=dirs, **kw)

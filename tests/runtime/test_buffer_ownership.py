@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-import runtime.engine as engine_module
+import teraio.runtime.engine as engine_module
 from teraio.measure import MemoryRecorder
 
 

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from runtime.errors import UnknownKeyError
+from teraio.runtime.errors import UnknownKeyError
 
 
 def test_concurrent_random_interleaving(make_engine):

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import Engine, RuntimeConfig
-from runtime.errors import (
+from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.errors import (
     ChecksumError,
     DiskIOError,
     OffloadPermissionError,
     OutOfSpaceError,
     RuntimeIOError,
 )
-from runtime.testing import FaultInjector
+from teraio.runtime.testing import FaultInjector
 
 from .conftest import make_config
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from runtime import Engine
-from runtime.buffers import aligned_buffer
+from teraio.runtime import Engine
+from teraio.runtime.buffers import aligned_buffer
 
 from .conftest import make_config
 
@@ -100,7 +100,7 @@ def test_bounce_path_roundtrip_bit_exact(tmp_path):
 
 def test_read_path_follows_the_allocation_alignment(tmp_path, caplog):
     """Whatever THP setting this process runs with, the counted path matches the buffer's address."""
-    caplog.set_level("INFO", logger="runtime.tiers.posix")
+    caplog.set_level("INFO", logger="teraio.runtime.tiers.posix")
     with Engine(make_config("posix", tmp_path, chunk_bytes=64 << 10)) as eng:
         t = torch.randn(1 << 20)  # 4 MiB, whole pages
         eng.offload("t", t).wait()
@@ -122,7 +122,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     import torch
     from torch.profiler import profile
-    from runtime import Engine, RuntimeConfig
+    from teraio.runtime import Engine, RuntimeConfig
 
     base = sys.argv[1]
     cfg = RuntimeConfig(backend="posix", dirs=[base + "/ssd0", base + "/ssd1"], direct_io=True,

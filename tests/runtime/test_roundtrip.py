@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 
-from runtime import Engine, RuntimeConfig
-from runtime.errors import ConfigError, EngineClosedError, UnknownKeyError, UnsupportedTensorError
+from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.errors import ConfigError, EngineClosedError, UnknownKeyError, UnsupportedTensorError
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
 
@@ -230,7 +230,7 @@ def test_config_errors_name_the_option(tmp_path, monkeypatch):
 
 
 def test_auto_backend_is_posix_without_cuda(tmp_path, caplog):
-    caplog.set_level("INFO", logger="runtime.engine")
+    caplog.set_level("INFO", logger="teraio.runtime.engine")
     with Engine(RuntimeConfig(dirs=[tmp_path], backend="auto")) as eng:
         assert eng.backend == "posix"
         assert eng.stats().io_path == "posix-odirect"
@@ -253,7 +253,7 @@ def test_stats_report_throughput_and_endurance(tmp_path):
 
 
 def test_host_tier_capacity(tmp_path):
-    from runtime.errors import TierCapacityError
+    from teraio.runtime.errors import TierCapacityError
 
     with Engine(RuntimeConfig(backend="host", host_capacity_bytes="1MiB")) as eng:
         eng.offload("a", torch.zeros(200_000))  # 800 kB

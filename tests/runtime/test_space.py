@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from runtime import Engine, RuntimeConfig
-from runtime.errors import OutOfSpaceError
-from runtime.space import ExtentAllocator, clean_stale_subdirs
+from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.errors import OutOfSpaceError
+from teraio.runtime.space import ExtentAllocator, clean_stale_subdirs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -102,7 +102,7 @@ def test_cleanup_never_touches_foreign_files_or_follows_symlinks(tmp_path):
 
 def test_offload_dir_symlink_file_is_not_followed(tmp_path):
     """A file planted where the engine creates data.bin must make creation fail, not be reused."""
-    from runtime.space import OffloadDir
+    from teraio.runtime.space import OffloadDir
 
     odir = OffloadDir(tmp_path, rank=0, direct_io=None, fault_injector=None)
     try:
@@ -120,7 +120,7 @@ def test_offload_dir_symlink_file_is_not_followed(tmp_path):
 _CHILD = textwrap.dedent(
     """
     import sys, time, torch
-    from runtime import Engine, RuntimeConfig
+    from teraio.runtime import Engine, RuntimeConfig
     eng = Engine(RuntimeConfig(dirs=[sys.argv[1]], reserve_bytes="8MiB"))
     eng.offload("x", torch.ones(1 << 20)).wait()
     print(eng.offload_paths[0], flush=True)
@@ -158,7 +158,7 @@ def test_sigkilled_process_files_cleaned_at_next_start_live_ones_kept(tmp_path):
 
 
 def test_files_removed_at_interpreter_exit(tmp_path):
-    code = "import sys, torch; from runtime import Engine, RuntimeConfig\n"
+    code = "import sys, torch; from teraio.runtime import Engine, RuntimeConfig\n"
     code += "eng = Engine(RuntimeConfig(dirs=[sys.argv[1]])); eng.offload('x', torch.ones(99))\n"
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, cwd=REPO)
     assert os.listdir(tmp_path) == []
@@ -167,7 +167,7 @@ def test_files_removed_at_interpreter_exit(tmp_path):
 def test_tmpfs_directory_warns(caplog):
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
-    from runtime.space import filesystem_type
+    from teraio.runtime.space import filesystem_type
 
     if filesystem_type(Path("/dev/shm")) != "tmpfs":
         pytest.skip("/dev/shm is not tmpfs here")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from planner.hardware import HardwareModel
-from planner.plan import Plan
 from teraio.cli import main
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.plan import Plan
 from tests.planner.planner_cases import MB, pyramid, ssd_only
 
 REPO = Path(__file__).resolve().parents[2]

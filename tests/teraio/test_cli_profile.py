@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from planner.profile import Profile
 from teraio.cli import main
+from teraio.planner.profile import Profile
 
 REPO = Path(__file__).resolve().parents[2]
 

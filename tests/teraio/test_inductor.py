@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch._inductor.graph import GraphLowering
 
-from planner.plan import Plan
 from teraio.backend import TeraioBackend
+from teraio.planner.plan import Plan
 from teraio.workload import builtin_workload, compute_loss
 
 from .training import Trace, assert_bit_identical

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from planner.budget import BudgetError
-from planner.plan import Plan
-from runtime.errors import RuntimeIOError
-from runtime.testing import FaultInjector
 from teraio.backend import TeraioBackend
 from teraio.errors import TeraioError
+from teraio.planner.budget import BudgetError
+from teraio.planner.plan import Plan
+from teraio.runtime.errors import RuntimeIOError
+from teraio.runtime.testing import FaultInjector
 from teraio.workload import builtin_workload, compute_loss
 
 from .models import WORKLOADS

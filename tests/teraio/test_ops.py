@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import teraio.ops as ops
-from runtime import Engine, RuntimeConfig
+from teraio.runtime import Engine, RuntimeConfig
 
 
 @pytest.fixture(params=["host", "posix"])
