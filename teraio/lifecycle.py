@@ -124,7 +124,7 @@ class GraphRunner:
         self.plan: Plan | None = None
         self.rewrite: RewriteResult | None = None
         self.invocations = 0
-        self.backwards = 0
+        self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
         self._training = False
         self._plannable = plannable
@@ -404,9 +404,10 @@ class TeraioBackend:
         )
 
     def _plan_step(self, ready: list[GraphRunner]) -> None:
+        from teraio import step_budget
         from teraio.planner.budget import resolve_budget
         from teraio.planner.lifetimes import analyse
-        from teraio.step_budget import GraphMemory, split_budget, step_peak
+        from teraio.step_budget import GraphMemory, step_peak
 
         graphs = [r for r in self.runners if r.profile is not None and r.is_training]
         calls = self._step_calls(graphs)
@@ -424,16 +425,18 @@ class TeraioBackend:
         }
         step_unplanned, _ = step_peak(calls, unplanned)
         budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned)
+        for r in ready:
+            r.step_budget_bytes = budget_bytes
         if budget_bytes is None:  # "auto": each graph's own smallest stall-free peak
             for r in ready:
                 r.plan = self._solve(r, "auto")
             return
         plans: dict[GraphRunner, Plan] = {}
 
-        def plan_graph(r: GraphRunner, b: int) -> GraphMemory:
+        def plan_graph(r: GraphRunner, b: int, fast: bool) -> GraphMemory:
             if r not in ready:
                 return memory[r]
-            plans[r] = self._solve(r, b)
+            plans[r] = self._solve(r, b, solver="greedy" if fast else None, quiet=fast)
             return GraphMemory(plans[r].predicted_peak_bytes, held(r, plans[r]))
 
         log.info(
@@ -444,12 +447,21 @@ class TeraioBackend:
             self.cfg.solver,
             self.cfg.time_limit,
         )
-        split_budget(
+
+        def min_held(r: GraphRunner) -> int:
+            if r not in ready:
+                return memory[r].held_bytes
+            t = r.profile.tensors
+            movable = int(t.loc[t["offloadable"] & (t["first_bwd_use_idx"] >= 0), "nbytes"].sum())
+            return max(0, held(r, None) - movable)
+
+        step_budget.split_budget(
             calls,
             budget_bytes,
             memory,
             plan_graph,
             {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
+            {r: min_held(r) for r in graphs},
             lambda r: r.name,
         )
         for r, p in plans.items():
@@ -475,18 +487,21 @@ class TeraioBackend:
             calls += [(r, "fwd", -1 - n), (r, "bwd", -1 - n)]
         return calls
 
-    def _solve(self, runner: GraphRunner, budget: int | str) -> Plan:
+    def _solve(
+        self, runner: GraphRunner, budget: int | str, solver: str | None = None, quiet: bool = False
+    ) -> Plan:
         from teraio.planner.solve import solve
 
         t0 = time.perf_counter()
         plan = solve(
             runner.profile,
             budget=budget,
-            solver=self.cfg.solver,
+            solver=solver or self.cfg.solver,
             hardware=self.hardware_model(),
             time_limit_s=float(self.cfg.time_limit),
         )
-        log.info(
+        log.log(
+            logging.DEBUG if quiet else logging.INFO,
             "%s: plan by %s in %.1f s moves %d tensors (%s); predicted peak %s, step %.3f s",
             runner.name,
             plan.solver,

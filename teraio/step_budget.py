@@ -8,8 +8,8 @@ its backward: its outputs and the saved tensors its plan leaves in memory. So th
 
 with ``peak`` the graph's (predicted) peak and ``held`` what an invocation keeps after its forward.
 This module composes that from the last complete step's call sequence, and divides the step budget:
-each graph gets the budget minus what the others hold while it runs, re-planned until the held bytes
-settle (offloading more in one graph lowers what it holds during the others).
+each graph gets the budget minus what the others hold while it runs (offloading more in one graph
+lowers what it holds during the others, so the split is searched, not computed once).
 """
 
 from __future__ import annotations
@@ -65,45 +65,75 @@ def split_budget(
     calls: Sequence[Call],
     budget_bytes: int,
     unplanned: dict[Hashable, GraphMemory],
-    plan_graph: Callable[[Hashable, int], GraphMemory],
+    plan_graph: Callable[[Hashable, int, bool], GraphMemory],
     min_peak: dict[Hashable, int],
+    min_held: dict[Hashable, int],
     describe: Callable[[Hashable], str],
-    rounds: int = 3,
+    bisections: int = 7,
 ) -> dict[Hashable, int]:
-    """Per-graph budgets whose composed step peak fits ``budget_bytes``.
+    """Per-graph budgets whose composed step peak fits ``budget_bytes``; plans every graph for them.
+
+    When no graph runs while another invocation is in flight (one graph, one forward and its backward),
+    each graph simply gets the whole budget. Otherwise each graph's budget lies between its smallest
+    achievable peak and the budget minus the least the others can hold; one scale ``s`` in [0, 1]
+    places every graph in its range, and the largest ``s`` whose plans compose within the budget is
+    found by bisection with fast plans, then planned for real.
 
     Args:
-        unplanned: each graph's memory without a plan (the start).
-        plan_graph: plans one graph for a budget and returns its memory under that plan.
+        plan_graph: ``(graph, budget, fast)`` -> the graph's memory under a plan for that budget;
+            ``fast`` plans are for the search, the last call for each graph is the real plan.
         min_peak: each graph's smallest achievable peak (everything offloadable moved).
-        describe: a graph's name for error messages.
+        min_held: what one invocation of each graph holds at the least after its forward.
 
     Raises:
         BudgetError: no split fits; names the graph and the smallest achievable step peak.
     """
-    memory = dict(unplanned)
-    budgets: dict[Hashable, int] = {}
-    for _ in range(rounds):
-        held = others_held_max(calls, memory)
-        changed = False
-        for g in memory:
-            b = budget_bytes - held.get(g, 0)
-            if b < min_peak[g]:
-                _raise_infeasible(calls, budget_bytes, memory, min_peak, g, describe)
-            if budgets.get(g) != b:
-                budgets[g] = b
-                memory[g] = plan_graph(g, b)
-                changed = True
-        if not changed:
-            break
-    peak, at = step_peak(calls, memory)
-    if peak > budget_bytes:
-        _raise_infeasible(calls, budget_bytes, memory, min_peak, at, describe)
+    graphs = list(unplanned)
+    floor_held = others_held_max(
+        calls, {g: GraphMemory(m.peak_bytes, min_held[g]) for g, m in unplanned.items()}
+    )
+    top = {g: budget_bytes - floor_held.get(g, 0) for g in graphs}
+    for g in graphs:
+        if top[g] < min_peak[g]:
+            _raise_infeasible(calls, budget_bytes, min_peak, min_held, g, describe)
+    if not any(floor_held.values()):  # nothing else in flight while any graph runs
+        for g in graphs:
+            plan_graph(g, top[g], False)
+        return top
+
+    def at(scale: float) -> dict[Hashable, int]:
+        return {g: int(min_peak[g] + scale * (top[g] - min_peak[g])) for g in graphs}
+
+    def fits(budgets: dict[Hashable, int], fast: bool) -> tuple[bool, Hashable | None]:
+        memory = {g: plan_graph(g, b, fast) for g, b in budgets.items()}
+        peak, worst = step_peak(calls, memory)
+        return peak <= budget_bytes, worst
+
+    lo, hi = None, 1.0
+    ok, worst = fits(at(hi), True)
+    if ok:
+        lo = hi
+    else:
+        low = 0.0
+        ok0, worst = fits(at(low), True)
+        if not ok0:
+            _raise_infeasible(calls, budget_bytes, min_peak, min_held, worst, describe)
+        lo = low
+        for _ in range(bisections):
+            mid = (lo + hi) / 2
+            if fits(at(mid), True)[0]:
+                lo = mid
+            else:
+                hi = mid
+    budgets = at(lo)
+    ok, worst = fits(budgets, False)
+    if not ok:  # the real solver's plans compose worse than the fast ones: keep the fast ones
+        fits(budgets, True)
     return budgets
 
 
-def _raise_infeasible(calls, budget_bytes, memory, min_peak, graph, describe) -> None:
-    floor = {g: GraphMemory(min_peak[g], min(memory[g].held_bytes, min_peak[g])) for g in memory}
+def _raise_infeasible(calls, budget_bytes, min_peak, min_held, graph, describe) -> None:
+    floor = {g: GraphMemory(min_peak[g], min_held[g]) for g in min_peak}
     smallest, _ = step_peak(calls, floor)
     raise BudgetError(
         f"memory_budget {format_size(budget_bytes)} cannot be met for the step: {describe(graph)} needs at "

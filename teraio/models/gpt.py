@@ -24,8 +24,9 @@ class GPTConfig:
     batch: int
     vocab: int
     mlp_ratio: int = 4
+    dropout: float = 0.0  # after attention and the MLP; 0 leaves the graph without random ops
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | float]:
         return asdict(self)
 
 
@@ -41,6 +42,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.dropout = cfg.dropout
         self.ln1 = nn.LayerNorm(cfg.hidden)
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
@@ -57,8 +59,14 @@ class Block(nn.Module):
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
         att = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(b, s, h)
-        x = x + self.proj(y)
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
+        a = self.proj(y)
+        if self.dropout > 0:
+            a = F.dropout(a, self.dropout, self.training)
+        x = x + a
+        m = self.down(F.gelu(self.up(self.ln2(x))))
+        if self.dropout > 0:
+            m = F.dropout(m, self.dropout, self.training)
+        return x + m
 
 
 class GPT(nn.Module):

@@ -1,0 +1,275 @@
+"""Training loops as users write them, and small models to run them on, for the exactness matrix.
+
+A *case* is a model builder plus a batch function; a *pattern* is what one optimizer step does with the
+compiled model (validation between steps, a forward never backpropagated, two forwards then one
+backward, gradient accumulation, changing shapes, autocast). ``run`` trains a fresh copy with a backend
+and records what must be bit-identical across backends: every loss and every gradient, and the
+parameters at the end. The last step's forward+backward is measured with the torch profiler (outside
+the backend's own books), to compare with the step budget the backend planned for: memory that
+exists before the step (parameters, gradients, optimizer state) is not part of what a budget bounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from teraio.measure import MemoryRecorder
+from teraio.models.gpt import GPT, GPTConfig
+
+
+# ------------------------------------------------------------------------------------------- models
+class GPTLoss(nn.Module):
+    """The built-in GPT's blocks with options a user's model might have."""
+
+    def __init__(self, dropout: float = 0.0, graph_break: bool = False, checkpointed: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.gpt = GPT(GPTConfig(layers=2, hidden=32, heads=2, seq=32, batch=2, vocab=64, dropout=dropout))
+        self.graph_break = graph_break
+        self.checkpointed = checkpointed
+        self.last_norm = 0.0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        g = self.gpt
+        x = g.tok(idx) + g.pos(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(g.blocks):
+            if self.checkpointed and i == 0:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+            if self.graph_break and i == 0:
+                self.last_norm = x.norm().item()  # a logged metric: .item() breaks the graph
+        logits = g.head(g.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class ConvNet(nn.Module):
+    """A small CNN with BatchNorm (running statistics updated in place) and in-place ReLUs."""
+
+    def __init__(self, dropout: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(inplace=True),
+            nn.Dropout(dropout),
+            nn.AdaptiveAvgPool2d(2),
+        )
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.body(images).flatten(1)), labels)
+
+
+class HFLoss(nn.Module):
+    """An HF transformers model with its LM loss computed outside the model (one graph, no labels)."""
+
+    def __init__(self, kind: str, dropout: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        if kind == "gpt2":
+            from transformers import GPT2Config, GPT2LMHeadModel
+
+            cfg = GPT2Config(
+                n_layer=2,
+                n_embd=32,
+                n_head=2,
+                n_positions=64,
+                vocab_size=64,
+                bos_token_id=0,
+                eos_token_id=0,
+                resid_pdrop=dropout,
+                embd_pdrop=dropout,
+                attn_pdrop=dropout,
+            )
+            self.model = GPT2LMHeadModel(cfg)
+        else:
+            from transformers import BertConfig, BertForMaskedLM
+
+            cfg = BertConfig(
+                num_hidden_layers=2,
+                hidden_size=32,
+                num_attention_heads=2,
+                intermediate_size=64,
+                vocab_size=64,
+                max_position_embeddings=64,
+                hidden_dropout_prob=dropout,
+                attention_probs_dropout_prob=dropout,
+            )
+            self.model = BertForMaskedLM(cfg)
+        self.kind = kind
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=ids).logits
+        if self.kind == "gpt2":
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model and its batches: ``batch(step, size)`` with ``size`` the sequence length / image side."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    sizes: tuple[int, ...]  # for the changing-shapes pattern; sizes[0] is the default
+
+
+def _tokens(vocab: int, batch: int) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
+    def make(step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 + step)
+        t = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    return make
+
+
+def _images(step: int, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(4, 3, side, side, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+CASES: dict[str, Case] = {
+    "gpt": Case("gpt", lambda: GPTLoss(dropout=0.1), _tokens(64, 2), (32, 24, 16)),
+    "gpt-graph-break": Case("gpt-graph-break", lambda: GPTLoss(graph_break=True), _tokens(64, 2), (32,)),
+    "gpt-checkpoint": Case("gpt-checkpoint", lambda: GPTLoss(checkpointed=True), _tokens(64, 2), (32,)),
+    "hf-gpt2": Case("hf-gpt2", lambda: HFLoss("gpt2"), _tokens(64, 2), (32, 24, 16)),
+    "hf-bert": Case("hf-bert", lambda: HFLoss("bert"), _tokens(64, 2), (32, 24, 16)),
+    "convnet": Case("convnet", ConvNet, _images, (16, 12, 8)),
+}
+
+
+# ----------------------------------------------------------------------------------------- patterns
+StepFn = Callable[[Any, nn.Module, Case, int, bool], torch.Tensor]
+
+
+def _plain(compiled, model, case, step, last) -> torch.Tensor:
+    loss = compiled(*case.batch(step, case.sizes[0]))
+    loss.backward()
+    return loss
+
+
+def _mixed(compiled, model, case, step, last) -> torch.Tensor:
+    """Validation under no_grad (eval mode) and a validation loss computed with grad enabled and never
+    backpropagated, between steps of two accumulated micro-batches."""
+    model.eval()
+    with torch.no_grad():
+        compiled(*case.batch(10_000 + step, case.sizes[0]))
+    model.train()
+    unused = compiled(*case.batch(20_000 + step, case.sizes[0]))  # grad enabled, never backpropagated
+    del unused
+    total = torch.zeros(())
+    for micro in range(2):
+        loss = compiled(*case.batch(2 * step + micro, case.sizes[0])) / 2
+        loss.backward()
+        total = total + loss.detach()
+    return total
+
+
+def _two_forwards(compiled, model, case, step, last) -> torch.Tensor:
+    a = compiled(*case.batch(2 * step, case.sizes[0]))
+    b = compiled(*case.batch(2 * step + 1, case.sizes[0]))
+    loss = a + b
+    loss.backward()
+    return loss
+
+
+def _changing_shapes(compiled, model, case, step, last) -> torch.Tensor:
+    size = case.sizes[0] if last else case.sizes[(step // 2) % len(case.sizes)]
+    loss = compiled(*case.batch(step, size))
+    loss.backward()
+    return loss
+
+
+def _autocast(compiled, model, case, step, last) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = compiled(*case.batch(step, case.sizes[0]))
+    loss.backward()
+    return loss
+
+
+PATTERNS: dict[str, StepFn] = {
+    "plain": _plain,
+    "mixed": _mixed,
+    "two-forwards": _two_forwards,
+    "changing-shapes": _changing_shapes,
+    "autocast": _autocast,
+}
+
+
+@dataclass
+class Trace:
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    last_step_peak_bytes: int | None = None
+
+
+def run(case: Case, pattern: str, backend: Any, steps: int, model: nn.Module | None = None) -> Trace:
+    """Train a fresh copy of the case's model for ``steps`` optimizer steps with ``pattern``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = model if model is not None else case.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    compiled = torch.compile(model, backend=backend)
+    step_fn = PATTERNS[pattern]
+    trace = Trace()
+    for step in range(steps):
+        last = step == steps - 1
+        # Gradients stay allocated between steps (zeroed in place), so the measured last step counts
+        # what the step allocates, not the .grad tensors, which persist like parameters.
+        opt.zero_grad(set_to_none=False)
+        rec = MemoryRecorder() if last else None
+        with rec_ctx(rec):
+            loss = step_fn(compiled, model, case, step, last)
+        if rec is not None:
+            trace.last_step_peak_bytes = rec.stop().peak_bytes
+        trace.losses.append(loss.detach().clone())
+        trace.grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    trace.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trace.params.update({f"buffer:{n}": b.clone() for n, b in model.named_buffers()})
+    return trace
+
+
+@contextlib.contextmanager
+def rec_ctx(rec: MemoryRecorder | None):
+    if rec is None:
+        yield
+        return
+    rec.start()
+    try:
+        yield
+    finally:
+        rec.mark_end()
+
+
+def assert_bit_identical(a: Trace, b: Trace) -> None:
+    assert len(a.losses) == len(b.losses)
+    for step, (la, lb) in enumerate(zip(a.losses, b.losses)):
+        assert torch.equal(la, lb), f"loss differs at step {step}: {la} vs {lb}"
+    for step, (ga, gb) in enumerate(zip(a.grads, b.grads)):
+        assert ga and ga.keys() == gb.keys(), f"different gradients at step {step}"
+        for name in ga:
+            assert torch.equal(ga[name], gb[name]), f"gradient of {name} differs at step {step}"
+    assert a.params.keys() == b.params.keys()
+    for name in a.params:
+        assert torch.equal(a.params[name], b.params[name]), f"{name} differs after training"
+
+
+def fresh(case: Case) -> nn.Module:
+    return copy.deepcopy(case.build())
