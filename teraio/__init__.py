@@ -6,16 +6,30 @@ Imports are lazy so that ``teraio --help`` does not pay for importing torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "default_backend", "TeraioBackend", "__version__"]
+__all__ = ["backend", "default_backend", "TeraioBackend", "BackendConfig", "__version__"]
+
+if TYPE_CHECKING:
+    from teraio.lifecycle import BackendConfig, TeraioBackend, default_backend
+
+
+def backend(**options: Any) -> TeraioBackend:
+    """A configured backend: ``torch.compile(model, backend=teraio.backend(memory_budget="50%"))``.
+
+    The options are those of :class:`teraio.config.BackendConfig` (the README's option table).
+    """
+    from teraio.lifecycle import TeraioBackend
+
+    return TeraioBackend(**options)
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("backend", "default_backend", "TeraioBackend", "BackendConfig"):
-        from teraio import backend as _backend_mod
+    # The lifecycle module imports torch: load it only when one of its names is asked for.
+    if name in ("default_backend", "TeraioBackend", "BackendConfig"):
+        import teraio.lifecycle as lifecycle
 
-        return getattr(_backend_mod, name)
+        return getattr(lifecycle, name)
     raise AttributeError(f"module 'teraio' has no attribute {name!r}")

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from teraio.backend import TeraioBackend
+from teraio.lifecycle import TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models import GPT, build_gpt, synthetic_batch
 

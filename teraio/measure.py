@@ -9,6 +9,11 @@ Memory that existed before the region (parameters, optimizer state, the batch) i
 
 from __future__ import annotations
 
+import os
+import re
+import sys
+import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,23 +42,110 @@ def _cpu_memory_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
 
 _END_MARK = "teraio::measure_end"
 
+# ------------------------------------------------------------------------------ one session at a time
+# torch's profiler does not nest: a second session started on top of a first one corrupts both (seen:
+# wrong gradients with two overlapping sessions). Every measurement in the process takes this claim.
+_SESSION_LOCK = threading.Lock()
+_session_owner: object | None = None
+
+
+class ProfilerBusyError(RuntimeError):
+    """Another memory measurement (of this or another backend) is running."""
+
+
+def claim_profiler(owner: object) -> bool:
+    """Take the process's one profiler session for ``owner``. False when someone else holds it."""
+    global _session_owner
+    with _SESSION_LOCK:
+        if _session_owner is not None and _session_owner is not owner:
+            return False
+        _session_owner = owner
+        return True
+
+
+def release_profiler(owner: object) -> None:
+    global _session_owner
+    with _SESSION_LOCK:
+        if _session_owner is owner:
+            _session_owner = None
+
+
+# The profiler's C++ side writes these to stderr on every session; they say nothing to a user.
+_NOISE = re.compile(
+    r"(USDT:.*profiler_(start|stop))|(Memory block of unknown size was allocated before the profiling)"
+    r"|(disableProfiler called but no active profiling session)"
+)
+
+
+class _QuietStderr:
+    """Holds fd 2 in a temporary file while a session runs, then writes back all but the profiler's
+    own noise (so the user's messages arrive, a step late, and the noise does not)."""
+
+    def __init__(self) -> None:
+        self._saved_fd: int | None = None
+        self._tmp: tempfile._TemporaryFileWrapper | None = None
+
+    def __enter__(self) -> _QuietStderr:
+        try:
+            sys.stderr.flush()
+            self._tmp = tempfile.TemporaryFile(mode="w+b")
+            self._saved_fd = os.dup(2)
+            os.dup2(self._tmp.fileno(), 2)
+        except (OSError, ValueError, AttributeError):
+            self._restore()
+        return self
+
+    def _restore(self) -> bytes:
+        data = b""
+        if self._saved_fd is not None:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(self._saved_fd, 2)
+            os.close(self._saved_fd)
+            self._saved_fd = None
+        if self._tmp is not None:
+            self._tmp.seek(0)
+            data = self._tmp.read()
+            self._tmp.close()
+            self._tmp = None
+        return data
+
+    def __exit__(self, *exc: object) -> None:
+        data = self._restore()
+        kept = [ln for ln in data.decode(errors="replace").splitlines(keepends=True) if not _NOISE.search(ln)]
+        if kept:
+            os.write(2, "".join(kept).encode())
+
 
 class MemoryRecorder:
     """Start/stop form of :func:`measure_memory`, for regions that span calls (a forward+backward)."""
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
+        self._quiet: _QuietStderr | None = None
         self._prof: torch.profiler.profile | None = None
         self._start_bytes = 0
         self._t0 = 0.0
         self._wall_s: float | None = None
 
     def start(self) -> None:
+        """Start measuring.
+
+        Raises:
+            ProfilerBusyError: another measurement holds the process's profiler session.
+        """
+        if not claim_profiler(self):
+            raise ProfilerBusyError(
+                "another teraio memory measurement is running; measure one step at a time"
+            )
         if self.device.startswith("cuda") and torch.cuda.is_available():
             torch.cuda.synchronize()
             self._start_bytes = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         else:
+            self._quiet = _QuietStderr().__enter__()
             self._prof = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=False
             )
@@ -76,6 +168,7 @@ class MemoryRecorder:
     def stop(self) -> MemoryMeasurement:
         wall = self._wall_s if self._wall_s is not None else time.perf_counter() - self._t0
         if self._prof is None:
+            release_profiler(self)
             torch.cuda.synchronize()
             return MemoryMeasurement(
                 peak_bytes=torch.cuda.max_memory_allocated() - self._start_bytes,
@@ -83,7 +176,13 @@ class MemoryRecorder:
                 wall_s=wall,
                 method="cuda",
             )
-        self._prof.__exit__(None, None, None)
+        try:
+            self._prof.__exit__(None, None, None)
+        finally:
+            if self._quiet is not None:
+                self._quiet.__exit__(None, None, None)
+                self._quiet = None
+            release_profiler(self)
         events = self._prof.profiler.kineto_results.events()
         end_ns = min((e.start_ns() for e in events if e.name() == _END_MARK), default=None)
         running = peak = 0
@@ -112,13 +211,11 @@ def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryM
             wall_s=wall,
             method="cuda",
         )
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True, record_shapes=False) as prof:
-        t0 = time.perf_counter()
+    rec = MemoryRecorder(device)
+    rec.start()
+    try:
         result = fn()
-        wall = time.perf_counter() - t0
-    running = peak = 0
-    for _ts, nbytes in _cpu_memory_events(prof):
-        running += nbytes
-        peak = max(peak, running)
-    return result, MemoryMeasurement(peak_bytes=peak, end_bytes=running, wall_s=wall, method="torch.profiler")
+    except BaseException:
+        rec.stop()
+        raise
+    return result, rec.stop()

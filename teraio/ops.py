@@ -10,6 +10,18 @@ compilers reorder and reuse buffers (docs/measured_facts.md, three proven hazard
 - ``fetch(token, anchors) -> flat`` returns the storage as a fresh 1-D tensor; the graph rebuilds every
   saved view of it with ``as_strided``.
 
+Note: [Every invocation owns its bytes]
+A graph's ops carry a fixed key per saved tensor, but one compiled forward may run several times before
+any backward (two forwards then one backward; gradient accumulation) or never see its backward (a
+validation loss computed with grad enabled). So ``offload`` draws a fresh invocation number and the
+runtime key is ``<graph key>#<number>``; the number travels as the value of the handle and token
+tensors into ``wait_write``, the saved token, ``prefetch`` and ``fetch``. The tokens own the key: each
+live token holds one reference and the key is dropped when the last one dies. The saved token lives as
+long as the autograd graph keeps it (through every backward with ``retain_graph``; until the graph is
+freed when no backward runs); a backward that frees it at its last use (the boxed convention does) has
+already made the prefetch token, which lives until the fetch. Nothing leaks, nothing is dropped while a
+fetch may still need it, and no invocation reads another's bytes.
+
 Note: [Keepalive until the write completes]
 An asynchronous write reads the tensor's memory after ``offload`` returns. If nothing in the graph used
 that tensor afterwards, Inductor would free or reuse its buffer (``buf7 = buf3; del buf3  # reuse``) while
@@ -26,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 
 import torch
 
@@ -59,8 +72,44 @@ def get_engine(
         ) from None
 
 
-def _token() -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int64)
+_INVOCATIONS = itertools.count(1)
+
+
+def _token(number: int) -> torch.Tensor:
+    return torch.tensor([number], dtype=torch.int64)
+
+
+def _invocation_key(key: str, token: torch.Tensor) -> str:
+    """The runtime key of this invocation's copy (Note: [Every invocation owns its bytes])."""
+    return f"{key}#{int(token[0])}"
+
+
+_TOKEN_REFS: dict[tuple[int, str], int] = {}
+
+
+def _owning_token(number: int, engine_id: int, key: str) -> torch.Tensor:
+    """A token that keeps ``key`` alive (Note: [Every invocation owns its bytes])."""
+    token = _token(number)
+    with _LOCK:
+        _TOKEN_REFS[(engine_id, key)] = _TOKEN_REFS.get((engine_id, key), 0) + 1
+    weakref.finalize(token, _token_freed, engine_id, key)
+    return token
+
+
+def _token_freed(engine_id: int, key: str) -> None:
+    # Possibly at interpreter exit, after the engine was closed and unregistered.
+    with _LOCK:
+        left = _TOKEN_REFS.get((engine_id, key), 0) - 1
+        if left > 0:
+            _TOKEN_REFS[(engine_id, key)] = left
+            return
+        _TOKEN_REFS.pop((engine_id, key), None)
+        engine = _ENGINES.get(engine_id)
+    if engine is not None:
+        try:
+            engine.drop(key, missing_ok=True)
+        except Exception:  # closed engine: its files are gone already
+            pass
 
 
 def whole_storage(x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +136,8 @@ def offload(
     x: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int, stride: list[int]
 ) -> torch.Tensor:
     """Start writing the storage behind ``x`` under ``key``; return a handle token at once."""
+    handle = _token(next(_INVOCATIONS))
+    key = _invocation_key(key, handle)
     covers = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
     if list(x.stride()) == list(stride) and covers:
         get_engine(engine).offload(key, whole_storage(x))
@@ -95,8 +146,7 @@ def offload(
         staged = torch.empty_strided(tuple(x.shape), tuple(stride), dtype=x.dtype, device=x.device)
         staged.copy_(x)
         get_engine(engine).offload(key, whole_storage(staged))
-        _INFLIGHT.pop((engine, key), None)
-    return _token()
+    return handle
 
 
 @offload.register_fake
@@ -116,6 +166,7 @@ def wait_write(
     pin the position (Note: [Anchors pin positions]). flexible_layout: the compiler must hand over the
     buffer itself, never a copy, or the keepalive would protect the wrong memory; checked below.
     """
+    key = _invocation_key(key, handle)
     written = _INFLIGHT.pop((engine, key), None)
     if written is not None and keepalive.untyped_storage().data_ptr() != written:
         get_engine(engine).release(key)
@@ -124,7 +175,7 @@ def wait_write(
             "the write may have read reused memory, so this step's saved tensor cannot be trusted"
         )
     get_engine(engine).release(key)
-    return _token()
+    return _owning_token(int(handle[0]), engine, key)
 
 
 @wait_write.register_fake
@@ -135,8 +186,9 @@ def _wait_write_fake(handle, keepalive, anchors, key, engine) -> torch.Tensor:
 @torch.library.custom_op("teraio::prefetch", mutates_args=())
 def prefetch(token: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int) -> torch.Tensor:
     """Start reading ``key`` back (the engine forwards from memory when it still holds the bytes)."""
+    key = _invocation_key(key, token)
     get_engine(engine).prefetch(key)
-    return _token()
+    return _owning_token(int(token[0]), engine, key)
 
 
 @prefetch.register_fake
@@ -155,6 +207,7 @@ def fetch(
     device: torch.device,
 ) -> torch.Tensor:
     """Wait for ``key``'s read and return the whole storage as a fresh 1-D tensor of ``numel`` elements."""
+    key = _invocation_key(key, token)
     t = get_engine(engine).fetch(key)
     if t.dtype != dtype or t.numel() != numel or t.dim() != 1:
         raise RuntimeError(

@@ -18,7 +18,7 @@ from teraio.workload import Workload, compute_loss
 
 def profile_workload(workload: Workload, profile_steps: int = 3, inner: str = "inductor") -> list[Profile]:
     """Run ``profile_steps`` forward+backward steps through the profiling backend; one Profile per graph."""
-    from teraio.backend import TeraioBackend
+    from teraio.lifecycle import TeraioBackend
 
     torch._dynamo.reset()
     be = TeraioBackend(profile_steps=profile_steps, inner=inner, enabled=False)

@@ -94,10 +94,12 @@ class StepProfiler:
         self.analysis: StepAnalysis = analyse_saved(step)
         self.graph_id = graph_id
         self.device = device
-        self.fwd_runs: list[GraphRun] = []
+        self.fwd_runs: list[GraphRun] = []  # complete pairs only, aligned with ``bwd_runs``
         self.bwd_runs: list[GraphRun] = []
         self.input_kinds: list[str] | None = None
         self._input_refs: set[StorageWeakRef] = set()
+        self._last_fwd: GraphRun | None = None
+        self._pending: dict[int, GraphRun] = {}  # invocation id -> its forward's record
 
     def run_fwd(self, args_list: list[Any]) -> Any:
         """Boxed: the interpreter clears ``args_list`` so inputs die as they would in compiled code."""
@@ -110,25 +112,40 @@ class StepProfiler:
         t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
         interp.record.wall_s = time.perf_counter() - t0
-        self.fwd_runs.append(interp.record)
+        self._last_fwd = interp.record
         return out
 
-    def run_bwd(self, args_list: list[Any]) -> Any:
+    def bind_last_forward(self, invocation: int, abandoned: bool = False) -> None:
+        """Name the forward that just ran by its invocation, so its backward pairs with it."""
+        rec, self._last_fwd = self._last_fwd, None
+        if rec is not None and not abandoned:
+            self._pending[invocation] = rec
+
+    def forget(self, invocation: int) -> None:
+        """The invocation's graph was freed without a backward: its forward record pairs with nothing."""
+        self._pending.pop(invocation, None)
+
+    def run_bwd(self, args_list: list[Any], invocation: int | None = None) -> Any:
         """Boxed, like ``run_fwd``: saved tensors are freed after their last use, as in compiled code.
 
         Saved activations arrive as arguments but were allocated in this step: the census counts them.
-        Only the storages that existed before the step (the forward's inputs) are excluded.
+        Only the storages that existed before the step (the forward's inputs) are excluded. The record
+        pairs with its own forward's (``invocation``); a backward whose forward is unknown is not kept.
         """
-        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census=not self.bwd_runs)
+        fwd = self._pending.pop(invocation, None) if invocation is not None else None
+        census = fwd is not None and not self.bwd_runs
+        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census=census)
         t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
         interp.record.wall_s = time.perf_counter() - t0
-        self.bwd_runs.append(interp.record)
+        if fwd is not None and (self.fwd_runs or fwd.live_bytes):
+            self.fwd_runs.append(fwd)
+            self.bwd_runs.append(interp.record)
         return out
 
     @property
     def steps_recorded(self) -> int:
-        return min(len(self.fwd_runs), len(self.bwd_runs))
+        return len(self.bwd_runs)
 
     def _measured(self, runs: list[GraphRun]) -> list[GraphRun]:
         n = self.steps_recorded

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch._inductor.graph import GraphLowering
 
-from teraio.backend import TeraioBackend
+from teraio.lifecycle import TeraioBackend
 from teraio.planner.plan import Plan
 from teraio.workload import builtin_workload, compute_loss
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from teraio.backend import TeraioBackend
 from teraio.errors import TeraioError
+from teraio.lifecycle import TeraioBackend
 from teraio.planner.budget import BudgetError
 from teraio.planner.plan import Plan
 from teraio.runtime.errors import RuntimeIOError

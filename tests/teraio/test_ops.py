@@ -22,21 +22,38 @@ def _offload(eid: int, key: str, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.teraio.offload(x, [], key, eid, list(x.stride()))
 
 
+# offload, wait_write and prefetch return a token whose value is a fresh invocation number (Note:
+# [Every invocation owns its bytes]), so two calls never return equal outputs: opcheck's comparison of
+# eager against AOT-traced outputs cannot apply to them. Their schema, fake kernels and autograd
+# registration are checked here; the compiled path is exercised end to end in test_offload_e2e.py.
+TOKEN_OP_CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
 def test_opcheck_offload_and_wait(engine_id: int) -> None:
     x = torch.randn(33, 17)
-    torch.library.opcheck(torch.ops.teraio.offload.default, (x, [x], "k", engine_id, list(x.stride())))
-    h = _offload(engine_id, "k", x)
+    torch.library.opcheck(
+        torch.ops.teraio.offload.default,
+        (x, [x], "k", engine_id, list(x.stride())),
+        test_utils=TOKEN_OP_CHECKS,
+    )
     # opcheck calls the op on copies of its inputs; a copy as keepalive is refused (tested below), so
     # check the op once the write is waited for (the keepalive check then has nothing in flight).
-    torch.ops.teraio.wait_write(h, x, [], "k", engine_id)
-    torch.library.opcheck(torch.ops.teraio.wait_write.default, (h, x, [x], "k", engine_id))
+    h = _offload(engine_id, "k", x)
+    _keep = torch.ops.teraio.wait_write(
+        h, x, [], "k", engine_id
+    )  # keeps the key while opcheck repeats the wait
+    torch.library.opcheck(
+        torch.ops.teraio.wait_write.default, (h, x, [x], "k", engine_id), test_utils=TOKEN_OP_CHECKS
+    )
 
 
 def test_opcheck_prefetch_and_fetch(engine_id: int) -> None:
     x = torch.randn(5, 7, dtype=torch.float64)
     h = _offload(engine_id, "k", x)
     tok = torch.ops.teraio.wait_write(h, x, [], "k", engine_id)
-    torch.library.opcheck(torch.ops.teraio.prefetch.default, (tok, [], "k", engine_id))
+    torch.library.opcheck(
+        torch.ops.teraio.prefetch.default, (tok, [], "k", engine_id), test_utils=TOKEN_OP_CHECKS
+    )
     args = (tok, [x], "k", engine_id, x.numel(), x.dtype, x.device)
     torch.library.opcheck(torch.ops.teraio.fetch.default, args)
 
@@ -90,3 +107,35 @@ def test_keepalive_check_is_per_engine(tmp_path) -> None:
         for eid, e in zip(ids, engines):
             ops.unregister_engine(eid)
             e.close()
+
+
+def test_invocations_of_one_key_keep_their_own_bytes(engine_id: int) -> None:
+    """Two offloads under one graph key before any fetch (two forwards, then their backwards)."""
+    a, b = torch.randn(300, 7), torch.randn(300, 7)
+    toks = []
+    for x in (a, b):
+        h = _offload(engine_id, "g0/x", x)
+        toks.append(torch.ops.teraio.wait_write(h, x, [], "g0/x", engine_id))
+    for x, tok in reversed(list(zip((a, b), toks))):
+        pf = torch.ops.teraio.prefetch(tok, [], "g0/x", engine_id)
+        flat = torch.ops.teraio.fetch(pf, [], "g0/x", engine_id, x.numel(), x.dtype, x.device)
+        assert torch.equal(flat.view(300, 7), x)
+
+
+def test_key_is_dropped_when_its_last_token_dies(engine_id: int) -> None:
+    """The saved token owns the runtime's copy: freeing it (an abandoned forward) frees the bytes."""
+    eng = ops.get_engine(engine_id)
+    x = torch.randn(256, 16)
+    h = _offload(engine_id, "g0/y", x)
+    tok = torch.ops.teraio.wait_write(h, x, [], "g0/y", engine_id)
+    assert len(eng.keys()) == 1
+    pf = torch.ops.teraio.prefetch(tok, [], "g0/y", engine_id)
+    del tok  # the backward's boxed convention frees the saved token at its last use: the prefetch
+    assert len(eng.keys()) == 1, "dropped while the prefetch token still needs the bytes"
+    torch.ops.teraio.fetch(pf, [], "g0/y", engine_id, x.numel(), x.dtype, x.device)
+    del pf
+    assert eng.keys() == []
+    h = _offload(engine_id, "g0/y", x)
+    tok = torch.ops.teraio.wait_write(h, x, [], "g0/y", engine_id)
+    del h, tok  # never prefetched: the graph was freed without a backward
+    assert eng.keys() == []

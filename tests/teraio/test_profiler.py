@@ -9,8 +9,9 @@ import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from teraio.backend import TeraioBackend, fx_only_compiler
 from teraio.capture import capturing_partition, unique_storages
+from teraio.compilers import fx_only_compiler
+from teraio.lifecycle import TeraioBackend
 from teraio.measure import measure_memory
 from teraio.profile_run import profile_workload, summarize
 from teraio.workload import compute_loss

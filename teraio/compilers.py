@@ -1,0 +1,149 @@
+"""How a captured graph is compiled: the FX-only path and Inductor, both with teraio's partitioner hook.
+
+A training graph goes through AOTAutograd, which traces forward and backward together (the joint graph)
+and hands it to a partitioner that splits it into a forward and a backward graph. teraio's work
+(profiling what the forward saves, inserting migration ops) happens on the partitioned graphs, so both
+paths put teraio's hook at the partitioner and leave everything else to the compiler:
+
+- ``eager`` (the FX-only path): AOTAutograd with the default min-cut partitioner; the partitioned
+  graphs run as plain GraphModules, bit-identical to eager aten.
+- ``inductor``: Inductor's own ``compile_fx``, with the hook installed as Inductor's
+  ``custom_partitioner_fn``. Inductor's joint-graph passes (random-op replacement, pattern passes) run
+  before the hook exactly as with ``backend="inductor"``, so the graph teraio profiles and rewrites is
+  the one Inductor compiles. Profiling passes an ``inner_compile`` that interprets the partitioned
+  graphs instead of generating code.
+
+Note: [Partitioner identity in compile caches]
+    Inductor and AOTAutograd cache compiled code across processes, keyed by the graph and the
+    partitioner's ``uuid()``. A uuid that did not change with the plan would serve yesterday's code
+    (with yesterday's migration ops, or none) without calling the partitioner at all. The uuid hashes
+    the plan's digest, the phase, and the source of the modules that shape the rewritten graph.
+    Profiling compiles never use the AOTAutograd cache: their "compiled" functions are interpreters.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import fx
+
+from teraio.capture import CapturedStep
+
+InnerCompiler = Literal["inductor", "eager"]
+INNER_COMPILERS: tuple[InnerCompiler, ...] = ("inductor", "eager")
+
+#: Called with the partitioned graphs; returns rewritten ones or None to keep them.
+OnPartition = Callable[[CapturedStep], CapturedStep | None]
+#: Compiles one partitioned graph: (graph, example inputs, is_backward) -> boxed callable.
+GraphCompiler = Callable[[fx.GraphModule, list[Any], bool], Callable[..., Any]]
+
+_REWRITE_SOURCES = ("capture.py", "rewrite.py", "ops.py", "compilers.py", "steps.py")
+
+
+def source_digest() -> str:
+    """A hash of the modules whose code decides what a rewritten graph contains."""
+    h = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in _REWRITE_SOURCES:
+        h.update((here / name).read_bytes())
+    return h.hexdigest()
+
+
+def fx_only_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The FX-only inner compiler: run the GraphModule as it is (bit-identical to eager aten).
+
+    Boxed calling convention: the generated code clears its argument list, so saved tensors are freed
+    after their last use in backward instead of living until the call returns.
+    """
+    from torch.fx.graph import _BoxedCodeGen
+
+    gm.graph.set_codegen(_BoxedCodeGen())
+    gm.recompile()
+    return gm
+
+
+def _partition_base(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _hooked(on_partition: OnPartition, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+    fw_gm, bw_gm = _partition_base(joint, joint_inputs, **kwargs)
+    step = CapturedStep(fw_gm, bw_gm, int(kwargs["num_fwd_outputs"]))
+    result = on_partition(step) or step
+    return result.fw_gm, result.bw_gm
+
+
+def _inductor_partitioner(on_partition: OnPartition, uuid: str) -> Any:
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class TeraioPartitioner(CustomPartitionerFn):
+        """Inductor's default partitioner followed by teraio's hook. Note: [Partitioner identity ...]"""
+
+        def __call__(
+            self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
+        ) -> tuple[fx.GraphModule, fx.GraphModule]:
+            return _hooked(on_partition, gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> str:
+            return uuid
+
+    return TeraioPartitioner()
+
+
+def compile_graph(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    inner: InnerCompiler,
+    on_partition: OnPartition,
+    *,
+    identity: str,
+    graph_compiler: GraphCompiler | None = None,
+) -> Callable[..., Any]:
+    """Compile a Dynamo graph for training and inference with teraio's partitioner hook.
+
+    Args:
+        inner: "eager" (FX-only) or "inductor".
+        on_partition: the hook; sees (and may rewrite) the partitioned training graphs.
+        identity: what distinguishes this compile in compile caches (phase and plan digest).
+        graph_compiler: replaces code generation for training graphs (profiling: an interpreter).
+            Inference graphs (no_grad, no input requiring grad) are always compiled normally.
+    """
+    if inner == "eager":
+        from torch._dynamo.backends.common import aot_autograd
+
+        def compile_train(is_backward: bool) -> Callable[..., Any]:
+            def compile_one(g: fx.GraphModule, ex: list[Any]) -> Callable[..., Any]:
+                if graph_compiler is not None:
+                    return graph_compiler(g, ex, is_backward)
+                return fx_only_compiler(g, ex)
+
+            return compile_one
+
+        return aot_autograd(
+            fw_compiler=compile_train(False),
+            bw_compiler=compile_train(True),
+            inference_compiler=fx_only_compiler,
+            partition_fn=lambda joint, inputs, **kw: _hooked(on_partition, joint, inputs, **kw),
+        )(gm, example_inputs)
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
+        if graph_compiler is None or kwargs.get("is_inference"):
+            return compile_fx_inner(g, ex, **kwargs)
+        return graph_compiler(g, list(ex), bool(kwargs.get("is_backward")))
+
+    uuid = hashlib.sha256(f"{identity}:{source_digest()}".encode()).hexdigest()
+    patches: dict[str, Any] = {"custom_partitioner_fn": _inductor_partitioner(on_partition, uuid)}
+    with inductor_config.patch(patches):
+        if graph_compiler is None:
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            return compile_fx(gm, example_inputs, inner_compile=inner_compile)

@@ -1,0 +1,61 @@
+"""The options of ``teraio.backend(...)``: one dataclass with defaults, checked when it is built."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from teraio.compilers import InnerCompiler
+from teraio.errors import UserInputError
+
+OnPlanMismatch = Literal["error", "reprofile"]
+IOBackendName = Literal["auto", "posix", "kvikio", "host"]
+TierName = Literal["ssd", "host"]
+
+
+def _check_choice(name: str, value: Any, allowed: Any) -> None:
+    choices = get_args(allowed)
+    if value not in choices:
+        raise UserInputError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
+
+
+@dataclass
+class BackendConfig:
+    """Options of ``teraio.backend(...)`` (the README's option table says what each one does)."""
+
+    memory_budget: str | int | float | None = None
+    offload_dirs: list[str] | None = None
+    tiers: list[TierName] = field(default_factory=lambda: ["ssd"])
+    solver: str = "ilp"
+    time_limit: float = 30.0
+    profile_steps: int = 3
+    plan: str | None = None
+    inner: InnerCompiler = "inductor"
+    run_dir: str | None = None
+    enabled: bool = True
+    on_plan_mismatch: OnPlanMismatch = "error"
+    hardware: str | None = None  # HardwareModel JSON (teraio calibrate); default: built-in model
+    io_backend: IOBackendName | None = None  # None: TERAIO_IO_BACKEND or auto
+    checksum: bool = True  # verify every fetched chunk (crc32c); False opts out
+    measure_memory: bool = True  # measure one running step's peak with the torch profiler
+    max_shapes: int = 8  # per dynamic graph: shapes profiled and planned; later shapes run unplanned
+    runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
+
+    def __post_init__(self) -> None:
+        _check_choice("inner", self.inner, InnerCompiler)
+        _check_choice("on_plan_mismatch", self.on_plan_mismatch, OnPlanMismatch)
+        if self.io_backend is not None:
+            _check_choice("io_backend", self.io_backend, IOBackendName)
+        if isinstance(self.tiers, str):
+            self.tiers = [self.tiers]  # type: ignore[list-item]
+        for t in self.tiers:
+            _check_choice("each of tiers", t, TierName)
+        if isinstance(self.profile_steps, bool) or int(self.profile_steps) < 1:
+            raise UserInputError(
+                f"profile_steps must be a whole number of at least 1, not {self.profile_steps!r}"
+            )
+        if isinstance(self.max_shapes, bool) or int(self.max_shapes) < 1:
+            raise UserInputError(f"max_shapes must be a whole number of at least 1, not {self.max_shapes!r}")
+        if isinstance(self.offload_dirs, (str, os.PathLike)):
+            self.offload_dirs = [str(self.offload_dirs)]

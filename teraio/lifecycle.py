@@ -1,0 +1,788 @@
+"""The ``teraio`` torch.compile backend: profile the first steps, plan, recompile with migration ops, run.
+
+Every graph torch.compile hands the backend gets a :class:`GraphRunner` (a graph whose shapes change
+gets one per shape, up to ``max_shapes``: :class:`ShapeDispatch`). A runner moves through phases, in one
+place (:meth:`TeraioBackend._advance`), always at a forward call and never inside a backward:
+
+- ``PROFILING``: its training forward and backward run through a timing interpreter
+  (``teraio.profiler``) for ``profile_steps`` complete forward+backward pairs (the first is warm-up);
+- ``PLANNING``: profiled; at the next forward the backend plans every profiled graph of the step
+  together (one budget for the step: ``teraio.step_budget``) and recompiles them;
+- ``RUNNING``: the compiled graphs carry the plan's ``teraio::`` migration ops (or none: no budget,
+  ``enabled=False``, or a shape beyond ``max_shapes``);
+- ``INFERENCE``: a graph without a backward (under ``no_grad``/``inference_mode``, or no input requires
+  grad) is compiled as it is; it is never profiled, planned or measured.
+
+Invocations in flight and step boundaries come from ``teraio.steps``; a switch of compilation never
+affects an invocation already in flight (its backward belongs to the compilation that ran its forward).
+One running step per backend is measured for its memory peak with the torch profiler, only when the
+process's single profiler session is free, and only a step whose every forward got its backward counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from teraio.capture import CapturedStep
+from teraio.compilers import compile_graph
+from teraio.config import BackendConfig
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.plan import Plan
+from teraio.planner.profile import Profile
+from teraio.profiler import StepProfiler
+from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan
+from teraio.steps import InvocationEnd, StepRecord, StepTracker
+
+log = logging.getLogger("teraio")
+
+
+class Phase(Enum):
+    PROFILING = "profiling"
+    PLANNING = "planning"
+    RUNNING = "running"
+    INFERENCE = "inference"
+
+
+class MeasureState(Enum):
+    WAITING = "waiting"  # for every graph of the step to run its final compilation for a full step
+    ARMED = "armed"  # the next step that starts is measured
+    ACTIVE = "active"  # the profiler records the current step
+    ENDED = "ended"  # the step ended (inside a backward); stopped at the next call from outside
+    DONE = "done"
+
+
+def _ensure_log_handler() -> None:
+    """INFO messages reach the user unless the application configured logging itself."""
+    root = logging.getLogger()
+    if log.handlers or root.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("teraio: %(message)s"))
+    log.addHandler(handler)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+
+
+def _is_dynamic(example_inputs: list[Any]) -> bool:
+    for a in example_inputs:
+        if isinstance(a, torch.SymInt):
+            return True
+        if isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape):
+            return True
+    return False
+
+
+def _static_examples(args: tuple[Any, ...]) -> list[Any]:
+    """Example inputs for compiling one concrete shape: fakes of the call's tensors (no data kept)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            f = mode.from_tensor(a, static_shapes=True)
+            out.append(f)
+        else:
+            out.append(a)
+    return out
+
+
+class GraphRunner:
+    """The lifecycle of one captured graph at one set of input shapes (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend: TeraioBackend,
+        graph_id: int,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        *,
+        plannable: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.cfg = backend.cfg
+        self.graph_id = graph_id
+        self.gm = gm
+        self.example_inputs = example_inputs
+        self.profiler: StepProfiler | None = None
+        self.profile: Profile | None = None
+        self.plan: Plan | None = None
+        self.rewrite: RewriteResult | None = None
+        self.invocations = 0
+        self.backwards = 0
+        self._pending_error: Exception | None = None
+        self._training = False
+        self._plannable = plannable
+        self.phase = Phase.PROFILING
+        if plannable:
+            self._compiled = compile_graph(
+                gm,
+                example_inputs,
+                self.cfg.inner,
+                self._on_profiling_partition,
+                identity="profiling",
+                graph_compiler=self._profiling_compiler,
+            )
+        else:
+            self._compiled = compile_graph(
+                gm, example_inputs, self.cfg.inner, self._note_training, identity="plain"
+            )
+        if not self._training:
+            self.phase = Phase.INFERENCE
+        elif not plannable:
+            self.phase = Phase.RUNNING
+
+    @property
+    def name(self) -> str:
+        return f"graph {self.graph_id}"
+
+    @property
+    def is_training(self) -> bool:
+        return self._training
+
+    # ----------------------------------------------------------------------------------- compiling
+    def _note_training(self, step: CapturedStep) -> None:
+        self._training = True
+
+    def _on_profiling_partition(self, step: CapturedStep) -> None:
+        self._training = True
+        self.profiler = StepProfiler(step, graph_id=self.graph_id, device=_device_of(self.example_inputs))
+        a = self.profiler.analysis
+        saved_bytes = sum(g.nbytes for g in a.groups if g.producer is not None)
+        log.info(
+            "profiling %s: %d forward and %d backward ops, %d saved tensors (%s of activations)",
+            self.name,
+            len(a.fw_ops),
+            len(a.bw_ops),
+            len(a.groups),
+            _fmt(saved_bytes),
+        )
+        plans = self.backend.plans_from_file
+        if plans:
+            plan = next((p for p in plans if p.fingerprint == a.fingerprint), None)
+            if plan is not None:
+                self.plan = plan
+                self.phase = Phase.PLANNING  # the plan says what to do: no profiling
+            elif self.cfg.on_plan_mismatch == "error":
+                have = ", ".join(p.fingerprint[:12] for p in plans)
+                self._pending_error = PlanMismatchError(
+                    f"plan '{self.cfg.plan}' was made for graph(s) {have}, not {self.name} "
+                    f"({a.fingerprint[:12]}); re-profile and re-plan, or pass on_plan_mismatch='reprofile'"
+                )
+            else:
+                log.warning("%s: no plan in %s matches; profiling it", self.name, self.cfg.plan)
+
+    def _profiling_compiler(self, gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool):
+        prof = self.profiler
+        assert prof is not None
+
+        def run_fwd(args: list[Any]) -> Any:
+            return prof.run_fwd(args)
+
+        def run_bwd(args: list[Any]) -> Any:
+            inv = self.backend.tracker.invocation_of_current_backward()
+            out = prof.run_bwd(args, invocation=inv.id if inv is not None else None)
+            if self.phase is Phase.PROFILING and prof.steps_recorded >= self.cfg.profile_steps:
+                self.phase = Phase.PLANNING  # planned and compiled at the next forward, outside backward
+            return out
+
+        fn = run_bwd if is_backward else run_fwd
+        fn._boxed_call = True  # type: ignore[attr-defined]
+        return fn
+
+    def _finish_profiling(self) -> None:
+        assert self.profiler is not None
+        if self.profile is None and self.profiler.steps_recorded > 0:
+            self.profile = self.profiler.build_profile({"inner": self.cfg.inner})
+            self.backend._save_profile(self)
+
+    def compile_final(self) -> None:
+        """Recompile with the plan's migration ops (or none), for every later forward."""
+        plan = self.plan if self.cfg.enabled and self.plan is not None and self.plan.decisions else None
+
+        def on_partition(step: CapturedStep) -> CapturedStep | None:
+            if plan is None:
+                return None
+            engine_id = self.backend.engine_id_for(plan)
+            self.rewrite = apply_plan(step, plan, engine_id, key_prefix=f"g{self.graph_id}")
+            return self.rewrite.step
+
+        identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
+        self._compiled = compile_graph(
+            self.gm, self.example_inputs, self.cfg.inner, on_partition, identity=identity
+        )
+        self.phase = Phase.RUNNING
+        self.profiler = None if self.profile is not None else self.profiler
+        log.info(
+            "running %s with %s",
+            self.name,
+            f"{len(plan.decisions)} tensors moved per step ({_fmt(plan.moved_bytes)})"
+            if plan
+            else "no migration",
+        )
+
+    # ------------------------------------------------------------------------------------- calling
+    def __call__(self, *args: Any) -> Any:
+        if self._pending_error is not None:
+            raise self._pending_error
+        if self.phase is Phase.INFERENCE or not torch.is_grad_enabled():
+            return self._compiled(*args)
+        self.backend._advance(self)
+        tracker = self.backend.tracker
+        tracker.begin_forward(self)
+        self.backend._maybe_start_measurement()
+        out = self._compiled(*args)
+        inv = tracker.end_forward(self, out)
+        self.invocations += 1
+        if self.phase is Phase.PROFILING and self.profiler is not None and inv is not None:
+            self.profiler.bind_last_forward(inv.id, abandoned=inv.end is InvocationEnd.ABANDONED)
+        return out
+
+
+def _device_of(example_inputs: list[Any]) -> str:
+    for a in example_inputs:
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    return "cpu"
+
+
+def _fmt(nbytes: int | float | None) -> str:
+    from teraio.units import format_bytes
+
+    return format_bytes(nbytes)
+
+
+class ShapeDispatch:
+    """A graph with dynamic shapes: one GraphRunner (profile, plan) per concrete shape, bounded.
+
+    Plans are exact for the shapes they were made for (sizes, offsets, bytes moved), so each shape
+    gets its own; after ``max_shapes`` shapes, further shapes run one compile of the dynamic graph
+    without migration (logged once).
+    """
+
+    def __init__(self, backend: TeraioBackend, gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+        self.backend = backend
+        self.gm = gm
+        self.example_inputs = example_inputs
+        self.by_shape: dict[tuple[Any, ...], GraphRunner] = {}
+        self._fallback: GraphRunner | None = None
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(
+            (tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device), a.requires_grad)
+            if isinstance(a, torch.Tensor)
+            else a
+            for a in args
+        )
+
+    def __call__(self, *args: Any) -> Any:
+        key = self._key(args)
+        with self._lock:
+            runner = self.by_shape.get(key)
+            if runner is None:
+                if len(self.by_shape) < self.backend.cfg.max_shapes:
+                    runner = self.backend._new_runner(self.gm, _static_examples(args))
+                    self.by_shape[key] = runner
+                else:
+                    if self._fallback is None:
+                        log.warning(
+                            "a graph has seen more than max_shapes=%d shapes; further shapes run without "
+                            "migration (raise max_shapes to plan them)",
+                            self.backend.cfg.max_shapes,
+                        )
+                        self._fallback = self.backend._new_runner(
+                            self.gm, self.example_inputs, plannable=False
+                        )
+                    runner = self._fallback
+        return runner(*args)
+
+
+class TeraioBackend:
+    """A configured backend: ``torch.compile(model, backend=teraio.backend(**options))``."""
+
+    def __init__(self, **options: Any) -> None:
+        _ensure_log_handler()
+        self.cfg = BackendConfig(**options)
+        self.runners: list[GraphRunner] = []
+        self.engine: Any = None
+        self._engine_id: int | None = None
+        self._tmp_offload_dir: str | None = None
+        self.plans_from_file: list[Plan] = []
+        self.tracker = StepTracker(on_step_end=self._on_step_end)
+        self._lock = threading.RLock()
+        self._measure = MeasureState.WAITING
+        self._recorder: Any = None
+        self._measured_step: int | None = None
+        self.measured_peak_bytes: int | None = None
+        self.predicted_step_peak_bytes: int | None = None
+        self._step_t0: dict[int, float] = {}
+        self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
+        self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
+        self._told_profile_only = False
+        self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg = {k: v for k, v in asdict(self.cfg).items() if k != "runtime_options"}
+            (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        if self.cfg.plan is not None:
+            self.plans_from_file = load_plans(self.cfg.plan)
+
+    # ---------------------------------------------------------------------------- torch.compile API
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
+        if kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
+            from teraio.errors import UserInputError
+
+            raise UserInputError(
+                f"torch.compile(mode={kwargs['mode']!r}) uses CUDA graphs, whose replays would skip teraio's "
+                "host-side I/O: use the default mode with backend='teraio'"
+            )
+        examples = list(example_inputs)
+        if _is_dynamic(examples):
+            return ShapeDispatch(self, gm, examples)
+        return self._new_runner(gm, examples)
+
+    def _new_runner(self, gm: fx.GraphModule, examples: list[Any], plannable: bool = True) -> GraphRunner:
+        with self._lock:
+            runner = GraphRunner(self, len(self.runners), gm, examples, plannable=plannable)
+            self.runners.append(runner)
+            step = self.tracker.current_step
+            if step is not None and not step.complete:
+                self._compiles_at[step.index] = self._compiles_at.get(step.index, 0) + 1
+            return runner
+
+    # ---------------------------------------------------------------------------------- lifecycle
+    def _advance(self, runner: GraphRunner) -> None:
+        """Move phases at a forward call (outside any backward): finish a measurement, plan, compile."""
+        self._finish_measurement()
+        if runner.phase is not Phase.PLANNING:
+            return
+        with self._lock:
+            if runner.phase is not Phase.PLANNING:
+                return
+            ready = [r for r in self.runners if r.phase is Phase.PLANNING]
+            for r in ready:
+                if r.plan is None:
+                    r._finish_profiling()
+            unplanned = [r for r in ready if r.plan is None and r.profile is not None]
+            if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
+                self._plan_step(unplanned)
+            elif unplanned and self.cfg.memory_budget is None:
+                self._tell_profile_only()
+            for r in ready:
+                r.compile_final()
+            step = self.tracker.current_step
+            if step is not None and not step.complete:
+                self._compiles_at[step.index] = self._compiles_at.get(step.index, 0) + 1
+
+    def _tell_profile_only(self) -> None:
+        if self._told_profile_only:
+            return
+        self._told_profile_only = True
+        where = f" (profiles in {self.run_dir})" if self.run_dir else ""
+        log.info(
+            "profiled %d graph(s)%s; no memory_budget was set, so nothing is offloaded. To offload, use "
+            "torch.compile(model, backend=teraio.backend(memory_budget='50%%'))",
+            len([r for r in self.runners if r.profile is not None]),
+            where,
+        )
+
+    def _plan_step(self, ready: list[GraphRunner]) -> None:
+        from teraio.planner.budget import resolve_budget
+        from teraio.planner.lifetimes import analyse
+        from teraio.step_budget import GraphMemory, split_budget, step_peak
+
+        graphs = [r for r in self.runners if r.profile is not None and r.is_training]
+        calls = self._step_calls(graphs)
+        lifetimes = {r: analyse(r.profile) for r in graphs}
+
+        def held(r: GraphRunner, plan: Plan | None) -> int:
+            after = int(r.profile.meta.get("census_after_fwd_bytes", 0))
+            return max(0, after - (plan.moved_bytes if plan is not None else 0))
+
+        unplanned = {r: GraphMemory(lifetimes[r].baseline_peak_bytes, held(r, None)) for r in graphs}
+        fixed = {r: r.plan for r in graphs if r not in ready and r.plan is not None}
+        memory = {
+            r: GraphMemory(p.predicted_peak_bytes, held(r, p)) if (p := fixed.get(r)) else unplanned[r]
+            for r in graphs
+        }
+        step_unplanned, _ = step_peak(calls, unplanned)
+        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned)
+        if budget_bytes is None:  # "auto": each graph's own smallest stall-free peak
+            for r in ready:
+                r.plan = self._solve(r, "auto")
+            return
+        plans: dict[GraphRunner, Plan] = {}
+
+        def plan_graph(r: GraphRunner, b: int) -> GraphMemory:
+            if r not in ready:
+                return memory[r]
+            plans[r] = self._solve(r, b)
+            return GraphMemory(plans[r].predicted_peak_bytes, held(r, plans[r]))
+
+        log.info(
+            "planning %d graph(s) for a step budget of %s (%s; solver %s, time limit %.0f s per graph)",
+            len(ready),
+            _fmt(budget_bytes),
+            self.cfg.memory_budget,
+            self.cfg.solver,
+            self.cfg.time_limit,
+        )
+        split_budget(
+            calls,
+            budget_bytes,
+            memory,
+            plan_graph,
+            {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
+            lambda r: r.name,
+        )
+        for r, p in plans.items():
+            r.plan = p
+            self._save_plan(r)
+        self.predicted_step_peak_bytes = step_peak(
+            calls,
+            {
+                r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) if r.plan else memory[r]
+                for r in graphs
+            },
+        )[0]
+        log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
+
+    def _step_calls(self, graphs: list[GraphRunner]) -> list[tuple[Any, str, int]]:
+        """The last complete step's calls among ``graphs`` (one fwd+bwd each when none was recorded)."""
+        step = self.tracker.last_complete
+        calls = []
+        if step is not None:
+            calls = [(g, k.value, i) for g, k, i in step.calls if g in graphs]
+        seen = {g for g, _, _ in calls}
+        for n, r in enumerate(g for g in graphs if g not in seen):
+            calls += [(r, "fwd", -1 - n), (r, "bwd", -1 - n)]
+        return calls
+
+    def _solve(self, runner: GraphRunner, budget: int | str) -> Plan:
+        from teraio.planner.solve import solve
+
+        t0 = time.perf_counter()
+        plan = solve(
+            runner.profile,
+            budget=budget,
+            solver=self.cfg.solver,
+            hardware=self.hardware_model(),
+            time_limit_s=float(self.cfg.time_limit),
+        )
+        log.info(
+            "%s: plan by %s in %.1f s moves %d tensors (%s); predicted peak %s, step %.3f s",
+            runner.name,
+            plan.solver,
+            time.perf_counter() - t0,
+            len(plan.decisions),
+            _fmt(plan.moved_bytes),
+            _fmt(plan.predicted_peak_bytes),
+            plan.predicted_step_s,
+        )
+        return plan
+
+    # -------------------------------------------------------------------------------- measurement
+    def _on_step_end(self, step: StepRecord) -> None:
+        # Runs inside a backward hook or a finalizer (tracker lock held): only note what happened.
+        t0 = self._step_t0.pop(step.index, None)
+        clean = step.abandoned == 0 and not self._compiles_at.pop(step.index, 0)
+        if t0 is not None and clean and self._all_final():
+            self.step_times_s.append(time.perf_counter() - t0)
+            self._append_stats(step)
+        if self._measure is MeasureState.ACTIVE and self._measured_step == step.index:
+            if clean:
+                self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.measure
+                self._measure = MeasureState.ENDED
+            else:
+                self._measure = MeasureState.ENDED
+                self._measured_step = None  # discard: not a clean step
+        elif (
+            self._measure is MeasureState.WAITING and clean and self._all_final() and self.cfg.measure_memory
+        ):
+            self._measure = MeasureState.ARMED
+
+    def _all_final(self) -> bool:
+        return all(r.phase in (Phase.RUNNING, Phase.INFERENCE) for r in self.runners)
+
+    def _maybe_start_measurement(self) -> None:
+        step = self.tracker.current_step
+        if step is None:
+            return
+        if step.index not in self._step_t0 and not step.calls:
+            self._step_t0[step.index] = time.perf_counter()
+        if self._measure is not MeasureState.ARMED or step.calls:
+            return
+        from teraio.measure import MemoryRecorder, ProfilerBusyError
+
+        recorder = MemoryRecorder(_device_of([p for r in self.runners for p in r.example_inputs]))
+        try:
+            recorder.start()
+        except ProfilerBusyError:
+            return  # another measurement is recording: try on a later step
+        self._recorder = recorder
+        self._measured_step = step.index
+        self._measure = MeasureState.ACTIVE
+
+    def _finish_measurement(self) -> None:
+        """Stop a measurement whose step ended; call from outside any backward."""
+        if self._measure is not MeasureState.ENDED:
+            return
+        rec, self._recorder = self._recorder, None
+        result = rec.stop()
+        if self._measured_step is not None:
+            self.measured_peak_bytes = result.peak_bytes
+            self._measure = MeasureState.DONE
+            log.info("measured step peak %s", _fmt(self.measured_peak_bytes))
+        else:
+            self._measure = MeasureState.ARMED
+
+    # ------------------------------------------------------------------------------------ planning
+    def hardware_model(self) -> HardwareModel:
+        hw = HardwareModel.load(self.cfg.hardware) if self.cfg.hardware else HardwareModel()
+        tiers = set(self.cfg.tiers)
+        if "host" in tiers and hw.tiers["host"].capacity_bytes == 0:
+            hw = hw.with_overrides("host", capacity_bytes=None)
+        if "ssd" not in tiers:
+            hw = hw.with_overrides("ssd", capacity_bytes=0)
+        return hw
+
+    def engine_id_for(self, plan: Plan) -> int:
+        """The runtime engine the graphs' ops call; started (and space reserved) on first use."""
+        if self.engine is None:
+            import tempfile
+
+            from teraio.ops import register_engine
+            from teraio.runtime import Engine, RuntimeConfig
+
+            dirs = self.cfg.offload_dirs
+            if not dirs:
+                self._tmp_offload_dir = tempfile.mkdtemp(prefix="teraio-offload-")
+                dirs = [self._tmp_offload_dir]
+            io_backend = self.cfg.io_backend
+            if set(self.cfg.tiers) == {"host"}:
+                io_backend = "host"
+            reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
+            # One subdirectory per process and rank (DDP, torchrun): the runtime names them by both.
+            dist = torch.distributed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            self.engine = Engine(
+                RuntimeConfig(
+                    dirs=dirs,
+                    backend=io_backend,
+                    reserve_bytes=_round_up(reserve, 1 << 20),
+                    checksum=self.cfg.checksum,
+                    **{"rank": rank, **self.cfg.runtime_options},
+                )
+            )
+            self._engine_id = register_engine(self.engine)
+        return self._engine_id
+
+    def close(self) -> None:
+        """Stop the engine and remove its files (also done at interpreter exit)."""
+        if self._recorder is not None:
+            with contextlib.suppress(Exception):
+                self._recorder.stop()
+            self._recorder = None
+        if self.engine is not None:
+            from teraio.ops import unregister_engine
+
+            self.engine.close()
+            unregister_engine(self._engine_id)
+            self.engine = None
+        if self._tmp_offload_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._tmp_offload_dir, ignore_errors=True)
+            self._tmp_offload_dir = None
+
+    # ------------------------------------------------------------------------------------- results
+    @property
+    def profiles(self) -> list[Profile]:
+        """The profiles of every graph that finished profiling."""
+        for r in self.runners:
+            if r.phase is Phase.PLANNING and r.profiler is not None:
+                r._finish_profiling()
+        return [r.profile for r in self.runners if r.profile is not None]
+
+    def _save_profile(self, runner: GraphRunner) -> None:
+        if self.run_dir is not None and runner.profile is not None:
+            runner.profile.save(self.run_dir / f"graph{runner.graph_id}" / "profile")
+
+    def _save_plan(self, runner: GraphRunner) -> None:
+        if self.run_dir is None or runner.plan is None:
+            return
+        d = self.run_dir / f"graph{runner.graph_id}"
+        d.mkdir(parents=True, exist_ok=True)
+        runner.plan.save(d / "plan.json")
+        write_trace(runner.profile, runner.plan, d / "trace.json")
+
+    def _append_stats(self, step: StepRecord) -> None:
+        if self.run_dir is None:
+            return
+        with open(self.run_dir / "stats.jsonl", "a") as f:
+            f.write(
+                json.dumps({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()}) + "\n"
+            )
+
+    def _io_stats(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {"offloaded_bytes": 0, "prefetched_bytes": 0, "stall_s": 0.0}
+        st = self.engine.stats()
+        written = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".write"))
+        read = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".read"))
+        return {
+            "offloaded_bytes": written,
+            "prefetched_bytes": read,
+            "stall_s": st.stall_s,
+            "io_backend": st.backend,
+            "io_path": st.io_path,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """What the backend did: per step (``steps``, ``step_s``, peaks, bytes moved) and per graph.
+
+        ``steps`` counts complete training steps (a step runs every forward in flight to its backward or
+        its end); ``step_s`` is the median wall time of the steps that ran every graph's final
+        compilation (no profiling or compile inside); the I/O figures are totals since the start.
+        """
+        self._finish_measurement()
+        plans = [(r, r.plan) for r in self.runners if r.plan is not None and r.is_training]
+        calls = self._step_calls([r for r in self.runners if r.is_training and r.profile is not None])
+        fwd_calls = [g for g, k, _ in calls if k == "fwd"]
+        graphs = [
+            {
+                "graph": r.graph_id,
+                "phase": r.phase.value,
+                "invocations": r.invocations,
+                "moved_bytes_per_invocation": r.plan.moved_bytes if r.plan else 0,
+                "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
+                "predicted_step_s": r.plan.predicted_step_s if r.plan else None,
+                "profiled_s": r.profile.meta.get("step_s") if r.profile is not None else None,
+            }
+            for r in self.runners
+        ]
+        return {
+            "steps": self.tracker.completed_steps,
+            "running_steps": len(self.step_times_s),
+            "graphs": len(self.runners),
+            "step_s": statistics.median(self.step_times_s) if self.step_times_s else None,
+            "measured_peak_bytes": self.measured_peak_bytes,
+            "predicted_peak_bytes": self.predicted_step_peak_bytes
+            if self.predicted_step_peak_bytes is not None
+            else (max(p.predicted_peak_bytes for _, p in plans) if plans else None),
+            "predicted_step_s": sum(r.plan.predicted_step_s for r in fwd_calls if r.plan is not None)
+            if plans
+            else None,
+            "moved_bytes_per_step": sum(r.plan.moved_bytes for r in fwd_calls if r.plan is not None),
+            "phase": [r.phase.value for r in self.runners],
+            "per_graph": graphs,
+            **self._io_stats(),
+        }
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
+    """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto): ops and transfers."""
+    from teraio.planner.simulate import simulate
+
+    sim = simulate(profile, plan)
+    events: list[dict[str, Any]] = []
+    for i, (name, start_s, end_s) in enumerate(zip(profile.ops["name"], sim.op_start_s, sim.op_end_s)):
+        phase = "fwd" if i < profile.num_fwd_ops else "bwd"
+        events.append(
+            {
+                "name": name,
+                "cat": phase,
+                "ph": "X",
+                "pid": 0,
+                "tid": "compute",
+                "ts": float(start_s) * 1e6,
+                "dur": float(end_s - start_s) * 1e6,
+                "args": {"idx": i},
+            }
+        )
+    for r in sim.io_timeline.itertuples():
+        events.append(
+            {
+                "name": f"{r.direction} {r.name}",
+                "cat": str(r.tier),
+                "ph": "X",
+                "pid": 0,
+                "tid": f"{r.tier} {r.direction}",
+                "ts": float(r.start_s) * 1e6,
+                "dur": float(r.end_s - r.start_s) * 1e6,
+                "args": {"nbytes": int(r.nbytes)},
+            }
+        )
+    trace = {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"predicted_step_s": sim.step_s, "peak_bytes": sim.peak_bytes},
+    }
+    path.write_text(json.dumps(trace))
+
+
+def load_plans(path: str) -> list[Plan]:
+    """A plan file, or a run directory holding graph*/plan.json (one plan per captured graph)."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("graph*/plan.json")) or sorted(p.glob("*.json"))
+        if not files:
+            from teraio.planner.plan import PlanError
+
+            raise PlanError(f"plan directory '{p}' holds no graph*/plan.json")
+        return [Plan.load(f) for f in files]
+    return [Plan.load(p)]
+
+
+def backend(**options: Any) -> TeraioBackend:
+    """A configured teraio backend for ``torch.compile(model, backend=teraio.backend(...))``."""
+    return TeraioBackend(**options)
+
+
+_default: TeraioBackend | None = None
+
+
+def default_backend() -> TeraioBackend:
+    """The backend used by ``torch.compile(model, backend="teraio")`` (default options)."""
+    global _default
+    if _default is None:
+        _default = TeraioBackend()
+    return _default
+
+
+def teraio_backend(gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
+    """Entry point registered as torch_dynamo_backends 'teraio'."""
+    return default_backend()(gm, example_inputs, **kwargs)
+
+
+__all__ = [
+    "BackendConfig",
+    "GraphRunner",
+    "Phase",
+    "ShapeDispatch",
+    "TeraioBackend",
+    "backend",
+    "default_backend",
+    "teraio_backend",
+]
