@@ -62,9 +62,10 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
     (r"/nvme(\d)/teraio", r"{work}/nvme\1", "any", "scratch directories stand in for NVMe mounts"),
     (
         r"\bteraio\.backend\((?!inner=)",
-        'teraio.backend(inner="eager", ',
+        'teraio.backend(inner="eager", solver="greedy", ',
         "python",
-        "the FX-only inner compiler: an Inductor compile takes 20-40 s",
+        "the FX-only inner compiler (an Inductor compile takes 20-40 s); greedy, because CP-SAT spends "
+        "seconds of both cores even on the tiny GPT (the CLI block runs the ILP)",
     ),
     (
         r"backend=\"teraio\"",
