@@ -11,7 +11,7 @@ producer, a cycle) is caught as a graph error rather than a silent wrong answer.
 Memory is counted per op, as the step's own allocations: an activation counts during op ``i`` when it
 is alive at ``i`` (``producer_idx <= i <= last_use_idx``), plus the op's ``other_bytes``. Params and graph
 inputs existed before the step and outlive it; they are not the step's memory and are not counted
-(the same convention as the measured peak: bytes allocated during the step, FINDINGS.md). A moved tensor is absent over ``[wait_before_idx, prefetch_before_idx)``: whether a plan
+(the same convention as the measured peak: bytes allocated during the step, docs/measured_facts.md). A moved tensor is absent over ``[wait_before_idx, prefetch_before_idx)``: whether a plan
 meets a budget depends only on those positions, never on bandwidth (bandwidth decides stall).
 """
 

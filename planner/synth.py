@@ -17,7 +17,7 @@ out the step of an N-layer decoder-only transformer (pre-LayerNorm, 4x MLP, GELU
 
 Op times come from FLOPs (matmuls, attention) at ``flops_per_s`` and from bytes touched (norms, GELU,
 adds) at ``mem_bw_bytes_per_s``, plus ``op_overhead_us`` each. The defaults are tuned so the mid-size GPT
-measured in FINDINGS.md (6 layers, hidden 384, seq 512, batch 8: 0.84 s forward, 1.74 s backward,
+measured in docs/measured_facts.md (6 layers, hidden 384, seq 512, batch 8: 0.84 s forward, 1.74 s backward,
 ~101 MB saved per block, 685 MB saved in all) comes out close: see ``tests/planner/test_synth.py``.
 
 The fingerprint is a hash of every parameter, so the same call gives the same profile, bit for bit.
@@ -42,7 +42,7 @@ ATTENTION_KINDS = ("fused", "explicit")
 
 @dataclass(frozen=True)
 class SynthConfig:
-    """Parameters of a synthetic GPT step. Defaults: the mid-size GPT of FINDINGS.md."""
+    """Parameters of a synthetic GPT step. Defaults: the mid-size GPT of docs/measured_facts.md."""
 
     layers: int = 6
     hidden: int = 384

@@ -47,7 +47,7 @@ def address_view(addr: int, nbytes: int) -> memoryview:
 
 def memmove(dst_addr: int, src_addr: int, nbytes: int) -> None:
     """Single-threaded copy that releases the GIL (a 2-thread torch copy_ collapses when another
-    process holds a core: FINDINGS.md)."""
+    process holds a core: docs/measured_facts.md)."""
     ctypes.memmove(dst_addr, src_addr, nbytes)
 
 

@@ -1,6 +1,6 @@
 """Measure what an offload directory can really do, and write it down as the planner's HardwareModel.
 
-The planner's predictions are only as good as its bandwidth figures, and disks differ (FINDINGS.md:
+The planner's predictions are only as good as its bandwidth figures, and disks differ (docs/measured_facts.md:
 this project's virtio disk writes 1.3-2.3 GB/s but reads 0.7-1.25 GB/s, varying run to run). So
 ``teraio calibrate DIR`` times, in one run: the runtime engine's own write and read of a test tensor
 (``runtime.Engine`` with the posix backend: what offloading will actually achieve, chunking and

@@ -4,7 +4,7 @@ torch.compile hands the backend one FX graph per captured region; AOTAutograd tu
 forward+backward graph and a partitioner splits it into the forward graph, whose trailing outputs are the
 tensors saved for backward, and the backward graph, whose leading placeholders receive them. Partitioning
 is the one place that sees both graphs and the split point (``num_fwd_outputs`` reaches only the partition
-function: FINDINGS.md), so capture wraps the partitioner.
+function: docs/measured_facts.md), so capture wraps the partitioner.
 
 ``analyse_saved`` works on the graphs alone (fake tensors in ``node.meta["val"]``): which saved outputs
 share a storage (views of one buffer), which op produced each storage, and where forward and backward use

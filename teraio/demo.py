@@ -168,7 +168,7 @@ def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """Train with every method in ``cfg.methods``; return ``{"rows": [...], ...}`` (see the README).
+    """Train with every method in ``cfg.methods``; return ``{"rows": [...], ...}`` (see docs/cli.md).
 
     Each method first runs its warm-up (profiling, planning, compiling) and one memory-measurement
     step; then the timed steps run in rounds, one step of each method per round, so that the shared

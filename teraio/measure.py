@@ -1,7 +1,7 @@
 """Measure what a step really costs: peak memory and wall time, independently of teraio's bookkeeping.
 
 On CPU there are no allocator statistics, so memory comes from the torch profiler's ``[memory]`` events
-(FINDINGS.md): every allocation and free inside the profiled region, in time order; the running sum's
+(docs/measured_facts.md): every allocation and free in the profiled region, in time order; the running sum's
 maximum is the peak of bytes allocated during the region (it sees Inductor's buffers too), and its final
 value what the region left alive. On CUDA, ``torch.cuda.max_memory_allocated`` relative to the start.
 Memory that existed before the region (parameters, optimizer state, the batch) is not counted.
@@ -33,7 +33,7 @@ class MemoryMeasurement:
 
 
 def _cpu_memory_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    # prof.events() drops most [memory] events (FINDINGS.md): read kineto's raw results instead.
+    # prof.events() drops most [memory] events (docs/measured_facts.md): read kineto's raw results instead.
     events = prof.profiler.kineto_results.events()
     out = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
     out.sort(key=lambda x: x[0])

@@ -1,7 +1,7 @@
 """The ``teraio::`` custom ops that a rewritten graph calls to move saved tensors, and the engines they use.
 
 Order between migration ops and compute is carried by data, never by graph position alone, because
-compilers reorder and reuse buffers (FINDINGS.md, three proven hazards):
+compilers reorder and reuse buffers (docs/measured_facts.md, three proven hazards):
 
 - ``offload(x, anchors) -> handle`` starts writing the whole storage behind ``x``.
 - ``wait_write(handle, keepalive=x, anchors) -> token`` blocks until the write is done and lets the

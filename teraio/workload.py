@@ -1,6 +1,6 @@
 """What the CLI trains: the built-in GPT, or a user's ``path/to/file.py:fn``.
 
-The contract for a user function (documented in the README):
+The contract for a user function (documented in docs/cli.md):
 
 - ``fn()`` takes no arguments and returns ``(model, batch)`` or ``(model, batch, loss_fn)``.
 - ``batch`` is a tensor (called as ``model(batch)``), a tuple/list (``model(*batch)``) or a dict

@@ -2,7 +2,7 @@
 
 ``none`` keeps every tensor in memory (the unplanned peak, no I/O). ``all`` offloads every candidate
 when its last forward use ends, waits for all writes at the end of forward, and prefetches everything
-at the start of backward: the naive schedule FINDINGS.md measured, which barely lowers the peak because
+at the start of backward: the naive schedule (docs/measured_facts.md), which barely lowers the peak because
 every tensor is back in memory for the whole backward.
 """
 

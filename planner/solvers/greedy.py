@@ -15,7 +15,7 @@ op boundaries only (a write starts when an op ends, a read when an op starts) on
 moment, so in nominal time each starts when issued and the FIFO simulator sees the same schedule.
 Benefits only fall as picks accumulate, so a lazy priority queue finds the best pick exactly.
 
-Phase 2 (repair, accepts stall; FINDINGS.md saw plain Algorithm 1 exceed the budget when I/O-bound):
+Phase 2 (repair, accepts stall; plain Algorithm 1 was seen to exceed the budget when I/O-bound):
 while some op is over budget, make one more tensor absent there: widen an existing window or move a new
 tensor, choosing the option of least nominal stall, then one that adds no I/O, then the best fit for the
 excess (this order cut the summed stall of a 4/6/12-layer x 60-30% sweep from 0.47 s to 0.18 s).

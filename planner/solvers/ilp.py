@@ -20,7 +20,7 @@ non-candidates); each candidate occupies ``[start of its producer, pe[t])`` and 
 Reading the plan back (see :func:`_IlpModel.extract`), a tensor is absent exactly at the ops whose time
 window lies in ``[pe, p)``, which is the simulator's ``[wait_before_idx, prefetch_before_idx)``: the
 cumulative constraint *is* the per-op budget check, with O(tensors + ops) variables instead of the
-O(tensors x ops) booleans of FINDINGS.md's prototype (211k variables at 48 layers, no solution in 60 s).
+O(tensors x ops) booleans of an earlier prototype (211k variables at 48 layers, no solution in 60 s).
 That is this solver's scale reduction (48 layers: ~6.7k variables, solved in well under 60 s on 2 cores);
 :mod:`planner.layers` recognises the repeated layers, reported in the plan's solver stats.
 A knapsack cut per over-budget op (bytes that could be away there >= the excess) gives the LP relaxation

@@ -1,6 +1,6 @@
 """``teraio synth``: write a synthetic GPT training-step Profile (for planning without profiling).
 
-Defaults match the mid-size GPT measured in FINDINGS.md (6 layers, hidden 384, seq 512, batch 8).
+Defaults match the mid-size GPT measured in docs/measured_facts.md (6 layers, hidden 384, seq 512, batch 8).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write a synthetic GPT training-step profile (N layers; sizes and op times from the shapes)",
         description="Write the Profile of an N-layer GPT training step built from shapes and FLOPs, without "
         "tracing anything: saved-tensor sizes from the shapes (float32), op times from FLOPs and bytes "
-        "touched, backward ~2x forward. Defaults match FINDINGS.md's mid-size GPT.",
+        "touched, backward ~2x forward. Defaults match the mid-size GPT of docs/measured_facts.md.",
     )
     p.add_argument("--layers", "-n", type=_positive_int, default=6, help="transformer layers (default 6)")
     p.add_argument("--hidden", type=_positive_int, default=384, help="hidden size (default 384)")

@@ -1,7 +1,7 @@
 """A small decoder-only GPT, the built-in workload: its saved activations dominate a training step's memory.
 
 Written here (no downloads) so that profiles, plans and the demo are reproducible on any machine. The
-``demo`` config is sized from FINDINGS.md: on 2 CPU cores a step takes about 2-3 s and saves about 0.7 GB of
+``demo`` config is sized from measurements: on 2 CPU cores a step takes about 2-3 s and saves about 0.7 GB of
 activations (about 0.1 GB per block), so offloading them at this disk's 1-2 GB/s can hide behind compute.
 """
 

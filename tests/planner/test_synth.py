@@ -1,4 +1,4 @@
-"""Synthetic profiles: realistic against FINDINGS.md's measured GPT, deterministic, validated, and the CLI."""
+"""Synthetic profiles: realistic against the measured mid-size GPT, deterministic, validated, and the CLI."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ MB = 1e6
 
 @pytest.fixture(scope="module")
 def gpt6():
-    return synth_profile()  # defaults: FINDINGS.md's 6/384/512/8 GPT
+    return synth_profile()  # defaults: the measured 6/384/512/8 GPT (docs/measured_facts.md)
 
 
 def test_defaults_match_the_measured_mid_size_gpt(gpt6):
-    # FINDINGS.md: 14.0M params, fwd 0.84 s, bwd 1.74 s, 685 MB saved (101 MB per block), peak 819 MB.
+    # docs/measured_facts.md: 14.0M params, fwd 0.84 s, bwd 1.74 s, 685 MB saved (101 MB/block), peak 819 MB.
     t = gpt6.tensors
     params = t.loc[t["kind"] == "param", "nbytes"].sum() / 4
     assert params == pytest.approx(14.0e6, rel=0.01)
@@ -32,7 +32,7 @@ def test_defaults_match_the_measured_mid_size_gpt(gpt6):
     in_block = (t["module"] == "layers.3") | t["module"].str.startswith("layers.3.")
     block = t.loc[(t["kind"] == "activation") & in_block, "nbytes"].sum()
     assert block / MB == pytest.approx(101, rel=0.01)
-    # The planner counts the step's own allocations (params predate the step); FINDINGS' 819 MB peak
+    # The planner counts the step's own allocations (params predate the step); the measured 819 MB peak
     # matches the synthetic step when the weights are added back.
     weights = t.loc[t["kind"] == "param", "nbytes"].sum()
     assert (analyse(gpt6).baseline_peak_bytes + weights) / MB == pytest.approx(819, rel=0.03)

@@ -3,7 +3,7 @@ paths (straight into an aligned torch allocation, or through a bounce buffer) re
 
 The profiler check is written without teraio: it sums the ``[memory]`` events of
 ``prof.profiler.kineto_results.events()`` in start order, the method teraio uses to measure a step's
-peak on CPU (FINDINGS.md). The direct path needs torch to page-align its allocations, which it does
+peak on CPU (docs/measured_facts.md). The direct path needs torch to page-align its allocations, which it does
 only when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation: that runs in a subprocess.
 """
 

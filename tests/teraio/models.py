@@ -1,7 +1,7 @@
 """Workloads for tests: the built-in tiny GPT and HF transformers models from tiny random configs.
 
 HF models are built from config objects (no downloads). GPT-2 computes its loss outside the model
-(passing ``labels`` breaks the graph on a logging call: FINDINGS.md); T5 would need
+(passing ``labels`` breaks the graph on a logging call: docs/measured_facts.md); T5 would need
 decoder_start_token_id=0 and pad_token_id=0.
 """
 

@@ -1,7 +1,7 @@
 """The Inductor path: bit-exact in deterministic mode, ops where the plan put them, no stale caches.
 
 Inductor compiles take 20-60 s on 2 cores, so these tests share compiled runs through module fixtures.
-FINDINGS.md's three hazards each have a test here or in test_ops.py:
+The three hazards of docs/measured_facts.md each have a test here or in test_ops.py:
 - buffer reuse during an asynchronous write (keepalive): exactness under Inductor with slowed writes,
   and ``test_keepalive_that_is_not_the_written_buffer_is_refused`` in test_ops.py;
 - hoisted waits: ``test_generated_code_keeps_ops_where_the_plan_put_them``;
@@ -69,7 +69,7 @@ def deterministic():
     torch.use_deterministic_algorithms(True)
     # One intra-op thread: the comparison then isolates what teraio changes from parallel reductions.
     torch.set_num_threads(1)
-    with torch._inductor.config.patch(deterministic=True):  # FINDINGS.md: Inductor is bit-exact only so
+    with torch._inductor.config.patch(deterministic=True):  # docs/measured_facts.md: bit-exact only so
         yield
     torch.use_deterministic_algorithms(old)
     torch.set_num_threads(threads)

@@ -66,7 +66,7 @@ def test_profiling_is_bit_identical_to_fx_only_compile(name: str) -> None:
     profiled = _train(copy.deepcopy(base), be, workload)
     assert len(be.profiles) == 1, "expected one captured graph"
     _assert_bit_identical(reference, profiled)
-    # And FX-only is itself bit-identical to eager here (FINDINGS.md).
+    # And FX-only is itself bit-identical to eager here (docs/measured_facts.md).
     _assert_bit_identical(_train(copy.deepcopy(base), None, workload), reference)
 
 

@@ -1,0 +1,312 @@
+"""The README's examples are tests: every Python and shell block in the documents below runs here.
+
+A newcomer copies these blocks first, so a block that stops working must fail the suite. Blocks run as a
+user would run them: shell blocks with ``bash -euo pipefail`` (the ``teraio`` command of this venv on
+PATH), Python blocks in a fresh namespace of a fresh interpreter, both in a scratch directory per document
+(blocks of one document run in order and share it, like a user's terminal session).
+
+Where a document shows sizes meant for real work, ``SUBSTITUTIONS`` (below, each with its reason) shrinks
+them: the tiny built-in GPT, the FX-only inner compiler (an Inductor compile takes 20-40 s on 2 cores),
+scratch directories for ``/nvme0/...``. Every substitution must still match something, so the table
+cannot drift from the documents. ``SKIPPED_COMMANDS`` names the few commands that are never run (``make
+test`` would run this suite again); a whole block that cannot run here carries
+``<!-- readme-test: skip (reason) -->`` on the line before its fence, and is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# The documents whose code blocks are tested, in the order their blocks run.
+DOCUMENTS = ("README.md", "docs/cli.md", "docs/reference.md")
+
+PYTHON_LANGS = frozenset({"python", "py"})
+SHELL_LANGS = frozenset({"bash", "sh", "shell", "console"})
+# Fences that hold data or a directory tree, not something to run.
+DATA_LANGS = frozenset({"", "text", "json"})
+
+SKIP_MARKER = re.compile(r"<!--\s*readme-test:\s*skip\s*\((?P<reason>[^)]+)\)\s*-->")
+FENCE = re.compile(r"^```(?P<lang>[\w+-]*)\s*$")
+
+# Commands that are never run, with why. Keep this list small: everything else must really execute.
+SKIPPED_COMMANDS: dict[str, str] = {
+    "make test": "runs this very test suite: it would recurse",
+}
+
+# (regex, replacement, applies to "python" | "shell", why). ``{work}`` is the document's scratch directory.
+SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        r"^make demo\b",
+        "teraio demo --model tiny --steps 2 --solver greedy --methods no-offload,teraio",
+        "shell",
+        "the demo config trains for minutes; the tiny GPT exercises the same path",
+    ),
+    (r"builtin:demo\b", "builtin:tiny", "shell", "the demo GPT takes minutes to profile"),
+    (r"\bteraio profile ", "teraio profile --inner eager ", "shell", "an Inductor compile takes 20-40 s"),
+    (
+        r"\bteraio calibrate ",
+        "teraio calibrate --size 16MiB --repeats 1 ",
+        "shell",
+        "the default measures 3 x 256 MiB each way",
+    ),
+    (r"/nvme(\d)/teraio", r"{work}/nvme\1", "any", "scratch directories stand in for NVMe mounts"),
+    (
+        r"\bteraio\.backend\((?!inner=)",
+        'teraio.backend(inner="eager", solver="greedy", ',
+        "python",
+        "the FX-only inner compiler (an Inductor compile takes 20-40 s); greedy, because CP-SAT spends "
+        "seconds of both cores even on the tiny GPT (the CLI block runs the ILP)",
+    ),
+    (
+        r"backend=\"teraio\"",
+        'backend=__import__("teraio").backend(inner="eager")',
+        "python",
+        "the FX-only inner compiler: an Inductor compile takes 20-40 s",
+    ),
+)
+MAX_SKIPPED_COMMANDS = 2
+BLOCK_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Block:
+    document: str
+    line: int  # 1-based line of the opening fence
+    lang: str
+    source: str
+    skip_reason: str | None
+
+    @property
+    def kind(self) -> str:
+        return "python" if self.lang in PYTHON_LANGS else "shell"
+
+    @property
+    def id(self) -> str:
+        return f"{self.document}:{self.line}-{self.lang}"
+
+
+def extract_blocks(document: str) -> list[Block]:
+    """Every fenced block of ``document`` (python, shell or data), with its skip marker if any."""
+    lines = (REPO_ROOT / document).read_text().splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if m is None:
+            i += 1
+            continue
+        start, lang = i, m.group("lang").lower()
+        end = start + 1
+        while end < len(lines) and lines[end].rstrip() != "```":
+            end += 1
+        assert end < len(lines), f"{document}:{start + 1}: code fence never closed"
+        prev = next((ln for ln in reversed(lines[:start]) if ln.strip()), "")
+        marker = SKIP_MARKER.search(prev)
+        source = "\n".join(lines[start + 1 : end]) + "\n"
+        blocks.append(Block(document, start + 1, lang, source, marker.group("reason") if marker else None))
+        i = end + 1
+    return blocks
+
+
+ALL_BLOCKS = [b for doc in DOCUMENTS for b in extract_blocks(doc)]
+CODE_BLOCKS = [b for b in ALL_BLOCKS if b.lang in PYTHON_LANGS | SHELL_LANGS]
+
+
+def _shell_commands(block: Block) -> str:
+    """The commands of a shell block: a console block's ``$ `` lines, any other block as it is."""
+    if block.lang != "console":
+        return block.source
+    return "".join(ln[2:] + "\n" for ln in block.source.splitlines() if ln.startswith("$ "))
+
+
+def prepare(block: Block, work: Path, used: set[int], skipped: set[str]) -> str:
+    """The text that runs for ``block``: skipped commands removed, substitutions applied."""
+    text = block.source if block.kind == "python" else _shell_commands(block)
+    if block.kind == "shell":
+        kept = []
+        for ln in text.splitlines():
+            command = ln.split("#", 1)[0].strip()
+            if command in SKIPPED_COMMANDS:
+                skipped.add(command)
+                kept.append(f": skipped by tests/test_readme.py: {command}")
+            else:
+                kept.append(ln)
+        text = "\n".join(kept) + "\n"
+    for idx, (pattern, replacement, applies, _why) in enumerate(SUBSTITUTIONS):
+        if applies not in ("any", block.kind):
+            continue
+        text, n = re.subn(pattern, replacement.replace("{work}", str(work)), text, flags=re.MULTILINE)
+        if n:
+            used.add(idx)
+    return text
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+    return env
+
+
+# Runs a document's Python blocks in one fresh interpreter (torch is imported once), each block in a
+# fresh namespace, and reports each block's outcome as one JSON line.
+PYTHON_RUNNER = textwrap.dedent(
+    """
+    import json, sys, traceback
+    blocks = json.load(open(sys.argv[1]))
+    for b in blocks:
+        try:
+            exec(compile(b["source"], b["id"], "exec"), {"__name__": "__main__"})
+            result = {"id": b["id"], "ok": True}
+        except BaseException:
+            result = {"id": b["id"], "ok": False, "traceback": traceback.format_exc()}
+        try:
+            import torch._dynamo
+            torch._dynamo.reset()
+        except ImportError:
+            pass
+        print("READMETEST " + json.dumps(result), flush=True)
+    """
+)
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    detail: str
+
+
+def run_document(document: str, work: Path) -> tuple[dict[str, Outcome], set[int], set[str]]:
+    """Run every code block of ``document`` in order in ``work``; outcomes by block id."""
+    for d in ("nvme0", "nvme1"):
+        (work / d).mkdir(parents=True, exist_ok=True)
+    used: set[int] = set()
+    skipped: set[str] = set()
+    outcomes: dict[str, Outcome] = {}
+    pending_python: list[dict[str, str]] = []
+
+    def flush_python() -> None:
+        if not pending_python:
+            return
+        spec = work / ".readme_blocks.json"
+        spec.write_text(json.dumps(pending_python))
+        proc = subprocess.run(
+            [sys.executable, "-c", PYTHON_RUNNER, str(spec)],
+            cwd=work,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
+        reported = {}
+        for ln in proc.stdout.splitlines():
+            if ln.startswith("READMETEST "):
+                r = json.loads(ln[len("READMETEST ") :])
+                reported[r["id"]] = r
+        for b in pending_python:
+            r = reported.get(b["id"])
+            if r is None:
+                outcomes[b["id"]] = Outcome(
+                    False, f"no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+                )
+            else:
+                outcomes[b["id"]] = Outcome(r["ok"], r.get("traceback", "")[-3000:])
+        pending_python.clear()
+
+    for block in (b for b in CODE_BLOCKS if b.document == document and b.skip_reason is None):
+        text = prepare(block, work, used, skipped)
+        if block.kind == "python":
+            pending_python.append({"id": block.id, "source": text})
+            continue
+        flush_python()  # keep the document's order: a shell block may use what Python wrote, and back
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", text],
+            cwd=work,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+        )
+        ok = proc.returncode == 0 and "Traceback (most recent call last)" not in proc.stderr
+        outcomes[block.id] = Outcome(ok, f"exit {proc.returncode}\n$ {text}\n{proc.stderr[-3000:]}")
+    flush_python()
+    return outcomes, used, skipped
+
+
+_RESULTS: dict[str, tuple[dict[str, Outcome], set[int], set[str]]] = {}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory):
+    """Runs each document once, lazily, and keeps the outcomes for the per-block tests."""
+
+    def get(document: str) -> tuple[dict[str, Outcome], set[int], set[str]]:
+        if document not in _RESULTS:
+            work = tmp_path_factory.mktemp(re.sub(r"\W", "_", document))
+            _RESULTS[document] = run_document(document, work)
+        return _RESULTS[document]
+
+    yield get
+    _RESULTS.clear()
+
+
+@pytest.mark.slow  # a document's blocks run together on its first block: 10-40 s of CPU each
+@pytest.mark.parametrize("block", CODE_BLOCKS, ids=lambda b: b.id)
+def test_block_runs(block: Block, results) -> None:
+    if block.skip_reason is not None:
+        pytest.skip(f"marked in {block.document}: {block.skip_reason}")
+    outcomes, _, _ = results(block.document)
+    outcome = outcomes[block.id]
+    assert outcome.ok, f"{block.id} failed:\n{outcome.detail}"
+
+
+def test_every_substitution_and_skipped_command_is_still_used(results) -> None:
+    used: set[int] = set()
+    skipped: set[str] = set()
+    for doc in DOCUMENTS:
+        _, u, s = results(doc)
+        used |= u
+        skipped |= s
+    stale = [SUBSTITUTIONS[i][0] for i in range(len(SUBSTITUTIONS)) if i not in used]
+    assert not stale, f"substitutions that no longer match any block (remove them): {stale}"
+    assert set(SKIPPED_COMMANDS) == skipped, f"skip list out of date: found {sorted(skipped)}"
+    assert len(SKIPPED_COMMANDS) <= MAX_SKIPPED_COMMANDS
+
+
+def test_blocks_are_found_and_skips_are_few_and_explained() -> None:
+    # The front door has a Python example, the shell commands, and nothing unrecognised.
+    readme = [b for b in ALL_BLOCKS if b.document == "README.md"]
+    assert any(b.lang in PYTHON_LANGS for b in readme) and any(b.lang in SHELL_LANGS for b in readme)
+    unknown = [b.id for b in ALL_BLOCKS if b.lang not in PYTHON_LANGS | SHELL_LANGS | DATA_LANGS]
+    assert not unknown, f"code blocks in a language this test cannot run: {unknown}"
+    skips = [(b.id, b.skip_reason) for b in CODE_BLOCKS if b.skip_reason is not None]
+    print(f"{len(skips)} of {len(CODE_BLOCKS)} code blocks skipped: {skips}")
+    assert len(skips) <= 2, f"too many skipped blocks; make them run: {skips}"
+    # The first thing a newcomer runs: both commands, at the top of the README.
+    first_shell = next(b for b in readme if b.lang in SHELL_LANGS)
+    assert "make demo" in first_shell.source and "make test" in first_shell.source
+
+
+def test_extraction_sees_markers_and_console_prompts(tmp_path: Path) -> None:
+    # The parser itself: a skip marker attaches to the next fence, console blocks run only "$ " lines.
+    doc = tmp_path / "doc.md"
+    doc.write_text(
+        "<!-- readme-test: skip (needs a GPU) -->\n```python\nimport cupy\n```\n\n"
+        "```console\n$ make demo\noutput line\n$ make test\n```\n"
+    )
+    blocks = extract_blocks(str(doc))  # an absolute path: REPO_ROOT / doc is doc
+    assert [b.skip_reason for b in blocks] == ["needs a GPU", None]
+    used: set[int] = set()
+    skipped: set[str] = set()
+    text = prepare(blocks[1], tmp_path, used, skipped)
+    assert "output line" not in text and text.startswith("teraio demo --model tiny")
+    assert skipped == {"make test"} and not any(ln.startswith("make test") for ln in text.splitlines())
