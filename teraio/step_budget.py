@@ -95,8 +95,9 @@ def split_budget(
     top = {g: budget_bytes - floor_held.get(g, 0) for g in graphs}
     for g in graphs:
         if top[g] < min_peak[g]:
-            _raise_infeasible(calls, budget_bytes, min_peak, min_held, g, describe)
-    if not any(floor_held.values()):  # nothing else in flight while any graph runs
+            floor = {h: GraphMemory(min_peak[h], min_held[h]) for h in graphs}
+            _raise_infeasible(step_peak(calls, floor)[0], budget_bytes, min_peak, g, describe)
+    if not _overlapping(calls):  # no graph runs while another invocation is in flight
         for g in graphs:
             plan_graph(g, top[g], False)
         return top
@@ -104,20 +105,20 @@ def split_budget(
     def at(scale: float) -> dict[Hashable, int]:
         return {g: int(min_peak[g] + scale * (top[g] - min_peak[g])) for g in graphs}
 
-    def fits(budgets: dict[Hashable, int], fast: bool) -> tuple[bool, Hashable | None]:
+    def fits(budgets: dict[Hashable, int], fast: bool) -> tuple[bool, int, Hashable | None]:
         memory = {g: plan_graph(g, b, fast) for g, b in budgets.items()}
         peak, worst = step_peak(calls, memory)
-        return peak <= budget_bytes, worst
+        return peak <= budget_bytes, peak, worst
 
     lo, hi = None, 1.0
-    ok, worst = fits(at(hi), True)
+    ok, _, worst = fits(at(hi), True)
     if ok:
         lo = hi
     else:
         low = 0.0
-        ok0, worst = fits(at(low), True)
-        if not ok0:
-            _raise_infeasible(calls, budget_bytes, min_peak, min_held, worst, describe)
+        ok0, smallest, worst = fits(at(low), True)
+        if not ok0:  # every graph at its smallest peak still composes over the budget
+            _raise_infeasible(smallest, budget_bytes, min_peak, worst, describe)
         lo = low
         for _ in range(bisections):
             mid = (lo + hi) / 2
@@ -126,18 +127,28 @@ def split_budget(
             else:
                 hi = mid
     budgets = at(lo)
-    ok, worst = fits(budgets, False)
+    ok, _, _ = fits(budgets, False)
     if not ok:  # the real solver's plans compose worse than the fast ones: keep the fast ones
         fits(budgets, True)
     return budgets
 
 
-def _raise_infeasible(calls, budget_bytes, min_peak, min_held, graph, describe) -> None:
-    floor = {g: GraphMemory(min_peak[g], min_held[g]) for g in min_peak}
-    smallest, _ = step_peak(calls, floor)
+def _overlapping(calls: Sequence[Call]) -> bool:
+    in_flight: set[int] = set()
+    for _graph, kind, inv in calls:
+        if in_flight - {inv}:
+            return True
+        if kind == "fwd":
+            in_flight.add(inv)
+        else:
+            in_flight.discard(inv)
+    return False
+
+
+def _raise_infeasible(smallest: int, budget_bytes: int, min_peak, graph, describe) -> None:
     raise BudgetError(
         f"memory_budget {format_size(budget_bytes)} cannot be met for the step: {describe(graph)} needs at "
-        f"least {format_size(min_peak[graph])} while the step's other graphs hold memory; the smallest "
+        f"least {format_size(min_peak[graph])} while the step's other invocations hold memory; the smallest "
         f"achievable peak of the step is about {format_size(smallest)} ({smallest} bytes): use a budget "
         "of at least that"
     )
