@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -126,6 +126,7 @@ class MemoryRecorder:
         self.device = device
         self._quiet: _QuietStderr | None = None
         self._prof: torch.profiler.profile | None = None
+        self.events: list[Any] = []  # the session's raw profiler events, after stop (CPU path)
         self._start_bytes = 0
         self._t0 = 0.0
         self._wall_s: float | None = None
@@ -183,7 +184,7 @@ class MemoryRecorder:
                 self._quiet.__exit__(None, None, None)
                 self._quiet = None
             release_profiler(self)
-        events = self._prof.profiler.kineto_results.events()
+        events = self.events = list(self._prof.profiler.kineto_results.events())
         end_ns = min((e.start_ns() for e in events if e.name() == _END_MARK), default=None)
         running = peak = 0
         for ts, nbytes in _cpu_memory_events(self._prof):
@@ -219,3 +220,35 @@ def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryM
         rec.stop()
         raise
     return result, rec.stop()
+
+
+def op_transient_bytes(events: list[Any], marker_prefix: str, num_ops: int) -> list[int]:
+    """Per op marked ``<marker_prefix><i>`` (a ``record_function``): bytes the op allocated and freed
+    again inside itself, above what was live when it returned (scratch buffers, masks, workspaces).
+
+    A census between ops cannot see these; the profiler's allocation events can.
+    """
+    spans: dict[int, tuple[int, int]] = {}
+    mem: list[tuple[int, int]] = []
+    for e in events:
+        name = e.name()
+        if name == "[memory]":
+            mem.append((e.start_ns(), e.nbytes()))
+        elif name.startswith(marker_prefix):
+            spans[int(name[len(marker_prefix) :])] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    mem.sort()
+    out = [0] * num_ops
+    j, running = 0, 0
+    for i in sorted(spans):
+        start, end = spans[i]
+        while j < len(mem) and mem[j][0] < start:
+            running += mem[j][1]
+            j += 1
+        peak = running
+        while j < len(mem) and mem[j][0] <= end:
+            running += mem[j][1]
+            peak = max(peak, running)
+            j += 1
+        if 0 <= i < num_ops:
+            out[i] = max(0, peak - running)
+    return out

@@ -31,8 +31,12 @@ class GraphRun:
     """One execution of one graph: per-op wall time and live bytes, aligned with the graph's ops."""
 
     duration_ns: list[int] = field(default_factory=list)
-    live_bytes: list[int] = field(default_factory=list)
+    live_bytes: list[int] = field(default_factory=list)  # census after each op (values it left alive)
+    transient_bytes: list[int] = field(default_factory=list)  # allocated and freed inside each op
     wall_s: float = 0.0
+
+
+_OP_MARK = "teraio::op"
 
 
 class TimingInterpreter(fx.Interpreter):
@@ -58,11 +62,40 @@ class TimingInterpreter(fx.Interpreter):
                     total += int(st.nbytes())
         return total
 
+    def boxed_run(self, args_list: list[Any]) -> Any:
+        """Run; on a census run, also measure each op's internal transients with the torch profiler.
+
+        The profiler is the process's one session (``teraio.measure``): when another measurement holds
+        it, the transients of this run stay unknown (zeros) rather than disturb that measurement.
+        """
+        if not self.census:
+            return super().boxed_run(args_list)
+        from teraio.measure import MemoryRecorder, ProfilerBusyError, op_transient_bytes
+
+        rec = MemoryRecorder("cpu")
+        try:
+            rec.start()
+        except ProfilerBusyError:
+            rec = None
+        try:
+            return super().boxed_run(args_list)
+        finally:
+            n = len(self.record.live_bytes)
+            if rec is not None:
+                rec.stop()
+                self.record.transient_bytes = op_transient_bytes(rec.events, _OP_MARK, n)
+            else:
+                self.record.transient_bytes = [0] * n
+
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
         t0 = time.perf_counter_ns()
-        out = super().run_node(n)
+        if self.census:
+            with torch.profiler.record_function(f"{_OP_MARK}{len(self.record.duration_ns)}"):
+                out = super().run_node(n)
+        else:
+            out = super().run_node(n)
         self.record.duration_ns.append(time.perf_counter_ns() - t0)
         # Census before the interpreter frees this op's last-used inputs: memory *during* the op. It walks
         # the whole environment, so it runs only on the warm-up step and leaves the timed steps alone.
@@ -161,8 +194,13 @@ class StepProfiler:
         ops_nodes = [("fwd", n) for n in a.fw_ops] + [("bwd", n) for n in a.bw_ops]
         durations = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
         durations += [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
-        # Memory is deterministic: the census of the first step is the step's memory timeline.
-        live = list(self.fwd_runs[0].live_bytes) + list(self.bwd_runs[0].live_bytes)
+        # Memory is deterministic: the census of the first step is the step's memory timeline, each op
+        # with what it allocates and frees inside itself on top.
+        live = [
+            int(b) + int(t)
+            for run in (self.fwd_runs[0], self.bwd_runs[0])
+            for b, t in zip(run.live_bytes, run.transient_bytes or [0] * len(run.live_bytes))
+        ]
 
         kinds = self.input_kinds or []
         fw_placeholders = [n for n in self.step.fw_gm.graph.nodes if n.op == "placeholder"]

@@ -86,6 +86,40 @@ def _allocating_ops(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
+# Ops whose results every compiler materialises as buffers of their own (Inductor runs them as extern
+# kernels or templates, never fused into a neighbour): anchoring on them costs nothing.
+_EXTERN_TARGETS = frozenset(
+    str(t)
+    for t in (
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten.baddbmm.default,
+        torch.ops.aten.convolution.default,
+        torch.ops.aten.convolution_backward.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    )
+)
+
+
+def _materialized(gm: fx.GraphModule) -> set[fx.Node]:
+    """Values that exist as buffers whatever the compiler fuses: graph outputs and extern-kernel results.
+
+    Note: [Anchors must not change fusion] An anchor is an input of a custom op, and a custom op's
+    inputs must be real buffers: anchoring on a value Inductor would have fused away (a pointwise
+    intermediate) forces it to be written out, which changes the kernels and, in bf16, the rounding.
+    So anchors are chosen only among values that are buffers anyway.
+    """
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outputs: set[fx.Node] = set()
+    fx.node.map_arg(out.args, lambda n: outputs.add(n) or n)
+    teraio_ops = {str(t) for t in (torch.ops.teraio.offload.default, torch.ops.teraio.wait_write.default)}
+    return outputs | {
+        n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in _EXTERN_TARGETS | teraio_ops
+    }
+
+
 @dataclass(frozen=True)
 class _AnchorIndex:
     """What anchor choice needs of one graph: its ops, which allocate, their depths and last uses."""
@@ -102,13 +136,14 @@ class _AnchorIndex:
             depth[n] = 1 + max((depth[i] for i in n.all_input_nodes), default=-1)
         index = {n: i for i, n in enumerate(ops)}
         last_use = {n: max((index.get(u, len(ops)) for u in n.users), default=-1) for n in ops}
-        return cls(ops, _allocating_ops(gm), depth, last_use)
+        return cls(ops, _allocating_ops(gm) & _materialized(gm), depth, last_use)
 
     def before(self, pos: int) -> list[fx.Node]:
         """Anchors for a node placed before ``ops[pos]`` (pos == len(ops): after the last op).
 
         Two anchors, both allocating ops before the position whose values are still alive there (so
-        anchoring never lengthens a lifetime the plan's memory model did not count): the nearest one,
+        anchoring never lengthens a lifetime the plan's memory model did not count) and are buffers
+        whatever the compiler fuses (Note: [Anchors must not change fusion]): the nearest one,
         and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses an
         op into an earlier kernel when it can, so the nearest op alone may be computed early; the
         deepest op sits on the step's critical chain (the residual stream) and cannot run before

@@ -78,7 +78,9 @@ def deterministic():
 @pytest.fixture(scope="module")
 def runs(deterministic, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("inductor")
-    reference, _ = _train_capturing_code(TeraioBackend(inner="inductor", enabled=False, **UNMEASURED), STEPS)
+    reference, ref_codes = _train_capturing_code(
+        TeraioBackend(inner="inductor", enabled=False, **UNMEASURED), STEPS
+    )
     be = TeraioBackend(
         inner="inductor",
         **UNMEASURED,
@@ -93,13 +95,30 @@ def runs(deterministic, tmp_path_factory):
         got, codes = _train_capturing_code(be, STEPS)
     finally:
         be.close()
-    return reference, got, codes, be, tmp
+    return reference, got, codes, be, tmp, ref_codes
 
 
 def test_inductor_offload_is_bit_identical_in_deterministic_mode(runs) -> None:
-    reference, got, _codes, be, _ = runs
+    reference, got, _codes, be, _, _ = runs
     assert be.runners[0].plan.decisions, "nothing was moved: the test would prove nothing"
     assert_bit_identical(reference, got)
+
+
+KERNEL_SOURCE = re.compile(r"(cpp_fused\w*) = async_compile\.cpp_pybinding\((.*?)'''\)", re.DOTALL)
+
+
+def _kernels(codes: list[str]) -> list[str]:
+    """Every generated C++ kernel's source, its name left out (numbering may differ between compiles)."""
+    return sorted(src for code in codes for _name, src in KERNEL_SOURCE.findall(code))
+
+
+def test_migration_ops_leave_inductors_kernels_unchanged(runs) -> None:
+    """Note: [Anchors must not change fusion]: the plan adds calls between kernels, never changes them."""
+    _ref, _got, codes, be, _, ref_codes = runs
+    assert be.runners[0].plan.decisions
+    assert any("teraio.offload" in c for c in codes) and not any("teraio.offload" in c for c in ref_codes)
+    got, ref = _kernels(codes), _kernels(ref_codes)
+    assert got and got == ref, f"{len(got)} kernels with the plan, {len(ref)} without; they differ"
 
 
 def _teraio_calls(code: str) -> list[tuple[str, str, int]]:
@@ -135,7 +154,7 @@ def _computed_before(lines: list[str], buf: str, ln: int) -> bool:
 
 
 def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
-    _ref, _got, codes, be, _ = runs
+    _ref, _got, codes, be, _, _ = runs
     runner = be.runners[0]
     plan = runner.plan
     calls = [c for code in codes for c in _teraio_calls(code)]
@@ -171,7 +190,7 @@ def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
 
 def test_new_plan_is_not_served_from_a_compile_cache(runs, tmp_path: Path) -> None:
     """With compile caches on, a second plan for the same graph compiles to code carrying that plan."""
-    _ref, _got, _codes, be, tmp = runs
+    _ref, _got, _codes, be, tmp, _ = runs
     plan = Plan.load(tmp / "run" / "graph0" / "plan.json")
     half = dataclasses.replace(plan, decisions=plan.decisions[: max(1, len(plan.decisions) // 2)])
     half.save(tmp_path / "half.json")

@@ -20,9 +20,11 @@ from .loops import CASES, Case, ConvNet, GPTLoss, Trace, assert_bit_identical, r
 
 STEPS = 4  # 1 profiled step, then the plan runs for 3
 BUDGET = "50%"
-# With a graph break, one graph's saved tensors stay in memory while the other runs; for this tiny
-# model that puts the smallest achievable step peak near 55% of the unplanned one.
-BUDGETS = {"gpt-graph-break": "60%"}
+# Budgets a little above each tiny model's floor (the smallest achievable step peak, from the backend's
+# own error message). These models' floors are high: the logits and loss, BatchNorm's and autocast's
+# temporaries cannot be offloaded, and with a graph break one graph's tensors stay while the other runs.
+BUDGETS = {"gpt-graph-break": "60%", "gpt-checkpoint": "70%", "hf-gpt2": "75%", "hf-bert": "75%", "convnet": "75%"}
+BUDGETS_BY_PATTERN = {("gpt", "autocast"): "70%"}
 PEAK_SLACK = 1.05
 
 FX_MATRIX = [
@@ -61,7 +63,7 @@ def _backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) ->
 def _check(case_name: str, pattern: str, inner: str, tmp_path) -> tuple[Trace, TeraioBackend]:
     case = CASES[case_name]
     steps = STEPS + 2 * (len(case.sizes) - 1) if pattern == "changing-shapes" else STEPS
-    budget = BUDGETS.get(case_name, BUDGET)
+    budget = BUDGETS_BY_PATTERN.get((case_name, pattern), BUDGETS.get(case_name, BUDGET))
     ref_be = _backend(False, inner, budget)
     try:
         reference = run(case, pattern, ref_be, steps)
@@ -92,12 +94,15 @@ def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
 
 
 def test_graph_break_has_one_budget_for_the_step(tmp_path) -> None:
-    """Two graphs, one budget: the step's composed prediction fits the budget, both graphs share it."""
+    """Several graphs, one budget: each is planned with the others' memory in the step composed in."""
     _trace, be = _check("gpt-graph-break", "plain", "eager", tmp_path)
-    training = [r for r in be.runners if r.is_training]
-    assert len(training) == 2
-    assert len({r.step_budget_bytes for r in training}) == 1
-    assert be.predicted_step_peak_bytes <= training[0].step_budget_bytes
+    training = [r for r in be.runners if r.is_training and r.plan is not None]
+    # Two graphs, and Dynamo recompiles the second once (it specialises on the printed float first).
+    assert len(training) >= 2
+    budget = min(r.step_budget_bytes for r in training)
+    assert be.predicted_step_peak_bytes <= budget
+    # Each graph alone fits with room to spare: the others' held bytes took the rest.
+    assert all(r.plan.predicted_peak_bytes < 0.9 * budget for r in training)
 
 
 def test_two_backends_in_one_process(tmp_path) -> None:
@@ -109,13 +114,13 @@ def test_two_backends_in_one_process(tmp_path) -> None:
     )
     refs = []
     for case in cases:
-        be = _backend(False)
+        be = _backend(False, budget="75%")
         try:
             refs.append(run(case, "plain", be, STEPS))
         finally:
             be.close()
     torch._dynamo.reset()
-    backends = [_backend(True, offload_dirs=[str(tmp_path / n)]) for n in ("a", "b")]
+    backends = [_backend(True, budget="75%", offload_dirs=[str(tmp_path / n)]) for n in ("a", "b")]
     models = [case.build() for case in cases]
     compiled = [torch.compile(m, backend=be) for m, be in zip(models, backends)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
