@@ -1,0 +1,134 @@
+"""The races a real GPU would provoke, provoked on CPU with the fake asynchronous device.
+
+Note: [CUDA ordering] (runtime/engine.py) names three waits. Each scenario below holds one stream back
+(``pause``) so that the wait is the only thing standing between the runtime and wrong bytes, and checks
+the bytes a user would see. Each is run twice: as is (it must pass) and with its wait removed by a
+monkeypatch (it must then fail: the check detects the race). Nothing depends on timing: a scenario
+proceeds when every fake stream is idle, paused or blocked (``settled``), never after a sleep.
+Checksums are off here so that the bytes are the only witness (device checksums: test_device_paths.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from teraio.runtime import Engine
+from teraio.runtime.fake_device import FakeDevice
+from teraio.runtime.staging import DeviceIO
+
+from .conftest import make_config
+
+RACE_TIERS = ["host", "posix"]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeDevice]:
+    dev = FakeDevice()
+    yield dev
+    dev.resume()
+    dev.close()
+    assert not dev.errors, dev.errors
+
+
+def _engine(fake: FakeDevice, tier: str, tmp_path: Path, **kw) -> Engine:
+    kw.setdefault("chunk_bytes", 64 << 10)
+    return Engine(make_config(tier, tmp_path, **kw), device=fake)
+
+
+def _io_streams(fake: FakeDevice) -> list:
+    return [s for s in fake.streams if s is not fake.default_stream]
+
+
+def write_after_producer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(1) A write that starts before the producer finished: the kernel filling ``x`` is still queued on
+    the compute stream when ``offload`` returns."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        x = fake.adopt(torch.zeros(10_000))  # one chunk
+        fake.pause(fake.default_stream)
+        fake.launch(lambda: x.fill_(7.0))  # the producer kernel, queued
+        handle = eng.offload("x", x)
+        fake.wait_until(lambda: fake.settled() and (handle.done() or fake.host_waiters > 0))
+        fake.resume(fake.default_stream)
+        eng.release("x")
+        out = eng.fetch("x")
+        fake.synchronize(out.device)
+        assert torch.equal(out, torch.full((10_000,), 7.0)), "the write copied the bytes before the producer"
+
+
+def staging_reuse(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(2) A buffer reused while a transfer still reads it: one I/O thread reads four chunks through
+    its two pinned staging slots while its stream's host-to-device copies are held back."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = torch.arange(4 * (64 << 10) // 4, dtype=torch.int32)  # four chunks, all different
+        eng.offload("x", fake.adopt(expected.clone())).wait()
+        eng.release("x")
+        for stream in _io_streams(fake):
+            fake.pause(stream)
+        handle = eng.prefetch("x")
+        fake.wait_until(lambda: fake.settled() and (handle.done() or fake.host_waiters > 0))
+        fake.resume()
+        out = eng.fetch("x")
+        fake.synchronize(out.device)
+        assert torch.equal(out, expected), "a staging slot was refilled before its copy ran"
+
+
+def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(3) A consumer that runs before its read completed: ``fetch`` returns while the read's copy is
+    still held back on the I/O stream, and the next kernel on the compute stream reads the tensor."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = torch.randn(10_000)
+        eng.offload("x", fake.adopt(expected.clone())).wait()
+        eng.release("x")
+        for stream in _io_streams(fake):
+            fake.pause(stream)
+        out = eng.fetch("x")  # returns without waiting for the copy: no host sync on the critical path
+        seen = torch.empty_like(expected)
+        fake.launch(lambda: seen.copy_(out))  # the consumer kernel
+        fake.wait_until(fake.settled)
+        fake.resume()
+        fake.synchronize(out.device)
+        assert torch.equal(seen, expected), "the consumer kernel read the tensor before the read landed"
+
+
+def _no_producer_wait(self, io, event) -> None:
+    return None
+
+
+def _no_reuse_wait(self, slot) -> None:
+    return None
+
+
+def _no_consumer_wait(self, device, events) -> None:
+    return None
+
+
+RACES = {
+    "write_after_producer": (write_after_producer, (Engine, "_order_after_producer", _no_producer_wait)),
+    "staging_reuse": (staging_reuse, (DeviceIO, "reuse_wait", _no_reuse_wait)),
+    "consumer_after_read": (consumer_after_read, (Engine, "_order_before_consumer", _no_consumer_wait)),
+}
+
+
+@pytest.mark.parametrize("tier", RACE_TIERS)
+@pytest.mark.parametrize("race", list(RACES))
+def test_race_is_ordered(fake, tier, race, tmp_path):
+    if race == "staging_reuse" and tier == "host":
+        pytest.skip("the host tier copies from its own pinned blocks: no staging")
+    scenario, _ = RACES[race]
+    scenario(fake, tier, tmp_path)
+
+
+@pytest.mark.parametrize("tier", RACE_TIERS)
+@pytest.mark.parametrize("race", list(RACES))
+def test_race_fails_without_its_wait(fake, tier, race, tmp_path, monkeypatch):
+    """The check of each scenario is real: with the one wait removed it sees wrong bytes."""
+    if race == "staging_reuse" and tier == "host":
+        pytest.skip("the host tier copies from its own pinned blocks: no staging")
+    scenario, (owner, name, stub) = RACES[race]
+    monkeypatch.setattr(owner, name, stub)
+    with pytest.raises(AssertionError, match="before"):
+        scenario(fake, tier, tmp_path)
