@@ -23,8 +23,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-# The checksum of device bytes runs in blocks so its int64 temporaries stay small (8x the block).
-CHECKSUM_BLOCK_NBYTES = 256 << 10
+# The checksum of device bytes views them as rows of this many bytes (see byte_checksum).
+CHECKSUM_ROW_NBYTES = 4096
 
 
 @runtime_checkable
@@ -139,17 +139,32 @@ class Device(Protocol):
 def byte_checksum(t: torch.Tensor) -> torch.Tensor:
     """A position-weighted sum of the bytes of the 1-D uint8 tensor ``t``, computed where ``t`` lives.
 
-    Returns a 2-element int64 tensor (sum of bytes, sum of byte x position) with int64 wrap-around: any
-    single changed byte changes the first, moved bytes change the second. Device-side on purpose: on the
-    GDS path the bytes never pass through host memory, and a host checksum would need a full copy.
+    Returns a 2-element int64 tensor: (sum of bytes, sum of byte x (position + 1)), modulo 2**64 (int64
+    wrap-around, which makes the result independent of reduction order). Any single changed byte changes
+    the first, moved bytes change the second. Device-side on purpose: on the GDS path the bytes never
+    pass through host memory, and a host checksum would need a full copy.
+
+    A handful of kernels per call and no temporary larger than the tensor's row or column sums: the bytes
+    are viewed as rows of ``CHECKSUM_ROW_NBYTES``; with row sums r_k and column sums c_j, the weighted sum
+    is ``W * sum_k k r_k + sum_j (j + 1) c_j``.
     """
+    width = CHECKSUM_ROW_NBYTES
     n = t.numel()
+    main = n - n % width
     acc = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for off in range(0, n, CHECKSUM_BLOCK_NBYTES):
-        block = t[off : off + CHECKSUM_BLOCK_NBYTES].to(torch.int64)
-        pos = torch.arange(off + 1, off + 1 + block.numel(), dtype=torch.int64, device=t.device)
-        acc[0] += block.sum()
-        acc[1] += (block * pos).sum()
+    if main:
+        grid = t[:main].view(-1, width)
+        rows = grid.sum(1, dtype=torch.int64)
+        cols = grid.sum(0, dtype=torch.int64)
+        k = torch.arange(rows.numel(), dtype=torch.int64, device=t.device)
+        j1 = torch.arange(1, width + 1, dtype=torch.int64, device=t.device)
+        acc[0] += rows.sum()
+        acc[1] += (k * rows).sum() * width + (j1 * cols).sum()
+    if main < n:
+        tail = t[main:].to(torch.int64)
+        pos = torch.arange(main + 1, n + 1, dtype=torch.int64, device=t.device)
+        acc[0] += tail.sum()
+        acc[1] += (tail * pos).sum()
     return acc
 
 

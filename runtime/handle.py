@@ -52,6 +52,10 @@ class Handle(concurrent.futures.Future):
             if self._on_stall is not None:
                 self._on_stall(time.perf_counter() - t0)
 
+    def cancel(self) -> bool:
+        """Requests cannot be cancelled once submitted (their chunks are queued on I/O threads): False."""
+        return False
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until the request finishes; re-raise its typed error (see :meth:`result`)."""
         self.result(timeout)

@@ -106,3 +106,12 @@ def test_device_checksum_sees_every_byte_and_position():
     assert fold_checksum(byte_checksum(flipped)) != ref
     assert fold_checksum(byte_checksum(swapped)) != ref
     assert fold_checksum(byte_checksum(t.clone())) == ref
+
+
+def test_device_checksum_equals_the_plain_definition():
+    """The row/column decomposition computes exactly sum(b) and sum(b * (i + 1)) (mod 2**64)."""
+    for n in [1, 4095, 4096, 4097, 3 * 4096 + 5, 100_000]:
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        wide = t.to(torch.int64)
+        plain = torch.stack([wide.sum(), (wide * torch.arange(1, n + 1)).sum()])
+        assert torch.equal(byte_checksum(t), plain), n
