@@ -206,7 +206,9 @@ class _Request:
 class Engine:
     """Offload, prefetch and fetch tensors by key. See the module docstring and ``RuntimeConfig``.
 
-    Usable as a context manager; ``close()`` waits for in-flight I/O and removes every file.
+    ``device`` is the :class:`teraio.runtime.device.Device` all stream, event and copy calls go through
+    (default: ``runtime.device.current()``, i.e. CUDA; tests pass a ``FakeDevice``). Usable as a context
+    manager; ``close()`` waits for in-flight I/O and removes every file.
     """
 
     def __init__(

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from teraio.runtime import Engine
-from teraio.runtime.fake_device import FakeDevice
+from teraio.runtime.fake_device import POISON_BYTE, FakeDevice
 from teraio.runtime.staging import DeviceIO
 
 from .conftest import make_config
@@ -56,7 +56,9 @@ def write_after_producer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         eng.release("x")
         out = eng.fetch("x")
         fake.synchronize(out.device)
-        assert torch.equal(out, torch.full((10_000,), 7.0)), "the write copied the bytes before the producer"
+        assert torch.equal(out, torch.full((10_000,), 7.0)), (
+            f"the write copied the bytes before the producer (read back {out.unique().tolist()[:3]}, not [7.0])"
+        )
 
 
 def staging_reuse(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
@@ -73,7 +75,10 @@ def staging_reuse(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         fake.resume()
         out = eng.fetch("x")
         fake.synchronize(out.device)
-        assert torch.equal(out, expected), "a staging slot was refilled before its copy ran"
+        bad = sorted({int(i) // (16 << 10) for i in (out != expected).nonzero().flatten()})
+        assert torch.equal(out, expected), (
+            f"a staging slot was refilled before its copy ran (wrong chunks {bad})"
+        )
 
 
 def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
@@ -91,7 +96,10 @@ def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         fake.wait_until(fake.settled)
         fake.resume()
         fake.synchronize(out.device)
-        assert torch.equal(seen, expected), "the consumer kernel read the tensor before the read landed"
+        assert torch.equal(seen, expected), (
+            "the consumer kernel read the tensor before the read landed "
+            f"(it saw bytes {seen.view(torch.uint8)[:4].tolist()}, poison is {POISON_BYTE})"
+        )
 
 
 def _no_producer_wait(self, io, event) -> None:

@@ -115,3 +115,20 @@ def test_device_checksum_equals_the_plain_definition():
         wide = t.to(torch.int64)
         plain = torch.stack([wide.sum(), (wide * torch.arange(1, n + 1)).sum()])
         assert torch.equal(byte_checksum(t), plain), n
+
+
+def test_timing_events_measure_the_stream_not_the_launch(fake):
+    """What teraio's profiler needs on CUDA: events bracket the kernels' execution, while the host
+    returns from the launch at once (a host clock around the launch would measure nothing)."""
+    import time
+
+    start, end = fake.new_event(timing=True), fake.new_event(timing=True)
+    stream = fake.default_stream
+    fake.pause(stream)
+    fake.record(start, stream)
+    fake.launch(lambda: time.sleep(0.05))
+    fake.record(end, stream)
+    assert not fake.event_done(end)  # the launch returned; the kernel has not run
+    fake.resume(stream)
+    fake.synchronize_event(end)
+    assert fake.elapsed_ms(start, end) >= 50.0
