@@ -128,9 +128,12 @@ class KvikioTier(PosixTier):
                 try:
                     with kvikio.defaults.set("compat_mode", kvikio.CompatMode.OFF):
                         return kvikio.CuFile(path, "r+"), "kvikio-gds"
-                except RuntimeError as exc:
+                except Exception as exc:  # noqa: BLE001 - any cuFile/open failure: fall back, say why
                     log.warning(
-                        "kvikio: cuFile cannot register %s (%s); this file uses compat mode", path, exc
+                        "kvikio: cuFile cannot register %s (%s: %s); this file falls back to compat mode",
+                        path,
+                        type(exc).__name__,
+                        exc,
                     )
             with kvikio.defaults.set("compat_mode", kvikio.CompatMode.ON):
                 return kvikio.CuFile(path, "r+"), "kvikio-compat"

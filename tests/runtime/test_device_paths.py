@@ -186,3 +186,24 @@ def test_kvikio_tier_reports_its_path_and_sizes_kvikio_threads(fake, tmp_path, c
         assert eng.stats().io_path == "kvikio-compat"
     (message,) = [r.getMessage() for r in caplog.records if "kvikio tier:" in r.getMessage()]
     assert "is_gds_available=" in message and "kvikio-compat" in message and str(tmp_path / "ssd0") in message
+
+
+@pytest.mark.skipif(not HAS_KVIKIO, reason="kvikio not installed")
+def test_kvikio_falls_back_per_file_with_its_reason_when_gds_is_wanted(tmp_path, caplog, monkeypatch):
+    """Where GDS is wanted, files are opened with compat mode OFF so cuFile's refusal raises instead of
+    falling back silently; here (no NVFS driver) each file falls back, and the log says why."""
+    import teraio.runtime.tiers.gds as gds
+    from teraio.runtime.testing import load_cuda_driver_standin
+
+    load_cuda_driver_standin()
+    monkeypatch.setattr(gds, "kvikio_io_path", lambda: ("kvikio-gds", "test: GDS wanted"))
+    caplog.set_level(logging.WARNING, logger="teraio.runtime.tiers.gds")
+    with Engine(make_config("kvikio", tmp_path)) as eng:
+        st = eng.stats()
+        t = torch.randn(100_000)
+        eng.offload("t", t)
+        eng.release("t")
+        assert torch.equal(eng.fetch("t"), t)
+    assert st.io_path == "kvikio-compat" and [d.io_path for d in st.dirs] == ["kvikio-compat"] * 2
+    fallbacks = [r.getMessage() for r in caplog.records if "falls back to compat mode" in r.getMessage()]
+    assert len(fallbacks) == 2 and all("cuFile cannot register" in m for m in fallbacks)
