@@ -30,6 +30,7 @@ and device-memory paths are tested on CPU with the stand-in driver of ``runtime.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 
@@ -65,6 +66,27 @@ def gds_available() -> tuple[bool | None, str]:
         return bool(kvikio.cufile_driver.get("is_gds_available")), "cuFile driver property is_gds_available"
     except Exception as exc:  # noqa: BLE001 - no libcufile / no driver: reported, not fatal
         return None, f"cuFile driver not queryable ({type(exc).__name__}: {exc})"
+
+
+def cufile_stream_api_status() -> tuple[bool, str]:
+    """Whether cuFile's stream-ordered API can serve kvikio's raw async calls, as kvikio 26.10 decides
+    it: the library exports ``cuFileReadAsync`` and a cuFile config file exists (``CUFILE_ENV_PATH_JSON``
+    or /etc/cufile.json). Asked after a file was registered, so libcufile is already loaded."""
+    env = os.environ.get("CUFILE_ENV_PATH_JSON")
+    config = (
+        env
+        if env and os.path.exists(env)
+        else ("/etc/cufile.json" if os.path.exists("/etc/cufile.json") else "")
+    )
+    if not config:
+        return False, "no cuFile config file (CUFILE_ENV_PATH_JSON or /etc/cufile.json)"
+    try:
+        lib = ctypes.CDLL("libcufile.so.0")
+    except OSError as exc:
+        return False, f"libcufile.so.0 not loadable ({exc})"
+    if not hasattr(lib, "cuFileReadAsync"):
+        return False, "libcufile has no stream API (cuFileReadAsync)"
+    return True, f"cuFile stream API present, config {config}"
 
 
 def kvikio_io_path() -> tuple[str, str]:
@@ -121,13 +143,19 @@ class KvikioTier(PosixTier):
 
     @staticmethod
     def _open(kvikio, odir: OffloadDir, *, want_gds: bool):
-        """Open ``odir``'s file; where GDS is wanted, with compat mode OFF so a cuFile failure raises."""
+        """Open ``odir``'s file; where GDS is wanted, with compat mode OFF so a cuFile failure raises.
+
+        kvikio 26.10 refuses stream-ordered calls on a file opened with compat mode OFF when cuFile's
+        stream API or its config file is missing (``validate_compat_mode_for_async``); such a file is
+        reopened in AUTO mode (registration already succeeded, so it stays on GDS) and its device
+        transfers then synchronise the default CUDA stream first, which is logged.
+        """
         path = str(odir.data_path)
         try:
             if want_gds:
                 try:
                     with kvikio.defaults.set("compat_mode", kvikio.CompatMode.OFF):
-                        return kvikio.CuFile(path, "r+"), "kvikio-gds"
+                        f = kvikio.CuFile(path, "r+")
                 except Exception as exc:  # noqa: BLE001 - any cuFile/open failure: fall back, say why
                     log.warning(
                         "kvikio: cuFile cannot register %s (%s: %s); this file falls back to compat mode",
@@ -135,6 +163,19 @@ class KvikioTier(PosixTier):
                         type(exc).__name__,
                         exc,
                     )
+                else:
+                    usable, why = cufile_stream_api_status()
+                    if usable:
+                        return f, "kvikio-gds"
+                    f.close()
+                    log.warning(
+                        "kvikio: %s is on GDS but %s: its device transfers synchronise the default CUDA "
+                        "stream (the compute stream) before each call",
+                        path,
+                        why,
+                    )
+                    with kvikio.defaults.set("compat_mode", kvikio.CompatMode.AUTO):
+                        return kvikio.CuFile(path, "r+"), "kvikio-gds"
             with kvikio.defaults.set("compat_mode", kvikio.CompatMode.ON):
                 return kvikio.CuFile(path, "r+"), "kvikio-compat"
         except Exception as exc:

@@ -207,3 +207,36 @@ def test_kvikio_falls_back_per_file_with_its_reason_when_gds_is_wanted(tmp_path,
     assert st.io_path == "kvikio-compat" and [d.io_path for d in st.dirs] == ["kvikio-compat"] * 2
     fallbacks = [r.getMessage() for r in caplog.records if "falls back to compat mode" in r.getMessage()]
     assert len(fallbacks) == 2 and all("cuFile cannot register" in m for m in fallbacks)
+
+
+@pytest.mark.skipif(not HAS_KVIKIO, reason="kvikio not installed")
+def test_kvikio_gds_file_without_stream_api_is_reopened_in_auto_mode(tmp_path, caplog, monkeypatch):
+    """A file cuFile registers (compat OFF succeeds) but whose stream API kvikio would refuse is reopened
+    in AUTO mode, stays on GDS, and the log says its transfers sync the default stream. kvikio.CuFile is
+    replaced by a recorder here (no cuFile on this machine); the decision logic is what is tested."""
+    import kvikio
+    import kvikio.defaults
+
+    import teraio.runtime.tiers.gds as gds
+    from teraio.runtime.testing import load_cuda_driver_standin
+
+    load_cuda_driver_standin()
+    opened: list[tuple[str, int]] = []
+
+    class RecordingCuFile:
+        def __init__(self, path, flags):
+            opened.append((path, int(kvikio.defaults.get("compat_mode"))))
+
+        def close(self):
+            return None
+
+    monkeypatch.setattr(kvikio, "CuFile", RecordingCuFile)
+    monkeypatch.setattr(gds, "kvikio_io_path", lambda: ("kvikio-gds", "test: GDS wanted"))
+    monkeypatch.setattr(gds, "cufile_stream_api_status", lambda: (False, "test: no stream API"))
+    caplog.set_level(logging.WARNING, logger="teraio.runtime.tiers.gds")
+    with Engine(make_config("kvikio", tmp_path)) as eng:
+        st = eng.stats()
+    assert st.io_path == "kvikio-gds" and [d.io_path for d in st.dirs] == ["kvikio-gds"] * 2
+    off, auto = int(kvikio.CompatMode.OFF), int(kvikio.CompatMode.AUTO)
+    assert [mode for _, mode in opened] == [off, auto, off, auto]
+    assert sum("synchronise the default CUDA stream" in r.getMessage() for r in caplog.records) == 2
