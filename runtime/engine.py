@@ -47,7 +47,7 @@ Note: [Buffers die on the caller's thread]
 Note: [CUDA ordering]
     Every stream, event and copy goes through ``self._dev`` (``runtime.device``; a fake in tests). Each
     I/O thread owns one stream per device (``runtime.staging``), so transfers never queue behind, or
-    hold up, the training kernels on the compute stream. Three waits order them, and the fake-device
+    hold up, the training kernels on the compute stream. Four waits order them, and the fake-device
     tests in tests/runtime/test_device_races.py fail when any one is removed:
     (1) producer -> write: a device tensor's producing kernels may still be queued when ``offload``
         returns; an event recorded then on the caller's current stream is made a dependency of the
@@ -57,11 +57,12 @@ Note: [CUDA ordering]
         I/O thread records an event behind its copies and ``fetch`` makes the caller's current stream
         wait for all of them (``_order_before_consumer``) instead of copying synchronously on the
         critical path. Kernels the caller enqueues after ``fetch`` see the bytes.
-    A read buffer is allocated in the caller's thread on its current stream (so the caching allocator
-    ties it to the compute stream) and an event recorded right after the allocation orders the I/O
-    stream's copies after the earlier kernels that may still use the recycled block
-    (``_order_after_allocation``). Space is given back (``drop``, ``close``) only after a host wait for
-    those events, so no copy still reads a freed host block.
+    (4) allocation -> read: a read buffer is allocated in the caller's thread on its current stream, so
+        the caching allocator may hand it a block that kernels queued earlier on that stream still
+        write; an event recorded right after the allocation orders the I/O stream's copies after them
+        (``_order_after_allocation``).
+    Space is given back (``drop``, ``close``) only after a host wait for the read's events, so no copy
+    still reads a freed host block.
 """
 
 from __future__ import annotations

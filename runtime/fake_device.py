@@ -11,8 +11,9 @@ unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` 
   deterministically;
 - events that complete only when their stream reaches them; ``wait`` enqueues a wait on the stream,
   ``synchronize_event`` blocks the host;
-- "device memory": ordinary CPU tensors registered with the fake (``empty``, ``adopt``), freshly
-  allocated ones filled with a poison byte like uninitialised GPU memory; ``memory_allocated`` and
+- "device memory": CPU memory registered with the fake: ``adopt`` declares a tensor device memory;
+  ``empty`` hands out blocks from a pool that reuses a freed block at once, like CUDA's caching
+  allocator (new blocks hold a poison byte, like uninitialised GPU memory); ``memory_allocated`` and
   ``max_memory_allocated`` account them until their storage dies;
 - pinned memory (page-aligned, accounted with the power-of-two rounding of torch's caching host
   allocator); ``copy_async`` refuses pageable host memory (on CUDA such a copy is not asynchronous);
@@ -143,6 +144,8 @@ class FakeDevice:
         self._local = threading.local()
         self.default_stream = self._make_stream("default", paused=False)
         self._device_storages: dict[int, weakref.ref] = {}
+        self._blocks: list[torch.Tensor] = []  # every pooled device block ever made (kept for the fake's life)
+        self._free_blocks: dict[int, list[torch.Tensor]] = {}
         self._pinned_storages: dict[int, weakref.ref] = {}
         self.allocated_nbytes = 0
         self.peak_allocated_nbytes = 0
@@ -206,6 +209,13 @@ class FakeDevice:
         """Stop every stream thread (pending work still runs first)."""
         for s in self.streams:
             s.close()
+        for s in self.streams:
+            s._thread.join(timeout=60)
+        if self.on_free is not None:
+            with self._lock:
+                blocks, self._blocks = self._blocks, []
+            for block in blocks:
+                self.on_free(block.data_ptr())
 
     # -- Device: streams and events ------------------------------------------------------------------
     def available(self) -> bool:
@@ -295,27 +305,48 @@ class FakeDevice:
         return 0  # the stand-in driver's streams are synchronous; ordering is done before the call
 
     # -- Device: memory ---------------------------------------------------------------------------
-    def _register_device(self, storage: torch.UntypedStorage) -> None:
+    def _register_device(self, storage: torch.UntypedStorage, block: torch.Tensor | None = None) -> None:
+        """Account ``storage`` as device memory until it dies; a pooled ``block`` then returns to the pool."""
         nbytes = storage.nbytes()
         addr = storage.data_ptr()
         with self._lock:
             self._device_storages[storage._cdata] = weakref.ref(storage)
             self.allocated_nbytes += nbytes
             self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
-        if self.on_alloc is not None:
+        if block is None and self.on_alloc is not None:
             self.on_alloc(addr, nbytes)
-        weakref.finalize(storage, self._device_freed, storage._cdata, addr, nbytes)
+        weakref.finalize(storage, self._device_freed, storage._cdata, addr, nbytes, block)
 
-    def _device_freed(self, cdata: int, addr: int, nbytes: int) -> None:
+    def _device_freed(self, cdata: int, addr: int, nbytes: int, block: torch.Tensor | None) -> None:
         with self._lock:
             self._device_storages.pop(cdata, None)
             self.allocated_nbytes -= nbytes
-        if self.on_free is not None:
+            if block is not None:
+                self._free_blocks.setdefault(nbytes, []).append(block)
+        if block is None and self.on_free is not None:
             self.on_free(addr)
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        t = torch.full((nbytes,), POISON_BYTE, dtype=torch.uint8)
-        self._register_device(t.untyped_storage())
+        """Device memory from a pool that behaves like CUDA's caching allocator: a block freed by the host
+        is handed out again at once (same size, last freed first) with its old bytes, even while kernels
+        queued earlier still use it; only a new block holds ``POISON_BYTE``."""
+        if nbytes == 0:
+            t = torch.empty(0, dtype=torch.uint8)
+            self._register_device(t.untyped_storage())
+            return t
+        with self._lock:
+            free = self._free_blocks.get(nbytes)
+            block = free.pop() if free else None
+        if block is None:
+            block = aligned_buffer(nbytes)  # owned by the fake for its lifetime, like a cached segment
+            ctypes.memset(block.data_ptr(), POISON_BYTE, nbytes)
+            with self._lock:
+                self._blocks.append(block)
+            if self.on_alloc is not None:
+                self.on_alloc(block.data_ptr(), nbytes)
+        # A new storage object over the block: identity (and ``owns``) per allocation, memory reused.
+        t = torch.frombuffer((ctypes.c_char * nbytes).from_address(block.data_ptr()), dtype=torch.uint8)
+        self._register_device(t.untyped_storage(), block)
         return t
 
     def empty_pinned(self, nbytes: int) -> torch.Tensor:

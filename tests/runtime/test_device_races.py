@@ -1,6 +1,6 @@
 """The races a real GPU would provoke, provoked on CPU with the fake asynchronous device.
 
-Note: [CUDA ordering] (runtime/engine.py) names three waits. Each scenario below holds one stream back
+Note: [CUDA ordering] (runtime/engine.py) names the waits (three, plus the read buffer's allocation). Each scenario below holds one stream back
 (``pause``) so that the wait is the only thing standing between the runtime and wrong bytes, and checks
 the bytes a user would see. Each is run twice: as is (it must pass) and with its wait removed by a
 monkeypatch (it must then fail: the check detects the race). Nothing depends on timing: a scenario
@@ -10,6 +10,7 @@ Checksums are off here so that the bytes are the only witness (device checksums:
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +103,32 @@ def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         )
 
 
+def read_into_recycled_block(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(4) A read buffer that the caching allocator recycled while a kernel queued earlier still writes
+    into the block: the read's copies must land after that kernel (the allocation event)."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = torch.randn(10_000)
+        eng.offload("x", fake.adopt(expected.clone())).wait()
+        eng.release("x")
+        fake.pause(fake.default_stream)
+        scratch = fake.empty(expected.nbytes, None)
+        addr = scratch.data_ptr()
+        # A queued kernel writing the scratch block; like a CUDA kernel it holds a raw pointer only.
+        fake.launch(lambda: ctypes.memset(addr, 0x5A, expected.nbytes))
+        del scratch  # the host frees it: the allocator hands the block to the next allocation
+        out = eng.fetch("x")
+        assert out.data_ptr() == addr, "precondition: the read buffer reuses the freed block"
+        seen = torch.empty_like(expected)
+        fake.launch(lambda: seen.copy_(out))
+        fake.wait_until(fake.settled)
+        fake.resume()
+        fake.synchronize(out.device)
+        assert torch.equal(seen, expected), (
+            "the read's copy landed before the kernel queued on the recycled block "
+            f"(bytes {seen.view(torch.uint8)[:4].tolist()}, the kernel writes 90)"
+        )
+
+
 def _no_producer_wait(self, io, event) -> None:
     return None
 
@@ -114,10 +141,18 @@ def _no_consumer_wait(self, device, events) -> None:
     return None
 
 
+def _no_allocation_wait(self, io, event) -> None:
+    return None
+
+
 RACES = {
     "write_after_producer": (write_after_producer, (Engine, "_order_after_producer", _no_producer_wait)),
     "staging_reuse": (staging_reuse, (DeviceIO, "reuse_wait", _no_reuse_wait)),
     "consumer_after_read": (consumer_after_read, (Engine, "_order_before_consumer", _no_consumer_wait)),
+    "read_into_recycled_block": (
+        read_into_recycled_block,
+        (Engine, "_order_after_allocation", _no_allocation_wait),
+    ),
 }
 
 
