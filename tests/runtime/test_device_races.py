@@ -44,6 +44,17 @@ def _io_streams(fake: FakeDevice) -> list:
     return [s for s in fake.streams if s is not fake.default_stream]
 
 
+def _consume(fake: FakeDevice, out: torch.Tensor) -> torch.Tensor:
+    """Enqueue a consumer kernel copying ``out`` on the compute stream, let every held stream go once
+    nothing can run any more, and return what the consumer saw."""
+    seen = torch.empty_like(out)
+    fake.launch(lambda: seen.copy_(out))
+    fake.wait_until(fake.settled)
+    fake.resume()
+    fake.synchronize(out.device)
+    return seen
+
+
 def write_after_producer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
     """(1) A write that starts before the producer finished: the kernel filling ``x`` is still queued on
     the compute stream when ``offload`` returns."""
@@ -92,11 +103,7 @@ def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         for stream in _io_streams(fake):
             fake.pause(stream)
         out = eng.fetch("x")  # returns without waiting for the copy: no host sync on the critical path
-        seen = torch.empty_like(expected)
-        fake.launch(lambda: seen.copy_(out))  # the consumer kernel
-        fake.wait_until(fake.settled)
-        fake.resume()
-        fake.synchronize(out.device)
+        seen = _consume(fake, out)
         assert torch.equal(seen, expected), (
             "the consumer kernel read the tensor before the read landed "
             f"(it saw bytes {seen.view(torch.uint8)[:4].tolist()}, poison is {POISON_BYTE})"
@@ -118,11 +125,7 @@ def read_into_recycled_block(fake: FakeDevice, tier: str, tmp_path: Path) -> Non
         del scratch  # the host frees it: the allocator hands the block to the next allocation
         out = eng.fetch("x")
         assert out.data_ptr() == addr, "precondition: the read buffer reuses the freed block"
-        seen = torch.empty_like(expected)
-        fake.launch(lambda: seen.copy_(out))
-        fake.wait_until(fake.settled)
-        fake.resume()
-        fake.synchronize(out.device)
+        seen = _consume(fake, out)
         assert torch.equal(seen, expected), (
             "the read's copy landed before the kernel queued on the recycled block "
             f"(bytes {seen.view(torch.uint8)[:4].tolist()}, the kernel writes 90)"
