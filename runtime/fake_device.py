@@ -144,7 +144,9 @@ class FakeDevice:
         self._local = threading.local()
         self.default_stream = self._make_stream("default", paused=False)
         self._device_storages: dict[int, weakref.ref] = {}
-        self._blocks: list[torch.Tensor] = []  # every pooled device block ever made (kept for the fake's life)
+        self._blocks: list[
+            torch.Tensor
+        ] = []  # every pooled device block ever made (kept for the fake's life)
         self._free_blocks: dict[int, list[torch.Tensor]] = {}
         self._pinned_storages: dict[int, weakref.ref] = {}
         self.allocated_nbytes = 0
