@@ -196,7 +196,9 @@ def test_kvikio_falls_back_per_file_with_its_reason_when_gds_is_wanted(tmp_path,
     from teraio.runtime.testing import load_cuda_driver_standin
 
     load_cuda_driver_standin()
-    monkeypatch.setenv("CUFILE_LOGFILE_PATH", str(tmp_path / "cufile.log"))  # cuFile logs to the cwd otherwise
+    monkeypatch.setenv(
+        "CUFILE_LOGFILE_PATH", str(tmp_path / "cufile.log")
+    )  # cuFile logs to the cwd otherwise
     monkeypatch.setattr(gds, "kvikio_io_path", lambda: ("kvikio-gds", "test: GDS wanted"))
     caplog.set_level(logging.WARNING, logger="teraio.runtime.tiers.gds")
     with Engine(make_config("kvikio", tmp_path)) as eng:
