@@ -159,6 +159,7 @@ class _Entry:
     write_req: _Request | None = None  # owns the source region until release/drop
     read_req: _Request | None = None  # the read in flight or done, until a fetch takes its buffer
     loaded_ref: weakref.ref | None = None  # storage of the last fetched buffer, while users hold it
+    last_read: _Request | None = None  # the read that filled it: its device events order later users
 
 
 @dataclass(eq=False)
@@ -668,6 +669,10 @@ class Engine:
                 if copy is not None:
                     self._stats.count("forwarded_fetches")
                     self._stats.count("forwarded_nbytes", entry.nbytes)
+                    loaded = entry.loaded_ref() if entry.loaded_ref is not None else None
+                    if copy[0] is loaded and entry.last_read is not None and entry.last_read.device_events:
+                        # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3)).
+                        self._order_before_consumer(rec.device, entry.last_read.device_events)
                     return self._rebuild(rec, copy[0], copy[1])
                 req = entry.read_req
                 if req is None:
@@ -689,6 +694,7 @@ class Engine:
                     # The buffer now belongs to the returned tensors; remember it only weakly so sibling
                     # keys share it while someone holds it and the memory goes when they let go.
                     entry.loaded_ref = weakref.ref(buf.untyped_storage())
+                    entry.last_read = req
                     break
             # A concurrent fetch of a sibling key took the buffer: look again (memory, or a new read).
         if req.device_events:
@@ -730,8 +736,8 @@ class Engine:
                 siblings.remove(entry)
             if not siblings:
                 self._by_storage.pop(entry.storage_id, None)
-            pending = [r for r in (entry.write_req, entry.read_req) if r is not None]
-            entry.read_req = entry.write_req = None
+            pending = [r for r in (entry.write_req, entry.read_req, entry.last_read) if r is not None]
+            entry.read_req = entry.write_req = entry.last_read = None
         for req in pending:  # no chunk, and no copy on a device stream, may still touch the space
             wait_futures([req.handle])
             self._settle_device(req)
@@ -763,7 +769,7 @@ class Engine:
             self._by_storage.clear()
         self._pool.shutdown(wait=True)
         for entry in entries.values():  # Note: [Buffers die on the caller's thread]
-            for req in (entry.write_req, entry.read_req):
+            for req in (entry.write_req, entry.read_req, entry.last_read):
                 if req is not None:
                     self._settle_device(req)
                     req.buffer = None

@@ -45,7 +45,7 @@ def _io_streams(fake: FakeDevice) -> list:
 
 
 def _consume(fake: FakeDevice, out: torch.Tensor) -> torch.Tensor:
-    """Enqueue a consumer kernel copying ``out`` on the compute stream, let every held stream go once
+    """Enqueue a consumer kernel copying ``out`` on the current stream, let every held stream go once
     nothing can run any more, and return what the consumer saw."""
     seen = torch.empty_like(out)
     fake.launch(lambda: seen.copy_(out))
@@ -110,6 +110,27 @@ def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         )
 
 
+def consumer_on_another_stream(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(3') A second fetch of the same bytes from another stream, served from the buffer the first
+    fetch's read is still filling: that stream's consumer must wait for the read too."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = torch.randn(10_000)
+        eng.offload("x", fake.adopt(expected.clone())).wait()
+        eng.release("x")
+        for stream in _io_streams(fake):
+            fake.pause(stream)
+        first = eng.fetch("x")
+        other = fake.new_stream(first.device)
+        with fake.stream_context(other):
+            out = eng.fetch("x")  # forwarded from the live buffer: no new read
+            assert out.data_ptr() == first.data_ptr()
+            seen = _consume(fake, out)
+        assert torch.equal(seen, expected), (
+            "the consumer kernel read the tensor before the read landed "
+            f"(on a second stream it saw bytes {seen.view(torch.uint8)[:4].tolist()})"
+        )
+
+
 def read_into_recycled_block(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
     """(4) A read buffer that the caching allocator recycled while a kernel queued earlier still writes
     into the block: the read's copies must land after that kernel (the allocation event)."""
@@ -152,6 +173,10 @@ RACES = {
     "write_after_producer": (write_after_producer, (Engine, "_order_after_producer", _no_producer_wait)),
     "staging_reuse": (staging_reuse, (DeviceIO, "reuse_wait", _no_reuse_wait)),
     "consumer_after_read": (consumer_after_read, (Engine, "_order_before_consumer", _no_consumer_wait)),
+    "consumer_on_another_stream": (
+        consumer_on_another_stream,
+        (Engine, "_order_before_consumer", _no_consumer_wait),
+    ),
     "read_into_recycled_block": (
         read_into_recycled_block,
         (Engine, "_order_after_allocation", _no_allocation_wait),
