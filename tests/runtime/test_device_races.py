@@ -44,6 +44,16 @@ def _io_streams(fake: FakeDevice) -> list:
     return [s for s in fake.streams if s is not fake.default_stream]
 
 
+def _stored_with_io_held(fake: FakeDevice, eng: Engine, expected: torch.Tensor) -> torch.Tensor:
+    """Store a device copy of ``expected`` under "x" (written and released), then pause the I/O
+    streams so the next read's copies are held back; return ``expected``."""
+    eng.offload("x", fake.adopt(expected.clone())).wait()
+    eng.release("x")
+    for stream in _io_streams(fake):
+        fake.pause(stream)
+    return expected
+
+
 def _consume(fake: FakeDevice, out: torch.Tensor) -> torch.Tensor:
     """Enqueue a consumer kernel copying ``out`` on the current stream, let every held stream go once
     nothing can run any more, and return what the consumer saw."""
@@ -77,11 +87,8 @@ def staging_reuse(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
     """(2) A buffer reused while a transfer still reads it: one I/O thread reads four chunks through
     its two pinned staging slots while its stream's host-to-device copies are held back."""
     with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
-        expected = torch.arange(4 * (64 << 10) // 4, dtype=torch.int32)  # four chunks, all different
-        eng.offload("x", fake.adopt(expected.clone())).wait()
-        eng.release("x")
-        for stream in _io_streams(fake):
-            fake.pause(stream)
+        # Four chunks, all different.
+        expected = _stored_with_io_held(fake, eng, torch.arange(4 * (64 << 10) // 4, dtype=torch.int32))
         handle = eng.prefetch("x")
         fake.wait_until(lambda: fake.settled() and (handle.done() or fake.host_waiters > 0))
         fake.resume()
@@ -97,11 +104,7 @@ def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
     """(3) A consumer that runs before its read completed: ``fetch`` returns while the read's copy is
     still held back on the I/O stream, and the next kernel on the compute stream reads the tensor."""
     with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
-        expected = torch.randn(10_000)
-        eng.offload("x", fake.adopt(expected.clone())).wait()
-        eng.release("x")
-        for stream in _io_streams(fake):
-            fake.pause(stream)
+        expected = _stored_with_io_held(fake, eng, torch.randn(10_000))
         out = eng.fetch("x")  # returns without waiting for the copy: no host sync on the critical path
         seen = _consume(fake, out)
         assert torch.equal(seen, expected), (
@@ -114,11 +117,7 @@ def consumer_on_another_stream(fake: FakeDevice, tier: str, tmp_path: Path) -> N
     """(3') A second fetch of the same bytes from another stream, served from the buffer the first
     fetch's read is still filling: that stream's consumer must wait for the read too."""
     with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
-        expected = torch.randn(10_000)
-        eng.offload("x", fake.adopt(expected.clone())).wait()
-        eng.release("x")
-        for stream in _io_streams(fake):
-            fake.pause(stream)
+        expected = _stored_with_io_held(fake, eng, torch.randn(10_000))
         first = eng.fetch("x")
         other = fake.new_stream(first.device)
         with fake.stream_context(other):
