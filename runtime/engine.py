@@ -73,6 +73,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -209,12 +210,19 @@ class Engine:
     """Offload, prefetch and fetch tensors by key. See the module docstring and ``RuntimeConfig``.
 
     ``device`` is the :class:`teraio.runtime.device.Device` all stream, event and copy calls go through
-    (default: ``runtime.device.current()``, i.e. CUDA; tests pass a ``FakeDevice``). Usable as a context
-    manager; ``close()`` waits for in-flight I/O and removes every file.
+    (default: ``runtime.device.current()``, i.e. CUDA; tests pass a ``FakeDevice``). ``tiers`` plugs in
+    more tiers (or replaces one) by name: objects implementing :class:`teraio.runtime.tiers.base.Tier`,
+    owned (and closed) by the engine from then on; ``offload(..., tier=name)`` uses them. Usable as a
+    context manager; ``close()`` waits for in-flight I/O and removes every file.
     """
 
     def __init__(
-        self, config: RuntimeConfig | None = None, *, device: Device | None = None, **kwargs: Any
+        self,
+        config: RuntimeConfig | None = None,
+        *,
+        device: Device | None = None,
+        tiers: Mapping[str, Tier] | None = None,
+        **kwargs: Any,
     ) -> None:
         if config is None:
             config = RuntimeConfig(**kwargs)
@@ -240,6 +248,12 @@ class Engine:
             if self.backend != "host":
                 ssd = self._open_ssd_tier()
                 self._tiers[ssd.name] = ssd
+            for name, plugged in (tiers or {}).items():
+                if plugged.name != name:
+                    raise ConfigError(
+                        f"tiers={{{name!r}: ...}}: the tier's name is {plugged.name!r}; use the same"
+                    )
+                self._tiers[name] = plugged
         except BaseException:
             for odir in self._dirs:
                 odir.close()
@@ -317,12 +331,12 @@ class Engine:
             return found
         if name == "ssd":
             raise ConfigError("tier 'ssd' needs offload directories; this engine runs backend 'host'")
-        names = ", ".join(repr(n) for n in ("ssd", "host"))
+        names = ", ".join(repr(n) for n in sorted({"ssd", *self._tiers}))
         raise ConfigError(f"tier={tier!r} is not a tier: use {names} or None (the default tier)")
 
     @property
     def tiers(self) -> dict[str, Tier]:
-        """The engine's tiers by name ("host" always, "ssd" unless the backend is host)."""
+        """The engine's tiers by name ("host" always, "ssd" unless the backend is host, plus any plugged in)."""
         return dict(self._tiers)
 
     def _record(self, key: str) -> _Key:
