@@ -11,7 +11,20 @@ The real implementation, :class:`CudaDevice`, is a thin layer over ``torch.cuda`
 (``current()``); the runtime never imports teraio.
 
 Streams and events are opaque objects owned by the device that made them: pass them back to it, never
-call their methods directly (the fake's objects are not torch's).
+call their methods directly (the fake's objects are not torch's). Whether a tensor is device memory is
+``dev.owns(t)``, not ``t.is_cuda``: the fake's device memory is CPU memory it registered.
+
+For measurement (teraio's profiler and peak recorder), with ``dev = current()``:
+
+- time an op on the device, not its launch: ``start, end = dev.new_event(timing=True), ...``;
+  ``dev.record(start, dev.current_stream(d))``, run the op, ``dev.record(end, ...)``; after the step
+  ``dev.synchronize_event(end)`` and ``dev.elapsed_ms(start, end)``;
+- the peak of one step: ``dev.synchronize(d)``, ``base = dev.memory_allocated(d)``,
+  ``dev.reset_peak_memory_stats(d)``, run the step, ``dev.synchronize(d)``,
+  ``dev.max_memory_allocated(d) - base``.
+
+The fake makes both testable on CPU: ``fake.launch(fn)`` queues a "kernel" that runs late, its timing
+events bracket the kernel's execution, and ``fake.empty``/``fake.adopt`` memory is counted.
 """
 
 from __future__ import annotations
