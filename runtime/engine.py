@@ -45,13 +45,24 @@ Note: [Buffers die on the caller's thread]
     caching allocator would recycle the block from a thread with no stream context.
 
 Note: [CUDA ordering]
-    A CUDA tensor's producing kernels may still be queued when ``offload`` returns: an event recorded
-    on the caller's current stream is synchronised by the I/O thread before the first byte is read.
-    A read buffer is allocated in the caller's thread on its current stream (so the caching allocator
-    ties it to the compute stream) and an event recorded right after the allocation is synchronised
-    before the I/O thread writes into it, since the block may still be in use by earlier kernels of
-    that stream. The host waits for the read before ``fetch`` returns, so kernels enqueued after it see
-    the bytes.
+    Every stream, event and copy goes through ``self._dev`` (``runtime.device``; a fake in tests). Each
+    I/O thread owns one stream per device (``runtime.staging``), so transfers never queue behind, or
+    hold up, the training kernels on the compute stream. Four waits order them, and the fake-device
+    tests in tests/runtime/test_device_races.py fail when any one is removed:
+    (1) producer -> write: a device tensor's producing kernels may still be queued when ``offload``
+        returns; an event recorded then on the caller's current stream is made a dependency of the
+        I/O thread's stream before its first copy (``_order_after_producer``), without blocking the host.
+    (2) staging reuse: Note: [Staging reuse waits for its last copy] (runtime/staging.py).
+    (3) read -> consumer: a read's last copies may still be in flight when its handle completes; each
+        I/O thread records an event behind its copies and ``fetch`` makes the caller's current stream
+        wait for all of them (``_order_before_consumer``) instead of copying synchronously on the
+        critical path. Kernels the caller enqueues after ``fetch`` see the bytes.
+    (4) allocation -> read: a read buffer is allocated in the caller's thread on its current stream, so
+        the caching allocator may hand it a block that kernels queued earlier on that stream still
+        write; an event recorded right after the allocation orders the I/O stream's copies after them
+        (``_order_after_allocation``).
+    Space is given back (``drop``, ``close``) only after a host wait for the read's events, so no copy
+    still reads a freed host block.
 """
 
 from __future__ import annotations
@@ -62,13 +73,18 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from teraio.runtime import device as device_module
+from teraio.runtime.buffers import fetch_buffer
 from teraio.runtime.config import ResolvedConfig, RuntimeConfig
+from teraio.runtime.device import Device
 from teraio.runtime.errors import (
     ChecksumError,
     ConfigError,
@@ -80,8 +96,17 @@ from teraio.runtime.errors import (
 from teraio.runtime.handle import Handle
 from teraio.runtime.integrity import make_checksum
 from teraio.runtime.space import OffloadDir
+from teraio.runtime.staging import DeviceIO, ThreadStreams
 from teraio.runtime.stats import DirStats, RuntimeStats, StatsCollector, tb_per_day
-from teraio.runtime.tiers.base import Chunk, Placement, Tier
+from teraio.runtime.tiers.base import (
+    Ability,
+    Chunk,
+    FileBacked,
+    GroupedReads,
+    Placement,
+    ReadPathCounts,
+    Tier,
+)
 from teraio.runtime.tiers.host import HostTier
 
 log = logging.getLogger(__name__)
@@ -122,6 +147,7 @@ class _Entry:
 
     tier: Tier
     device: torch.device
+    on_device: bool  # accelerator memory: moved on I/O streams (Note: [CUDA ordering])
     storage_ref: weakref.ref
     storage_id: int
     version: int | None
@@ -134,6 +160,7 @@ class _Entry:
     write_req: _Request | None = None  # owns the source region until release/drop
     read_req: _Request | None = None  # the read in flight or done, until a fetch takes its buffer
     loaded_ref: weakref.ref | None = None  # storage of the last fetched buffer, while users hold it
+    last_read: _Request | None = None  # the read that filled it: its device events order later users
 
 
 @dataclass(eq=False)
@@ -163,6 +190,11 @@ class _Request:
         self.error: BaseException | None = None
         self.lock = threading.Lock()
         self.on_done = on_done
+        self.device_events: list[Any] = []  # one per chunk group of a device read, behind its copies
+
+    def add_device_event(self, event: Any) -> None:
+        with self.lock:
+            self.device_events.append(event)
 
     def chunk_finished(self, exc: BaseException | None) -> None:
         with self.lock:
@@ -177,10 +209,21 @@ class _Request:
 class Engine:
     """Offload, prefetch and fetch tensors by key. See the module docstring and ``RuntimeConfig``.
 
-    Usable as a context manager; ``close()`` waits for in-flight I/O and removes every file.
+    ``device`` is the :class:`teraio.runtime.device.Device` all stream, event and copy calls go through
+    (default: ``runtime.device.current()``, i.e. CUDA; tests pass a ``FakeDevice``). ``tiers`` plugs in
+    more tiers (or replaces one) by name: objects implementing :class:`teraio.runtime.tiers.base.Tier`,
+    owned (and closed) by the engine from then on; ``offload(..., tier=name)`` uses them. Usable as a
+    context manager; ``close()`` waits for in-flight I/O and removes every file.
     """
 
-    def __init__(self, config: RuntimeConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: RuntimeConfig | None = None,
+        *,
+        device: Device | None = None,
+        tiers: Mapping[str, Tier] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if config is None:
             config = RuntimeConfig(**kwargs)
         elif kwargs:
@@ -194,12 +237,23 @@ class Engine:
         self._stats = StatsCollector()
         self._checksum = make_checksum(cfg.checksum)
         self._dirs: list[OffloadDir] = []
-        self._ssd: Tier | None = None
+        self._dev: Device = device if device is not None else device_module.current()
+        self._streams = ThreadStreams(self._dev, cfg.chunk_nbytes)
         self.backend = self._choose_backend(cfg.backend)
-        self._host = HostTier(chunk_nbytes=cfg.chunk_nbytes, capacity_nbytes=cfg.host_capacity_nbytes)
+        host = HostTier(
+            chunk_nbytes=cfg.chunk_nbytes, capacity_nbytes=cfg.host_capacity_nbytes, device=self._dev
+        )
+        self._tiers: dict[str, Tier] = {host.name: host}
         try:
             if self.backend != "host":
-                self._open_ssd_tier()
+                ssd = self._open_ssd_tier()
+                self._tiers[ssd.name] = ssd
+            for name, plugged in (tiers or {}).items():
+                if plugged.name != name:
+                    raise ConfigError(
+                        f"tiers={{{name!r}: ...}}: the tier's name is {plugged.name!r}; use the same"
+                    )
+                self._tiers[name] = plugged
         except BaseException:
             for odir in self._dirs:
                 odir.close()
@@ -209,13 +263,12 @@ class Engine:
         _LIVE_ENGINES.add(self)
 
     # -- set-up ---------------------------------------------------------------------------------
-    @staticmethod
-    def _choose_backend(requested: str) -> str:
+    def _choose_backend(self, requested: str) -> str:
         if requested != "auto":
             return requested
         from teraio.runtime.tiers.gds import kvikio_status
 
-        if not torch.cuda.is_available():
+        if not (self._dev.available() and self._dev.supports_gds):
             log.info("TERAIO_IO_BACKEND=auto chose posix: no CUDA device")
             return "posix"
         ok, reason = kvikio_status()
@@ -225,7 +278,7 @@ class Engine:
         log.info("TERAIO_IO_BACKEND=auto chose kvikio: CUDA device and kvikio present")
         return "kvikio"
 
-    def _open_ssd_tier(self) -> None:
+    def _open_ssd_tier(self) -> Tier:
         cfg = self.config
         for base in cfg.dirs:
             self._dirs.append(
@@ -240,18 +293,20 @@ class Engine:
         if self.backend == "kvikio":
             from teraio.runtime.tiers.gds import KvikioTier
 
-            self._ssd = KvikioTier(
-                self._dirs, chunk_nbytes=cfg.chunk_nbytes, fault_injector=cfg.fault_injector
-            )
-        else:
-            from teraio.runtime.tiers.posix import PosixTier
-
-            self._ssd = PosixTier(
+            return KvikioTier(
                 self._dirs,
                 chunk_nbytes=cfg.chunk_nbytes,
+                io_threads=cfg.io_threads,
                 fault_injector=cfg.fault_injector,
-                bounce_reads=cfg.bounce_reads,
             )
+        from teraio.runtime.tiers.posix import PosixTier
+
+        return PosixTier(
+            self._dirs,
+            chunk_nbytes=cfg.chunk_nbytes,
+            fault_injector=cfg.fault_injector,
+            bounce_reads=cfg.bounce_reads,
+        )
 
     @property
     def offload_paths(self) -> list[str]:
@@ -271,13 +326,18 @@ class Engine:
 
     def _tier(self, tier: str | None) -> Tier:
         name = tier or self.default_tier
-        if name == "host":
-            return self._host
+        found = self._tiers.get(name)
+        if found is not None:
+            return found
         if name == "ssd":
-            if self._ssd is None:
-                raise ConfigError("tier 'ssd' needs offload directories; this engine runs backend 'host'")
-            return self._ssd
-        raise ConfigError(f"tier={tier!r} is not a tier: use 'ssd', 'host' or None (the default tier)")
+            raise ConfigError("tier 'ssd' needs offload directories; this engine runs backend 'host'")
+        names = ", ".join(repr(n) for n in sorted({"ssd", *self._tiers}))
+        raise ConfigError(f"tier={tier!r} is not a tier: use {names} or None (the default tier)")
+
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        """The engine's tiers by name ("host" always, "ssd" unless the backend is host, plus any plugged in)."""
+        return dict(self._tiers)
 
     def _record(self, key: str) -> _Key:
         rec = self._keys.get(key)
@@ -361,6 +421,7 @@ class Engine:
         entry = _Entry(
             tier=target,
             device=t.device,
+            on_device=self._dev.owns(t),
             storage_ref=weakref.ref(storage),
             storage_id=storage_id,
             version=version,
@@ -392,7 +453,7 @@ class Engine:
                 and e.region_lo <= lo
                 and hi <= e.region_lo + e.nbytes
                 and (lo - e.region_lo) % t.element_size() == 0
-                and not (e.write_handle.done() and e.write_handle._exc is not None)
+                and not e.write_handle.failed()
             ):
                 return e
         return None
@@ -401,10 +462,10 @@ class Engine:
         tier = entry.tier
         kind = f"{tier.name}.write"
         event = None
-        if region.device.type == "cuda":  # Note: [CUDA ordering]
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(region.device))
-        checksum = self._checksum if region.device.type == "cpu" else None
+        if entry.on_device:  # Note: [CUDA ordering] (1): the producer's kernels may still be queued
+            event = self._dev.new_event()
+            self._dev.record(event, self._dev.current_stream(entry.device))
+        checksum = self._checksum
 
         def on_done(req: _Request) -> None:
             error = req.error
@@ -415,9 +476,9 @@ class Engine:
                     error = exc
             self._stats.finish(kind, entry.nbytes if error is None else 0)
             if error is None:
-                req.handle._set_result(None)
+                req.handle.set_result(None)
             else:
-                req.handle._set_exception(_typed(error, f"offload of {sorted(entry.keys)}"))
+                req.handle.set_exception(_typed(error, f"offload of {sorted(entry.keys)}"))
 
         # Note: [Keepalive until the write completes]: the request owns the region until release/drop.
         req = entry.write_req = _Request(entry.write_handle, len(entry.placement.chunks), on_done, region)
@@ -431,15 +492,43 @@ class Engine:
         region = req.buffer  # borrowed: Note: [Buffers die on the caller's thread]
         try:
             if req.error is None:  # a failed request skips its remaining chunks
-                if event is not None:
-                    event.synchronize()
+                io = self._io(entry)
+                if io is not None:
+                    self._order_after_producer(io, event)
                 if checksum is not None:
-                    entry.checksums[idx] = checksum(region.data_ptr() + chunk.region_offset, chunk.nbytes)
-                entry.tier.write_chunk(entry.placement, chunk, region)
+                    entry.checksums[idx] = self._chunk_checksum(region, chunk, io, checksum)
+                entry.tier.write_chunk(entry.placement, chunk, region, io)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             exc = _without_locals(e)
         del region
         req.chunk_finished(exc)
+
+    # -- device ordering (Note: [CUDA ordering]); named so tests can show what removing each breaks --
+    def _io(self, entry: _Entry) -> DeviceIO | None:
+        """This I/O thread's stream and staging for the entry's device; None for host memory."""
+        return self._streams.get(entry.device) if entry.on_device else None
+
+    def _order_after_producer(self, io: DeviceIO, producer_event: Any) -> None:
+        """(1) The write's copies run after the kernels queued before ``offload`` returned."""
+        io.wait(producer_event)
+
+    def _order_after_allocation(self, io: DeviceIO, alloc_event: Any) -> None:
+        """The read's copies run after earlier kernels that used the read buffer's recycled block."""
+        io.wait(alloc_event)
+
+    def _order_before_consumer(self, device: torch.device, events: list[Any]) -> None:
+        """(3) Work the caller enqueues after ``fetch`` runs after the read's copies landed."""
+        stream = self._dev.current_stream(device)
+        for event in events:
+            self._dev.wait(stream, event)
+
+    @staticmethod
+    def _chunk_checksum(buf: torch.Tensor, chunk: Chunk, io: DeviceIO | None, checksum) -> int:
+        """Host bytes: ``checksum`` (crc32c/xxhash) on the I/O thread; device bytes: a reduction on the
+        device, ordered on the I/O stream (after the producer for writes, after the copies for reads)."""
+        if io is None:
+            return checksum(buf.data_ptr() + chunk.region_offset, chunk.nbytes)
+        return io.checksum(buf[chunk.region_offset : chunk.region_offset + chunk.nbytes])
 
     # -- release --------------------------------------------------------------------------------
     def release(self, key: str) -> None:
@@ -496,25 +585,26 @@ class Engine:
     def _submit_read(self, key: str, entry: _Entry) -> _Request:
         tier = entry.tier
         kind = f"{tier.name}.read"
-        buf = tier.new_buffer(entry.nbytes, entry.device)  # Note: [Fetched buffers are torch memory]
         event = None
-        if buf.device.type == "cuda":  # Note: [CUDA ordering]
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(buf.device))
+        if entry.on_device:  # Note: [CUDA ordering]: allocated for the caller's stream
+            buf = self._dev.empty(entry.nbytes, entry.device)
+            event = self._dev.new_event()
+            self._dev.record(event, self._dev.current_stream(entry.device))
+        else:
+            buf = fetch_buffer(entry.nbytes)  # Note: [Fetched buffers are torch memory]
         handle = Handle(key, "prefetch", self._stall)
         keys = sorted(entry.keys)
 
         def on_done(req: _Request) -> None:
             self._stats.finish(kind, entry.nbytes if req.error is None else 0)
             if req.error is None:
-                req.handle._set_result(None)  # the buffer stays with the request: fetch takes it
+                req.handle.set_result(None)  # the buffer stays with the request: fetch takes it
             else:
-                req.handle._set_exception(_typed(req.error, f"read of {keys}"))
+                req.handle.set_exception(_typed(req.error, f"read of {keys}"))
 
-        verify = self._checksum if buf.device.type == "cpu" else None
-        group_chunks = getattr(tier, "group_chunks", None)
-        if group_chunks is not None and buf.device.type == "cpu":
-            groups = group_chunks(entry.placement, self.config.io_threads)
+        verify = self._checksum
+        if Ability.GROUPED_READS in tier.abilities and not entry.on_device:
+            groups = cast(GroupedReads, tier).group_chunks(entry.placement, self.config.io_threads)
         else:
             groups = [[i] for i in range(len(entry.placement.chunks))]
         req = _Request(handle, len(groups), on_done, buf)
@@ -529,24 +619,29 @@ class Engine:
         buf = req.buffer  # borrowed: Note: [Buffers die on the caller's thread]
         try:
             if req.error is None:
-                if event is not None:
-                    event.synchronize()
+                io = self._io(entry)
+                if io is not None:
+                    self._order_after_allocation(io, event)
                 if len(idxs) == 1:
-                    entry.tier.read_chunk(entry.placement, entry.placement.chunks[idxs[0]], buf)
-                else:
-                    entry.tier.read_group(entry.placement, idxs, buf)
-                self._verify(entry, idxs, buf, verify, keys)
+                    entry.tier.read_chunk(entry.placement, entry.placement.chunks[idxs[0]], buf, io)
+                else:  # only host buffers are grouped
+                    cast(GroupedReads, entry.tier).read_group(entry.placement, idxs, buf)
+                self._verify(entry, idxs, buf, io, verify, keys)
+                if io is not None:  # Note: [CUDA ordering] (3): fetch orders the consumer after this
+                    done = self._dev.new_event()
+                    self._dev.record(done, io.stream)
+                    req.add_device_event(done)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             exc = _without_locals(e)
         del buf
         req.chunk_finished(exc)
 
-    def _verify(self, entry, idxs: list[int], buf, verify, keys) -> None:
+    def _verify(self, entry, idxs: list[int], buf, io: DeviceIO | None, verify, keys) -> None:
         for idx in idxs:
             chunk = entry.placement.chunks[idx]
             expected = entry.checksums[idx]
             if verify is not None and expected is not None:
-                got = verify(buf.data_ptr() + chunk.region_offset, chunk.nbytes)
+                got = self._chunk_checksum(buf, chunk, io, verify)
                 if got != expected:
                     self._stats.count("checksum_failures")
                     path = self._chunk_path(chunk)
@@ -588,6 +683,10 @@ class Engine:
                 if copy is not None:
                     self._stats.count("forwarded_fetches")
                     self._stats.count("forwarded_nbytes", entry.nbytes)
+                    loaded = entry.loaded_ref() if entry.loaded_ref is not None else None
+                    if copy[0] is loaded and entry.last_read is not None and entry.last_read.device_events:
+                        # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3)).
+                        self._order_before_consumer(rec.device, entry.last_read.device_events)
                     return self._rebuild(rec, copy[0], copy[1])
                 req = entry.read_req
                 if req is None:
@@ -595,6 +694,7 @@ class Engine:
             try:
                 req.handle.wait()
             except BaseException:
+                self._settle_device(req)  # failed chunks may have left copies into the buffer in flight
                 with self._lock:
                     if entry.read_req is req:
                         entry.read_req = None  # a later fetch retries the read
@@ -608,12 +708,11 @@ class Engine:
                     # The buffer now belongs to the returned tensors; remember it only weakly so sibling
                     # keys share it while someone holds it and the memory goes when they let go.
                     entry.loaded_ref = weakref.ref(buf.untyped_storage())
+                    entry.last_read = req
                     break
             # A concurrent fetch of a sibling key took the buffer: look again (memory, or a new read).
-        if buf.device != rec.device:  # posix tier with an accelerator tensor: move the whole region
-            buf = buf.to(rec.device)
-            with self._lock:
-                entry.loaded_ref = weakref.ref(buf.untyped_storage())
+        if req.device_events:
+            self._order_before_consumer(rec.device, req.device_events)
         return self._rebuild(rec, buf.untyped_storage(), entry.region_lo)
 
     @staticmethod
@@ -651,13 +750,21 @@ class Engine:
                 siblings.remove(entry)
             if not siblings:
                 self._by_storage.pop(entry.storage_id, None)
-            pending = [r for r in (entry.write_req, entry.read_req) if r is not None]
-            entry.read_req = entry.write_req = None
-        for req in pending:  # no chunk may still touch the space we hand back
-            req.handle._event.wait()
+            pending = [r for r in (entry.write_req, entry.read_req, entry.last_read) if r is not None]
+            entry.read_req = entry.write_req = entry.last_read = None
+        for req in pending:  # no chunk, and no copy on a device stream, may still touch the space
+            wait_futures([req.handle])
+            self._settle_device(req)
             req.buffer = None  # Note: [Buffers die on the caller's thread]
         entry.tier.free(entry.placement)
         self._stats.hold(entry.tier.name, -entry.nbytes)
+
+    def _settle_device(self, req: _Request) -> None:
+        """Host-wait for the device copies a finished request may have left in flight."""
+        with req.lock:
+            events = list(req.device_events)
+        for event in events:
+            self._dev.synchronize_event(event)
 
     def keys(self) -> list[str]:
         """The keys currently offloaded."""
@@ -676,13 +783,13 @@ class Engine:
             self._by_storage.clear()
         self._pool.shutdown(wait=True)
         for entry in entries.values():  # Note: [Buffers die on the caller's thread]
-            for req in (entry.write_req, entry.read_req):
+            for req in (entry.write_req, entry.read_req, entry.last_read):
                 if req is not None:
+                    self._settle_device(req)
                     req.buffer = None
         try:
-            if self._ssd is not None:
-                self._ssd.close()
-            self._host.close()
+            for tier in self._tiers.values():
+                tier.close()
         finally:
             for odir in self._dirs:
                 odir.close()
@@ -692,11 +799,13 @@ class Engine:
     def stats(self) -> RuntimeStats:
         """A snapshot of the counters (see :class:`runtime.stats.RuntimeStats`)."""
         elapsed = max(1e-9, time.perf_counter() - self._stats.started)
-        io_path = self._ssd.io_path if self._ssd is not None else self._host.io_path
+        default = self._tiers[self.default_tier]
+        files = [t for t in self._tiers.values() if Ability.FILES in t.abilities]
+        dir_io_path = cast(FileBacked, files[0]).dir_io_path if files else None
         dirs = tuple(
             DirStats(
                 path=str(d.base),
-                io_path="posix-odirect" if d.direct else "posix-buffered",
+                io_path=dir_io_path(i) if dir_io_path else "none",
                 bytes_written=d.usage.bytes_written,
                 bytes_read=d.usage.bytes_read,
                 file_capacity_nbytes=d.capacity_nbytes,
@@ -704,10 +813,16 @@ class Engine:
                 peak_used_nbytes=d.allocator.peak_used_nbytes,
                 tb_written_per_day=tb_per_day(d.usage.bytes_written, elapsed),
             )
-            for d in self._dirs
+            for i, d in enumerate(self._dirs)
         )
-        read_nbytes = dict(getattr(self._ssd, "read_nbytes", {}))
-        return self._stats.snapshot(backend=self.backend, io_path=io_path, dirs=dirs, read_nbytes=read_nbytes)
+        read_nbytes: dict[str, int] = {}
+        for tier in self._tiers.values():
+            if Ability.READ_PATH_COUNTS in tier.abilities:
+                for path, n in cast(ReadPathCounts, tier).read_nbytes.items():
+                    read_nbytes[path] = read_nbytes.get(path, 0) + n
+        return self._stats.snapshot(
+            backend=self.backend, io_path=default.io_path, dirs=dirs, read_nbytes=read_nbytes
+        )
 
 
 def _without_locals(exc: BaseException) -> BaseException:

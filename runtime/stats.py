@@ -53,7 +53,8 @@ class RuntimeStats:
         io_path: the path the SSD tier really takes (posix-odirect, posix-buffered, kvikio-gds,
             kvikio-compat) or host-pinned/host-pageable for the host backend.
         elapsed_s: seconds since the engine started.
-        transfers: keyed "ssd.write", "ssd.read", "host.write", "host.read".
+        transfers: keyed "ssd.write", "ssd.read", "host.write", "host.read" (and "<name>.write"/".read"
+            of a tier plugged in with ``Engine(tiers=...)`` once it moved something).
         stall_s: seconds callers spent blocked in wait/release/fetch.
         held_nbytes / peak_held_nbytes: bytes stored per tier ("ssd", "host") now and at the peak.
         dirs: per-directory bytes and the projected TB written per day at the current rate.
@@ -156,8 +157,8 @@ class StatsCollector:
     def hold(self, tier: str, nbytes: int) -> None:
         """``nbytes`` more (or fewer, if negative) are stored in ``tier``."""
         with self.lock:
-            self.held[tier] += nbytes
-            self.peak[tier] = max(self.peak[tier], self.held[tier])
+            self.held[tier] = self.held.get(tier, 0) + nbytes
+            self.peak[tier] = max(self.peak.get(tier, 0), self.held[tier])
 
     def count(self, name: str, amount: int = 1) -> None:
         with self.lock:
@@ -176,7 +177,8 @@ class StatsCollector:
         now = time.perf_counter()
         with self.lock:
             transfers = {}
-            for kind in ("ssd.write", "ssd.read", "host.write", "host.read"):
+            # The built-in tiers always appear; a plugged-in tier once it moved something.
+            for kind in ("ssd.write", "ssd.read", "host.write", "host.read", *sorted(self.busy)):
                 busy = self.busy.get(kind, _Busy())
                 busy_s = busy.busy_s + (now - busy.since if busy.inflight else 0.0)
                 transfers[kind] = TransferStats(busy.nbytes, busy.requests, busy_s)

@@ -5,7 +5,9 @@ Where a filesystem refuses O_DIRECT the tier writes buffered, then fdatasync + f
 the cache lets go (the fallback is logged once by :class:`runtime.space.OffloadDir`).
 
 Writes: source tensors are rarely 4096-aligned, so each chunk is staged into a per-thread aligned
-buffer with a GIL-free memmove.
+buffer with a GIL-free memmove. Device tensors are staged through the I/O thread's pinned slots
+(``runtime.staging``): device-to-host on the thread's own stream, then the same O_DIRECT write; reads
+land in a pinned slot and are copied to the device asynchronously.
 
 Reads land in an ordinary torch allocation (``runtime.buffers.fetch_buffer``), so the torch profiler
 and allocator see every fetched byte. Two paths, chosen per read by the destination's address and
@@ -26,14 +28,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import replace
 
 import torch
 
-from teraio.runtime.buffers import address_view, aligned_buffer, fetch_buffer, memmove, memset
+from teraio.runtime.buffers import address_view, aligned_buffer, memmove, memset
 from teraio.runtime.config import PAGE_NBYTES, FaultInjectorFn
 from teraio.runtime.errors import RuntimeIOError, map_os_error
 from teraio.runtime.space import OffloadDir, align_up
-from teraio.runtime.tiers.base import Chunk, Placement, split_chunks
+from teraio.runtime.staging import DeviceIO
+from teraio.runtime.tiers.base import Ability, Chunk, Placement, split_chunks
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +75,9 @@ class PosixTier:
     """Files in one or more offload directories, written with os.pwrite / read with os.preadv."""
 
     name = "ssd"
+    abilities: frozenset[Ability] = frozenset(
+        {Ability.GROUPED_READS, Ability.READ_PATH_COUNTS, Ability.FILES}
+    )
 
     def __init__(
         self,
@@ -124,10 +131,8 @@ class PosixTier:
         for d, base, total in placement.private:
             self.dirs[d].free(base, total)
 
-    def new_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        # Reads always land in host memory here; the engine moves them to an accelerator if needed.
-        # Called in the caller's thread: the profiler records allocations per thread.
-        return fetch_buffer(nbytes)
+    def dir_io_path(self, dir_idx: int) -> str:
+        return "posix-odirect" if self.dirs[dir_idx].direct else "posix-buffered"
 
     # -- I/O ------------------------------------------------------------------------------------
     def _staging(self) -> tuple[torch.Tensor, int]:
@@ -137,30 +142,32 @@ class PosixTier:
             self._local.staging = buf
         return buf, buf.data_ptr()
 
-    def write_chunk(self, placement: Placement, chunk: Chunk, src: torch.Tensor) -> None:
+    def write_chunk(self, placement: Placement, chunk: Chunk, src: torch.Tensor, io: DeviceIO | None) -> None:
         odir = self.dirs[chunk.dir_idx]
         n = chunk.nbytes
-        if odir.direct:
+        piece = src[chunk.region_offset : chunk.region_offset + n]
+        if io is not None:
+            # Device memory: copy the chunk into a pinned, page-aligned staging slot on the I/O thread's
+            # stream (ordered after the producer by the engine), wait for it, write from the slot.
+            slot = io.acquire()
+            io.download(slot.buffer[:n], piece)
+            src_addr = slot.buffer.data_ptr()
+            if odir.direct and n != align_up(n):
+                memset(src_addr + n, 0, align_up(n) - n)  # the slot is chunk-sized: pad in place
+            view = address_view(src_addr, align_up(n) if odir.direct else n)
+        elif not odir.direct:
+            view = address_view(piece.data_ptr(), n)
+        else:
             io_nbytes = align_up(n)
-            src_addr = src.data_ptr() + chunk.region_offset if src.device.type == "cpu" else -1
-            if src_addr >= 0 and src_addr % PAGE_NBYTES == 0 and n == io_nbytes:
+            src_addr = piece.data_ptr()
+            if src_addr % PAGE_NBYTES == 0 and n == io_nbytes:
                 view = address_view(src_addr, n)  # already aligned (e.g. a fetched tensor): no copy
             else:
                 staging, staging_addr = self._staging()
-                if src_addr >= 0:
-                    memmove(staging_addr, src_addr, n)
-                else:  # accelerator memory: a device-to-host copy, ordered by the engine's event
-                    staging[:n].copy_(src[chunk.region_offset : chunk.region_offset + n])
+                memmove(staging_addr, src_addr, n)
                 if io_nbytes != n:
                     memset(staging_addr + n, 0, io_nbytes - n)
                 view = address_view(staging_addr, io_nbytes)
-        else:
-            if src.device.type == "cpu":
-                view = address_view(src.data_ptr() + chunk.region_offset, n)
-            else:
-                staging, staging_addr = self._staging()
-                staging[:n].copy_(src[chunk.region_offset : chunk.region_offset + n])
-                view = address_view(staging_addr, n)
         self._pwrite_all(odir, view, chunk.file_offset, n)
         with self._usage_lock:
             odir.usage.bytes_written += n
@@ -185,8 +192,18 @@ class PosixTier:
                 file_offset=file_offset + done,
             ) from exc
 
-    def read_chunk(self, placement: Placement, chunk: Chunk, dst: torch.Tensor) -> None:
-        self._read_run(self.dirs[chunk.dir_idx], [chunk], dst)
+    def read_chunk(self, placement: Placement, chunk: Chunk, dst: torch.Tensor, io: DeviceIO | None) -> None:
+        odir = self.dirs[chunk.dir_idx]
+        if io is None:
+            self._read_run(odir, [chunk], dst)
+            return
+        # Device memory: read into a pinned staging slot (page-aligned, so O_DIRECT lands in it), then
+        # enqueue the host-to-device copy; the slot stays busy until that copy ran.
+        slot = io.acquire()
+        self._read_run(odir, [replace(chunk, region_offset=0)], slot.buffer)
+        io.upload(
+            dst[chunk.region_offset : chunk.region_offset + chunk.nbytes], slot.buffer[: chunk.nbytes], slot
+        )
 
     def group_chunks(self, placement: Placement, parts: int) -> list[list[int]]:
         """Indices of chunks to read together: per directory, runs contiguous in the file, cut into

@@ -280,3 +280,14 @@ def test_two_regions_of_one_storage_drop_independently(make_engine):
     assert eng.stats().dedup_hits == 0
     eng.drop("a")  # regression: entries were compared by value (tensor fields) here
     _same(eng.fetch("b"), b)
+
+
+def test_handle_is_a_future(make_engine):
+    from concurrent.futures import Future, wait
+
+    eng = make_engine()
+    h = eng.offload("t", torch.randn(100_000))
+    assert isinstance(h, Future)
+    assert not h.cancel()  # submitted I/O cannot be cancelled
+    done, _ = wait([h], timeout=60)
+    assert done == {h} and h.result() is None and h.exception() is None and not h.failed()

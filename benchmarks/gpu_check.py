@@ -1,0 +1,381 @@
+"""First-GPU-machine checks for teraio: one verdict line per check (see docs/gpu_checklist.md).
+
+Each check runs something a user runs and compares it with an independent measurement on the GPU:
+the runtime's round trips per tier, the stream ordering a fake device only simulates on CPU, I/O
+overlapping compute (CUDA-event timings), the host tier's accounting against torch's pinned allocator,
+``io_path`` against NVIDIA's ``gdscheck``, the profile's op durations against CUDA-event timings, and
+the backend's measured peak against ``max_memory_allocated``. Verdicts: PASS, FAIL (with the numbers),
+SKIP (with the reason: CUDA absent, no kvikio, no gdscheck) and MANUAL (a step for a person, e.g. reading
+an Nsight Systems trace). Without CUDA every check says SKIP and the exit status is 0; with CUDA the exit
+status is 1 if any check FAILed.
+
+    python -m benchmarks.gpu_check [--dir /nvme/x] [--size 256MiB] [--only NAME ...] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from teraio.runtime import Engine, RuntimeConfig, parse_nbytes
+
+MIB = 1 << 20
+VerdictName = Literal["PASS", "FAIL", "SKIP", "MANUAL"]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    check: str
+    verdict: VerdictName
+    detail: str
+
+
+@dataclass(frozen=True)
+class Context:
+    dir: Path
+    size_nbytes: int
+    device: torch.device
+
+
+def _cuda_tensor(nbytes: int, device: torch.device, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=g)
+
+
+def _tiers() -> list[str]:
+    from teraio.runtime.tiers.gds import kvikio_status
+
+    return ["host", "posix"] + (["kvikio"] if kvikio_status()[0] else [])
+
+
+def _engine(ctx: Context, backend: str, sub: str, **kw) -> Engine:
+    dirs = [] if backend == "host" else [ctx.dir / f"{sub}0", ctx.dir / f"{sub}1"]
+    return Engine(RuntimeConfig(backend=backend, dirs=dirs, checksum=True, **kw))
+
+
+def check_roundtrip(ctx: Context) -> list[Verdict]:
+    """Bit-exact CUDA round trips through every tier, sizes around kvikio's 16 KiB threshold and chunks."""
+    out = []
+    sizes = [1, 4095, 16383, 16385, (4 << 20) + 7, ctx.size_nbytes]
+    for tier in _tiers():
+        with _engine(ctx, tier, f"rt-{tier}") as eng:
+            ok = True
+            for i, n in enumerate(sizes):
+                t = _cuda_tensor(n, ctx.device, i)
+                ref = t.clone()
+                eng.offload(f"k{i}", t[3:] if n > 3 else t)
+                eng.release(f"k{i}")
+                got = eng.fetch(f"k{i}")
+                ok &= got.is_cuda and torch.equal(got, ref[3:] if n > 3 else ref)
+            st = eng.stats()
+        out.append(
+            Verdict(
+                f"roundtrip[{tier}]",
+                "PASS" if ok and st.checksum_failures == 0 else "FAIL",
+                f"io_path={st.io_path} checksum_failures={st.checksum_failures} sizes={sizes}",
+            )
+        )
+    return out
+
+
+def _busy(x: torch.Tensor, iters: int) -> torch.Tensor:
+    """A chain of matmuls on the current stream: long-running kernels that produce ``x``'s new bytes."""
+    for _ in range(iters):
+        x = torch.tanh(x @ x)
+    return x
+
+
+def check_ordering(ctx: Context) -> list[Verdict]:
+    """The three races the fake device simulates, on the real GPU: a write issued while its producer is
+    still queued, staging reuse across many chunks, a consumer enqueued right after fetch."""
+    out = []
+    for tier in ("host", "posix"):
+        with _engine(ctx, tier, f"ord-{tier}", chunk_bytes=1 * MIB, io_threads=2) as eng:
+            a = torch.randn(2048, 2048, device=ctx.device) / 64
+            produced = _busy(a, 50)  # queued, not finished, when offload is called
+            eng.offload("p", produced)
+            expected = produced.clone()  # ordered after the producer on the compute stream
+            eng.release("p")
+            del produced
+            got = eng.fetch("p")
+            consumed = got * 1  # the consumer kernel, enqueued at once
+            ok = torch.equal(consumed, expected)
+        out.append(
+            Verdict(f"ordering[{tier}]", "PASS" if ok else "FAIL", "producer->write, staging, read->consumer")
+        )
+    return out
+
+
+def _timed(device: torch.device, fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3
+
+
+def _wall(device: torch.device, fn: Callable[[], object]) -> float:
+    """Host seconds from an idle device to ``fn``'s work finished (host-side I/O included)."""
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def check_overlap(ctx: Context) -> list[Verdict]:
+    """Compute alone, I/O alone, both at once (CUDA events on the compute stream + wall clock): the I/O
+    must run beside the kernels, not behind them."""
+    out = []
+    a = torch.randn(4096, 4096, device=ctx.device) / 128
+    for tier in _tiers():
+        if tier == "host":
+            continue
+        with _engine(ctx, tier, f"ov-{tier}") as eng:
+            data = _cuda_tensor(ctx.size_nbytes, ctx.device, 7)
+
+            def io(eng: Engine = eng, data: torch.Tensor = data) -> None:
+                eng.offload("d", data)
+                eng.release("d")
+                eng.fetch("d")
+
+            def compute() -> None:
+                _busy(a, 40)
+
+            def both(eng: Engine = eng, data: torch.Tensor = data) -> None:
+                eng.offload("d", data)
+                _busy(a, 40)
+                eng.release("d")
+                eng.prefetch("d")
+                _busy(a, 40)
+                eng.fetch("d")
+
+            io()  # warm-up: files grown, streams and staging made
+            compute_s = statistics.median(_timed(ctx.device, compute) for _ in range(3)) * 2
+            io_s = statistics.median(_wall(ctx.device, io) for _ in range(3))
+            both_s = statistics.median(_wall(ctx.device, both) for _ in range(3))
+        serial_s = compute_s + io_s
+        ok = both_s < 0.9 * serial_s
+        out.append(
+            Verdict(
+                f"overlap[{tier}]",
+                "PASS" if ok else "FAIL",
+                f"compute {compute_s:.3f} s, io {io_s:.3f} s, both {both_s:.3f} s (serial would be {serial_s:.3f} s)",
+            )
+        )
+    out.append(
+        Verdict(
+            "nsight_trace",
+            "MANUAL",
+            "nsys profile -t cuda,nvtx,osrt -o teraio_overlap python -m benchmarks.gpu_check --only overlap; "
+            "open it: memcpy DtoH/HtoD rows on non-default streams overlap the matmul kernels "
+            "(docs/gpu_checklist.md)",
+        )
+    )
+    return out
+
+
+def check_pinned_accounting(ctx: Context) -> list[Verdict]:
+    """The host tier's capacity bookkeeping against torch's pinned allocator (active bytes)."""
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        return [Verdict("pinned_accounting", "SKIP", "torch.cuda.host_memory_stats missing in this torch")]
+    with _engine(ctx, "host", "pin", chunk_bytes=4 * MIB) as eng:
+        before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
+        for i, n in enumerate([5000, 3 * MIB + 1, 9 * MIB]):
+            eng.offload(f"k{i}", _cuda_tensor(n, ctx.device, i)).wait()
+        held = eng.tiers["host"].held_nbytes
+        after = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
+    ok = after - before == held
+    return [
+        Verdict(
+            "pinned_accounting", "PASS" if ok else "FAIL", f"tier holds {held}, allocator +{after - before}"
+        )
+    ]
+
+
+def _gdscheck() -> str | None:
+    for cand in (shutil.which("gdscheck"), "/usr/local/cuda/gds/tools/gdscheck"):
+        if cand and Path(cand).exists():
+            return cand
+    return None
+
+
+def check_io_path(ctx: Context) -> list[Verdict]:
+    """kvikio's reported io_path against gdscheck's verdict for this machine."""
+    from teraio.runtime.tiers.gds import gds_available, kvikio_status
+
+    if not kvikio_status()[0]:
+        return [Verdict("io_path_vs_gdscheck", "SKIP", "kvikio not installed (pip install teraio[gds])")]
+    with _engine(ctx, "kvikio", "gds") as eng:
+        st = eng.stats()
+    gds, why = gds_available()
+    tool = _gdscheck()
+    if tool is None:
+        return [
+            Verdict(
+                "io_path_vs_gdscheck",
+                "SKIP",
+                f"gdscheck not found; io_path={st.io_path}, is_gds_available={gds}",
+            )
+        ]
+    res = subprocess.run([tool, "-p"], capture_output=True, text=True, timeout=120)
+    text = res.stdout + res.stderr
+    nvme_supported = any(
+        "NVMe" in line and "Supported" in line and "Unsupported" not in line for line in text.splitlines()
+    )
+    expected = "kvikio-gds" if nvme_supported else "kvikio-compat"
+    ok = st.io_path == expected
+    return [
+        Verdict(
+            "io_path_vs_gdscheck",
+            "PASS" if ok else "FAIL",
+            f"io_path={st.io_path} per dir {[d.io_path for d in st.dirs]}; gdscheck NVMe supported={nvme_supported}; "
+            f"is_gds_available={gds} ({why}); offload dir {ctx.dir} must be on the NVMe gdscheck lists",
+        )
+    ]
+
+
+def _gpt_step(ctx: Context, backend_options: dict) -> tuple[object, object, Callable[[int], None]]:
+    import teraio
+    from teraio.models.gpt import build_gpt, synthetic_batch
+
+    model = build_gpt("tiny").to(ctx.device)
+    be = teraio.backend(**backend_options)
+    compiled = torch.compile(model, backend=be)
+
+    def step(i: int) -> None:
+        idx, targets = (t.to(ctx.device) for t in synthetic_batch(model.cfg, i))
+        compiled(idx, targets).backward()
+
+    return model, be, step
+
+
+def check_profile_durations(ctx: Context) -> list[Verdict]:
+    """The profile the planner plans from, against CUDA-event timings of the same forward+backward."""
+    _, be, step = _gpt_step(
+        ctx, {"enabled": True, "memory_budget": 0.6, "offload_dirs": [str(ctx.dir / "prof")]}
+    )
+    for i in range(8):  # profile, plan, recompile, run
+        step(i)
+    profiles = be.profiles
+    if not profiles:
+        return [Verdict("profile_durations", "FAIL", "the backend produced no profile")]
+    profiled_s = sum(float(p.ops["duration_us"].sum()) for p in profiles) / 1e6
+    measured_s = statistics.median(_timed(ctx.device, lambda i=i: step(100 + i)) for i in range(5))
+    ratio = profiled_s / measured_s
+    ok = 0.5 <= ratio <= 2.0
+    return [
+        Verdict(
+            "profile_durations",
+            "PASS" if ok else "FAIL",
+            f"sum of profiled op durations {profiled_s * 1e3:.2f} ms vs CUDA-event fwd+bwd {measured_s * 1e3:.2f} ms "
+            f"(ratio {ratio:.2f}; launch-time profiling gives << 1)",
+        )
+    ]
+
+
+def check_measured_peak(ctx: Context) -> list[Verdict]:
+    """The backend's measured step peak against max_memory_allocated over one forward+backward."""
+    _, be, step = _gpt_step(ctx, {"enabled": False, "measure_memory": True})
+    for i in range(6):
+        step(i)
+    measured = be.stats().get("measured_peak_bytes")
+    torch.cuda.synchronize(ctx.device)
+    start = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    step(50)
+    torch.cuda.synchronize(ctx.device)
+    reference = torch.cuda.max_memory_allocated(ctx.device) - start
+    if not measured:
+        return [
+            Verdict(
+                "measured_peak", "FAIL", f"backend measured no peak; max_memory_allocated says {reference}"
+            )
+        ]
+    ok = abs(measured - reference) <= 0.1 * reference
+    return [
+        Verdict(
+            "measured_peak",
+            "PASS" if ok else "FAIL",
+            f"backend {measured} B vs max_memory_allocated {reference} B",
+        )
+    ]
+
+
+CHECKS: dict[str, Callable[[Context], list[Verdict]]] = {
+    "roundtrip": check_roundtrip,
+    "ordering": check_ordering,
+    "overlap": check_overlap,
+    "pinned_accounting": check_pinned_accounting,
+    "io_path": check_io_path,
+    "profile_durations": check_profile_durations,
+    "measured_peak": check_measured_peak,
+}
+
+
+def run(*, dir: str | None = None, size: str = "256MiB", only: list[str] | None = None) -> list[Verdict]:
+    """Run the checks (all, or ``only``); without CUDA return one SKIP per check."""
+    names = only or list(CHECKS)
+    unknown = sorted(set(names) - set(CHECKS))
+    if unknown:
+        raise ValueError(f"unknown check(s) {unknown}: use {', '.join(CHECKS)}")
+    if not torch.cuda.is_available():
+        reason = (
+            f"CUDA absent (torch {torch.__version__}, torch.cuda.is_available() is False): nothing measured"
+        )
+        return [Verdict(name, "SKIP", reason) for name in names]
+    base = Path(dir) if dir else Path(tempfile.mkdtemp(prefix="teraio-gpu-check-"))
+    ctx = Context(
+        dir=base,
+        size_nbytes=parse_nbytes(size, what="size"),
+        device=torch.device("cuda", torch.cuda.current_device()),
+    )
+    verdicts: list[Verdict] = []
+    for name in names:
+        try:
+            verdicts.extend(CHECKS[name](ctx))
+        except Exception as exc:  # noqa: BLE001 - a crashing check is a failed check, the others still run
+            verdicts.append(Verdict(name, "FAIL", f"{type(exc).__name__}: {exc}"))
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", help="offload directory on the NVMe to check (default: a temp dir)")
+    parser.add_argument("--size", default="256MiB", help="bytes per transfer in the I/O checks")
+    parser.add_argument("--only", nargs="+", choices=list(CHECKS), help="run only these checks")
+    parser.add_argument("--json", action="store_true", help="print the verdicts as JSON too")
+    args = parser.parse_args(argv)
+    machine = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    print(json.dumps(machine))
+    verdicts = run(dir=args.dir, size=args.size, only=args.only)
+    width = max(len(v.check) for v in verdicts)
+    for v in verdicts:
+        print(f"{v.verdict:<6} {v.check:<{width}}  {v.detail}")
+    if args.json:
+        print(json.dumps([asdict(v) for v in verdicts]))
+    return 1 if any(v.verdict == "FAIL" for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

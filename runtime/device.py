@@ -1,0 +1,318 @@
+"""The one door to the accelerator: streams, events, device<->host copies, pinned memory, memory stats.
+
+Every CUDA call of the runtime goes through a :class:`Device`, so the ordering rules that matter on a
+GPU (a copy must wait for the kernel that produced its source, a buffer must not be refilled while a
+copy still reads it, a kernel must not read bytes still in flight) can be tested on a machine without
+one: tests install :class:`teraio.runtime.fake_device.FakeDevice`, whose streams run their work late on
+worker threads, so a missing wait shows up as wrong bytes instead of passing by luck.
+
+The real implementation, :class:`CudaDevice`, is a thin layer over ``torch.cuda``. teraio's measurement
+(op timing with events, the step's peak from ``max_memory_allocated``) may use the same object
+(``current()``); the runtime never imports teraio.
+
+Streams and events are opaque objects owned by the device that made them: pass them back to it, never
+call their methods directly (the fake's objects are not torch's). Whether a tensor is device memory is
+``dev.owns(t)``, not ``t.is_cuda``: the fake's device memory is CPU memory it registered.
+
+For measurement (teraio's profiler and peak recorder), with ``dev = current()``:
+
+- time an op on the device, not its launch: ``start, end = dev.new_event(timing=True), ...``;
+  ``dev.record(start, dev.current_stream(d))``, run the op, ``dev.record(end, ...)``; after the step
+  ``dev.synchronize_event(end)`` and ``dev.elapsed_ms(start, end)``;
+- the peak of one step: ``dev.synchronize(d)``, ``base = dev.memory_allocated(d)``,
+  ``dev.reset_peak_memory_stats(d)``, run the step, ``dev.synchronize(d)``,
+  ``dev.max_memory_allocated(d) - base``.
+
+The fake makes both testable on CPU: ``fake.launch(fn)`` queues a "kernel" that runs late, its timing
+events bracket the kernel's execution, and ``fake.empty``/``fake.adopt`` memory is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+# The checksum of device bytes views them as rows of this many bytes (see byte_checksum).
+CHECKSUM_ROW_NBYTES = 4096
+
+
+@runtime_checkable
+class Device(Protocol):
+    """What the runtime needs from an accelerator. ``Stream``/``Event`` values are opaque.
+
+    Attributes:
+        name: "cuda" or "fake" (logged, and part of the stats' io_path reasoning).
+        supports_gds: whether GPUDirect Storage can be tried at all (False for the fake device).
+    """
+
+    name: str
+    supports_gds: bool
+
+    def available(self) -> bool:
+        """Whether device tensors can exist (CUDA present, or the fake installed)."""
+        ...
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in this device's memory (it then needs streams and pinned staging)."""
+        ...
+
+    # -- streams and events ----------------------------------------------------------------------
+    def current_stream(self, device: torch.device) -> Any:
+        """The calling thread's current stream on ``device`` (the compute stream for training code)."""
+        ...
+
+    def new_stream(self, device: torch.device) -> Any:
+        """A new stream on ``device`` (each I/O thread owns one per device)."""
+        ...
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Make ``stream`` the calling thread's current stream inside the ``with`` block."""
+        ...
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        """A new event; ``timing=True`` allows :meth:`elapsed_ms` on it."""
+        ...
+
+    def record(self, event: Any, stream: Any) -> None:
+        """Enqueue ``event`` on ``stream``: it completes when the stream reaches it."""
+        ...
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Make later work on ``stream`` wait for ``event`` (as last recorded); the host does not block."""
+        ...
+
+    def synchronize_event(self, event: Any) -> None:
+        """Block the calling host thread until ``event`` completed (at once if never recorded)."""
+        ...
+
+    def event_done(self, event: Any) -> bool:
+        """Whether ``event`` completed (True if never recorded)."""
+        ...
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two completed timing events."""
+        ...
+
+    def synchronize_stream(self, stream: Any) -> None:
+        """Block the calling host thread until all work enqueued on ``stream`` is done."""
+        ...
+
+    def synchronize(self, device: torch.device) -> None:
+        """Block until every stream of ``device`` is idle."""
+        ...
+
+    def raw_stream(self, stream: Any) -> int:
+        """The driver's handle (``CUstream``) of ``stream``, for kvikio's stream-ordered calls."""
+        ...
+
+    # -- memory -----------------------------------------------------------------------------------
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of device memory (1-D uint8), allocated for the calling thread's current stream."""
+        ...
+
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of page-locked host memory (1-D uint8, page-aligned)."""
+        ...
+
+    def pinned_nbytes(self, nbytes: int) -> int:
+        """How many bytes of pinned memory an ``empty_pinned(nbytes)`` really holds."""
+        ...
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Enqueue a copy of ``src`` into ``dst`` (same byte size; one side device memory, the other
+        pinned host memory) on ``stream``; it returns before the copy runs."""
+        ...
+
+    def checksum(self, t: torch.Tensor, stream: Any) -> int:
+        """:func:`byte_checksum` of device bytes ``t`` computed on the device, ordered on ``stream``;
+        blocks the calling thread until the value is on the host."""
+        ...
+
+    def cuda_array(self, t: torch.Tensor) -> Any:
+        """An object exposing ``__cuda_array_interface__`` over device bytes ``t`` (kvikio's input)."""
+        ...
+
+    def memory_allocated(self, device: torch.device) -> int:
+        """Bytes of device memory held by tensors now."""
+        ...
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        """Peak of :meth:`memory_allocated` since the last :meth:`reset_peak_memory_stats`."""
+        ...
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        """Start a new peak at the current allocation."""
+        ...
+
+
+def byte_checksum(t: torch.Tensor) -> torch.Tensor:
+    """A position-weighted sum of the bytes of the 1-D uint8 tensor ``t``, computed where ``t`` lives.
+
+    Returns a 2-element int64 tensor: (sum of bytes, sum of byte x (position + 1)), modulo 2**64 (int64
+    wrap-around, which makes the result independent of reduction order). Any single changed byte changes
+    the first, moved bytes change the second. Device-side on purpose: on the GDS path the bytes never
+    pass through host memory, and a host checksum would need a full copy.
+
+    A handful of kernels per call and no temporary larger than the tensor's row or column sums: the bytes
+    are viewed as rows of ``CHECKSUM_ROW_NBYTES``; with row sums r_k and column sums c_j, the weighted sum
+    is ``W * sum_k k r_k + sum_j (j + 1) c_j``.
+    """
+    width = CHECKSUM_ROW_NBYTES
+    n = t.numel()
+    main = n - n % width
+    acc = torch.zeros(2, dtype=torch.int64, device=t.device)
+    if main:
+        grid = t[:main].view(-1, width)
+        rows = grid.sum(1, dtype=torch.int64)
+        cols = grid.sum(0, dtype=torch.int64)
+        k = torch.arange(rows.numel(), dtype=torch.int64, device=t.device)
+        j1 = torch.arange(1, width + 1, dtype=torch.int64, device=t.device)
+        acc[0] += rows.sum()
+        acc[1] += (k * rows).sum() * width + (j1 * cols).sum()
+    if main < n:
+        tail = t[main:].to(torch.int64)
+        pos = torch.arange(main + 1, n + 1, dtype=torch.int64, device=t.device)
+        acc[0] += tail.sum()
+        acc[1] += (tail * pos).sum()
+    return acc
+
+
+def fold_checksum(pair: torch.Tensor) -> int:
+    """One Python int from :func:`byte_checksum`'s two host-side values."""
+    a, b = (int(v) for v in pair.tolist())
+    return (a & 0xFFFFFFFFFFFFFFFF) << 64 | (b & 0xFFFFFFFFFFFFFFFF)
+
+
+def pow2_ceil(nbytes: int) -> int:
+    """The smallest power of two >= ``nbytes`` (torch's caching host allocator rounds pinned blocks so)."""
+    return 1 if nbytes <= 1 else 1 << (nbytes - 1).bit_length()
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` (version 3) over raw device bytes: no autograd, any dtype."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._keep = t
+        self.__cuda_array_interface__ = {
+            "shape": (t.numel() * t.element_size(),),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+class CudaDevice:
+    """:class:`Device` over ``torch.cuda``. Nothing here runs in this project's CI (no GPU)."""
+
+    name = "cuda"
+    supports_gds = True
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def synchronize_event(self, event: Any) -> None:
+        event.synchronize()
+
+    def event_done(self, event: Any) -> bool:
+        return event.query()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end)
+
+    def synchronize_stream(self, stream: Any) -> None:
+        stream.synchronize()
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def raw_stream(self, stream: Any) -> int:
+        return stream.cuda_stream
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_nbytes(self, nbytes: int) -> int:
+        # CachingHostAllocator rounds each request up to a power of two (torch 2.13) and keeps the
+        # block cached after it is freed.
+        return pow2_ceil(nbytes)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            # non_blocking from/to pinned memory is a cudaMemcpyAsync on ``stream``; torch records an
+            # event on the pinned block so its allocator does not recycle it before the copy ran.
+            dst.copy_(src, non_blocking=True)
+
+    def checksum(self, t: torch.Tensor, stream: Any) -> int:
+        with torch.cuda.stream(stream):
+            pair = byte_checksum(t).cpu()  # a synchronous copy on ``stream``: waits for the sums only
+        return fold_checksum(pair)
+
+    def cuda_array(self, t: torch.Tensor) -> Any:
+        return _CudaArray(t)
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.memory_allocated(device)
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return torch.cuda.max_memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+_lock = threading.Lock()
+_current: Device = CudaDevice()
+
+
+def current() -> Device:
+    """The installed device (``CudaDevice`` unless a test installed another)."""
+    return _current
+
+
+def set_current(device: Device) -> Device:
+    """Install ``device`` process-wide; return the previous one. Engines keep the device they started with."""
+    global _current
+    if not isinstance(device, Device):
+        raise TypeError(f"{type(device).__name__} does not implement teraio.runtime.device.Device")
+    with _lock:
+        previous, _current = _current, device
+    return previous
+
+
+@contextlib.contextmanager
+def installed(device: Device) -> Iterator[Device]:
+    """``with installed(FakeDevice()) as dev:`` runs the block with ``dev`` as the current device."""
+    previous = set_current(device)
+    try:
+        yield device
+    finally:
+        set_current(previous)

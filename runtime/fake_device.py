@@ -1,0 +1,419 @@
+"""A fake asynchronous accelerator for tests on CPU: work queued on its streams runs late.
+
+On a GPU, a copy or kernel enqueued on a stream runs when the stream reaches it, long after the call
+returned; two streams run independently unless an event orders them. CPU code gets none of that for
+free, so ordering bugs (a write that reads a tensor before its producer kernel ran, a staging buffer
+refilled while a copy still reads it, a kernel that reads fetched bytes before they landed) pass
+unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` with
+
+- streams that are worker threads executing their queue in order, each op after ``lag_s`` seconds,
+  and that can be paused (``pause``/``resume``, or ``pause_new_streams``) to hold work back
+  deterministically;
+- events that complete only when their stream reaches them; ``wait`` enqueues a wait on the stream,
+  ``synchronize_event`` blocks the host;
+- "device memory": CPU memory registered with the fake: ``adopt`` declares a tensor device memory;
+  ``empty`` hands out blocks from a pool that reuses a freed block at once, like CUDA's caching
+  allocator (new blocks hold a poison byte, like uninitialised GPU memory); ``memory_allocated`` and
+  ``max_memory_allocated`` account them until their storage dies;
+- pinned memory (page-aligned, accounted with the power-of-two rounding of torch's caching host
+  allocator); ``copy_async`` refuses pageable host memory (on CUDA such a copy is not asynchronous);
+- ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream.
+
+Errors raised by queued work are collected in ``errors`` (tests assert it stays empty).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from teraio.runtime.buffers import aligned_buffer
+from teraio.runtime.device import byte_checksum, fold_checksum, pow2_ceil
+
+POISON_BYTE = 0xA5  # what fresh fake device memory holds (real device memory is uninitialised)
+
+
+class FakeEvent:
+    """Completes when the stream it was last recorded on reaches it."""
+
+    def __init__(self, device: FakeDevice, timing: bool) -> None:
+        self._device = device
+        self._cond = threading.Condition()
+        self._recorded = 0  # generation of the last record()
+        self._completed = 0  # highest generation its stream reached
+        self.time_s: float | None = None
+        self.timing = timing
+
+    def _complete(self, generation: int) -> None:
+        with self._cond:
+            self._completed = max(self._completed, generation)
+            if self.timing:
+                self.time_s = time.perf_counter()
+            self._cond.notify_all()
+
+    def _wait_for(self, generation: int) -> None:
+        with self._cond:
+            while self._completed < generation:
+                self._cond.wait()
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._completed >= self._recorded
+
+
+class FakeStream:
+    """A queue run in order by its own thread. ``blocked`` is True while it waits on an event."""
+
+    def __init__(self, device: FakeDevice, name: str, lag_s: float, paused: bool) -> None:
+        self.device = device
+        self.name = name
+        self.lag_s = lag_s
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._run = threading.Event()
+        if not paused:
+            self._run.set()
+        self._cond = threading.Condition()
+        self.pending = 0  # ops enqueued and not finished
+        self.blocked = False
+        self.handle = id(self)
+        self._thread = threading.Thread(target=self._loop, name=f"fake-stream-{name}", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        with self._cond:
+            self.pending += 1
+        self._queue.put(op)
+
+    def _loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            self._run.wait()
+            if self.lag_s:
+                time.sleep(self.lag_s)
+            try:
+                op()
+            except BaseException as exc:  # noqa: BLE001 - reported through device.errors
+                self.device.errors.append(exc)
+            with self._cond:
+                self.pending -= 1
+                self._cond.notify_all()
+
+    def synchronize(self) -> None:
+        with self._cond:
+            while self.pending:
+                self._cond.wait()
+
+    def settled(self) -> bool:
+        """Nothing left it could run now: idle, paused, or blocked on an event."""
+        with self._cond:
+            return self.pending == 0 or self.blocked or not self._run.is_set()
+
+    def close(self) -> None:
+        self._run.set()
+        self._queue.put(None)
+
+
+class FakeDevice:
+    """A :class:`teraio.runtime.device.Device` whose streams run late on worker threads (see module doc).
+
+    Args:
+        lag_s: delay before each op on every stream (default 0: ordering comes from pausing).
+        pause_new_streams: streams made by ``new_stream`` (the runtime's I/O streams) start paused.
+    """
+
+    name = "fake"
+    supports_gds = False
+
+    def __init__(self, *, lag_s: float = 0.0, pause_new_streams: bool = False) -> None:
+        self.lag_s = lag_s
+        self.pause_new_streams = pause_new_streams
+        self.errors: list[BaseException] = []
+        self.log: list[tuple[str, str]] = []  # (what, stream name) of every copy and kernel run
+        self._lock = threading.Lock()
+        self._streams: list[FakeStream] = []
+        self._local = threading.local()
+        self.default_stream = self._make_stream("default", paused=False)
+        self._device_storages: dict[int, weakref.ref] = {}
+        self._blocks: list[
+            torch.Tensor
+        ] = []  # every pooled device block ever made (kept for the fake's life)
+        self._free_blocks: dict[int, list[torch.Tensor]] = {}
+        self._pinned_storages: dict[int, weakref.ref] = {}
+        self.allocated_nbytes = 0
+        self.peak_allocated_nbytes = 0
+        self.pinned_allocated_nbytes = 0
+        self.host_waiters = 0  # host threads blocked in synchronize_event / synchronize_stream
+        self.on_alloc: Callable[[int, int], None] | None = None  # (address, nbytes) of new device memory
+        self.on_free: Callable[[int], None] | None = None
+
+    # -- test controls ---------------------------------------------------------------------------
+    def _make_stream(self, name: str, paused: bool) -> FakeStream:
+        stream = FakeStream(self, name, self.lag_s, paused)
+        with self._lock:
+            self._streams.append(stream)
+        return stream
+
+    @property
+    def streams(self) -> list[FakeStream]:
+        with self._lock:
+            return list(self._streams)
+
+    def pause(self, stream: FakeStream) -> None:
+        """Hold back everything ``stream`` has not started yet."""
+        stream._run.clear()
+
+    def resume(self, stream: FakeStream | None = None) -> None:
+        """Let ``stream`` (every stream when None) run again; also clears ``pause_new_streams``."""
+        if stream is None:
+            self.pause_new_streams = False
+        for s in [stream] if stream is not None else self.streams:
+            s._run.set()
+
+    def launch(self, kernel: Callable[[], None], stream: FakeStream | None = None) -> None:
+        """Enqueue ``kernel`` (a Python callable standing for a CUDA kernel) on ``stream`` or the
+        calling thread's current stream."""
+        target = stream or self._current()
+
+        def op() -> None:
+            self.log.append(("kernel", target.name))
+            kernel()
+
+        target.enqueue(op)
+
+    def settled(self) -> bool:
+        """Every stream idle, paused or blocked on an event (nothing would run without help)."""
+        return all(s.settled() for s in self.streams)
+
+    def wait_until(self, condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+        """Poll ``condition`` until true; raise TimeoutError after ``timeout_s`` (a deadlock guard only)."""
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError("fake device: condition not reached (deadlock?)")
+            time.sleep(0.001)
+
+    def adopt(self, t: torch.Tensor) -> torch.Tensor:
+        """Declare CPU tensor ``t``'s storage device memory of this fake; return ``t``."""
+        self._register_device(t.untyped_storage())
+        return t
+
+    def close(self) -> None:
+        """Stop every stream thread (pending work still runs first)."""
+        for s in self.streams:
+            s.close()
+        for s in self.streams:
+            s._thread.join(timeout=60)
+        if self.on_free is not None:
+            with self._lock:
+                blocks, self._blocks = self._blocks, []
+            for block in blocks:
+                self.on_free(block.data_ptr())
+
+    # -- Device: streams and events ------------------------------------------------------------------
+    def available(self) -> bool:
+        return True
+
+    def owns(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()
+        ref = self._device_storages.get(storage._cdata)
+        return ref is not None and ref() is storage
+
+    def _current(self) -> FakeStream:
+        return getattr(self._local, "stream", None) or self.default_stream
+
+    def current_stream(self, device: torch.device) -> Any:
+        return self._current()
+
+    def new_stream(self, device: torch.device) -> Any:
+        return self._make_stream(f"s{len(self._streams)}", paused=self.pause_new_streams)
+
+    @contextlib.contextmanager
+    def stream_context(self, stream: Any) -> Iterator[Any]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = previous
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        return FakeEvent(self, timing)
+
+    def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        with event._cond:
+            event._recorded += 1
+            generation = event._recorded
+        stream.enqueue(lambda: event._complete(generation))
+
+    def wait(self, stream: FakeStream, event: FakeEvent) -> None:
+        with event._cond:
+            generation = event._recorded
+
+        def op() -> None:
+            with stream._cond:
+                stream.blocked = True
+            try:
+                event._wait_for(generation)
+            finally:
+                with stream._cond:
+                    stream.blocked = False
+
+        stream.enqueue(op)
+
+    @contextlib.contextmanager
+    def _host_waiting(self) -> Iterator[None]:
+        with self._lock:
+            self.host_waiters += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.host_waiters -= 1
+
+    def synchronize_event(self, event: FakeEvent) -> None:
+        with event._cond:
+            generation = event._recorded
+        with self._host_waiting():
+            event._wait_for(generation)
+
+    def event_done(self, event: FakeEvent) -> bool:
+        return event.done()
+
+    def elapsed_ms(self, start: FakeEvent, end: FakeEvent) -> float:
+        if start.time_s is None or end.time_s is None:
+            raise RuntimeError("elapsed_ms needs two completed events made with timing=True")
+        return (end.time_s - start.time_s) * 1e3
+
+    def synchronize_stream(self, stream: FakeStream) -> None:
+        with self._host_waiting():
+            stream.synchronize()
+
+    def synchronize(self, device: torch.device) -> None:
+        with self._host_waiting():
+            for s in self.streams:
+                s.synchronize()
+
+    def raw_stream(self, stream: FakeStream) -> int:
+        return 0  # the stand-in driver's streams are synchronous; ordering is done before the call
+
+    # -- Device: memory ---------------------------------------------------------------------------
+    def _register_device(self, storage: torch.UntypedStorage, block: torch.Tensor | None = None) -> None:
+        """Account ``storage`` as device memory until it dies; a pooled ``block`` then returns to the pool."""
+        nbytes = storage.nbytes()
+        addr = storage.data_ptr()
+        with self._lock:
+            self._device_storages[storage._cdata] = weakref.ref(storage)
+            self.allocated_nbytes += nbytes
+            self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
+        if block is None and self.on_alloc is not None:
+            self.on_alloc(addr, nbytes)
+        weakref.finalize(storage, self._device_freed, storage._cdata, addr, nbytes, block)
+
+    def _device_freed(self, cdata: int, addr: int, nbytes: int, block: torch.Tensor | None) -> None:
+        with self._lock:
+            self._device_storages.pop(cdata, None)
+            self.allocated_nbytes -= nbytes
+            if block is not None:
+                self._free_blocks.setdefault(nbytes, []).append(block)
+        if block is None and self.on_free is not None:
+            self.on_free(addr)
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Device memory from a pool that behaves like CUDA's caching allocator: a block freed by the host
+        is handed out again at once (same size, last freed first) with its old bytes, even while kernels
+        queued earlier still use it; only a new block holds ``POISON_BYTE``."""
+        if nbytes == 0:
+            t = torch.empty(0, dtype=torch.uint8)
+            self._register_device(t.untyped_storage())
+            return t
+        with self._lock:
+            free = self._free_blocks.get(nbytes)
+            block = free.pop() if free else None
+        if block is None:
+            block = aligned_buffer(nbytes)  # owned by the fake for its lifetime, like a cached segment
+            ctypes.memset(block.data_ptr(), POISON_BYTE, nbytes)
+            with self._lock:
+                self._blocks.append(block)
+            if self.on_alloc is not None:
+                self.on_alloc(block.data_ptr(), nbytes)
+        # A new storage object over the block: identity (and ``owns``) per allocation, memory reused.
+        t = torch.frombuffer((ctypes.c_char * nbytes).from_address(block.data_ptr()), dtype=torch.uint8)
+        self._register_device(t.untyped_storage(), block)
+        return t
+
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        t = aligned_buffer(max(nbytes, 1))[:nbytes]
+        storage = t.untyped_storage()
+        held = self.pinned_nbytes(nbytes)
+        with self._lock:
+            self._pinned_storages[storage._cdata] = weakref.ref(storage)
+            self.pinned_allocated_nbytes += held
+        weakref.finalize(storage, self._pinned_freed, storage._cdata, held)
+        return t
+
+    def _pinned_freed(self, cdata: int, held: int) -> None:
+        with self._lock:
+            self._pinned_storages.pop(cdata, None)
+            self.pinned_allocated_nbytes -= held
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()
+        ref = self._pinned_storages.get(storage._cdata)
+        return ref is not None and ref() is storage
+
+    def pinned_nbytes(self, nbytes: int) -> int:
+        return pow2_ceil(nbytes)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: FakeStream) -> None:
+        nbytes = dst.numel() * dst.element_size()
+        if nbytes != src.numel() * src.element_size() or not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("fake copy_async: contiguous tensors of equal byte size only")
+        host = [t for t in (dst, src) if not self.owns(t)]
+        if any(not self.is_pinned(t) for t in host):
+            raise ValueError(
+                "fake copy_async: host side is pageable memory; CUDA copies from/to pageable memory are "
+                "not asynchronous: stage through pinned memory"
+            )
+        dst_addr, src_addr = dst.data_ptr(), src.data_ptr()
+        what = "copy D2H" if host and host[0] is dst else ("copy H2D" if host else "copy D2D")
+
+        def op() -> None:
+            self.log.append((what, stream.name))
+            # dst/src are referenced by this closure, so the CPU memory stays valid (the fake does not
+            # model the caching allocator's reuse; the runtime's own buffer reuse is what it tests).
+            ctypes.memmove(dst_addr, src_addr, nbytes)
+            assert keep
+
+        keep = (dst, src)
+        stream.enqueue(op)
+
+    def checksum(self, t: torch.Tensor, stream: FakeStream) -> int:
+        result: list[torch.Tensor] = []
+        stream.enqueue(lambda: result.append(byte_checksum(t).clone()))
+        self.synchronize_stream(stream)
+        return fold_checksum(result[0])
+
+    def cuda_array(self, t: torch.Tensor) -> Any:
+        from teraio.runtime.device import _CudaArray
+
+        return _CudaArray(t)
+
+    def memory_allocated(self, device: torch.device) -> int:
+        return self.allocated_nbytes
+
+    def max_memory_allocated(self, device: torch.device) -> int:
+        return self.peak_allocated_nbytes
+
+    def reset_peak_memory_stats(self, device: torch.device) -> None:
+        with self._lock:
+            self.peak_allocated_nbytes = self.allocated_nbytes

@@ -1,0 +1,204 @@
+"""The races a real GPU would provoke, provoked on CPU with the fake asynchronous device.
+
+Note: [CUDA ordering] (runtime/engine.py) names the waits (three, plus the read buffer's allocation). Each scenario below holds one stream back
+(``pause``) so that the wait is the only thing standing between the runtime and wrong bytes, and checks
+the bytes a user would see. Each is run twice: as is (it must pass) and with its wait removed by a
+monkeypatch (it must then fail: the check detects the race). Nothing depends on timing: a scenario
+proceeds when every fake stream is idle, paused or blocked (``settled``), never after a sleep.
+Checksums are off here so that the bytes are the only witness (device checksums: test_device_paths.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from teraio.runtime import Engine
+from teraio.runtime.fake_device import POISON_BYTE, FakeDevice
+from teraio.runtime.staging import DeviceIO
+
+from .conftest import make_config
+
+RACE_TIERS = ["host", "posix"]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeDevice]:
+    dev = FakeDevice()
+    yield dev
+    dev.resume()
+    dev.close()
+    assert not dev.errors, dev.errors
+
+
+def _engine(fake: FakeDevice, tier: str, tmp_path: Path, **kw) -> Engine:
+    kw.setdefault("chunk_bytes", 64 << 10)
+    return Engine(make_config(tier, tmp_path, **kw), device=fake)
+
+
+def _io_streams(fake: FakeDevice) -> list:
+    return [s for s in fake.streams if s is not fake.default_stream]
+
+
+def _stored_with_io_held(fake: FakeDevice, eng: Engine, expected: torch.Tensor) -> torch.Tensor:
+    """Store a device copy of ``expected`` under "x" (written and released), then pause the I/O
+    streams so the next read's copies are held back; return ``expected``."""
+    eng.offload("x", fake.adopt(expected.clone())).wait()
+    eng.release("x")
+    for stream in _io_streams(fake):
+        fake.pause(stream)
+    return expected
+
+
+def _consume(fake: FakeDevice, out: torch.Tensor) -> torch.Tensor:
+    """Enqueue a consumer kernel copying ``out`` on the current stream, let every held stream go once
+    nothing can run any more, and return what the consumer saw."""
+    seen = torch.empty_like(out)
+    fake.launch(lambda: seen.copy_(out))
+    fake.wait_until(fake.settled)
+    fake.resume()
+    fake.synchronize(out.device)
+    return seen
+
+
+def write_after_producer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(1) A write that starts before the producer finished: the kernel filling ``x`` is still queued on
+    the compute stream when ``offload`` returns."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        x = fake.adopt(torch.zeros(10_000))  # one chunk
+        fake.pause(fake.default_stream)
+        fake.launch(lambda: x.fill_(7.0))  # the producer kernel, queued
+        handle = eng.offload("x", x)
+        fake.wait_until(lambda: fake.settled() and (handle.done() or fake.host_waiters > 0))
+        fake.resume(fake.default_stream)
+        eng.release("x")
+        out = eng.fetch("x")
+        fake.synchronize(out.device)
+        assert torch.equal(out, torch.full((10_000,), 7.0)), (
+            f"the write copied the bytes before the producer (read back {out.unique().tolist()[:3]}, not [7.0])"
+        )
+
+
+def staging_reuse(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(2) A buffer reused while a transfer still reads it: one I/O thread reads four chunks through
+    its two pinned staging slots while its stream's host-to-device copies are held back."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        # Four chunks, all different.
+        expected = _stored_with_io_held(fake, eng, torch.arange(4 * (64 << 10) // 4, dtype=torch.int32))
+        handle = eng.prefetch("x")
+        fake.wait_until(lambda: fake.settled() and (handle.done() or fake.host_waiters > 0))
+        fake.resume()
+        out = eng.fetch("x")
+        fake.synchronize(out.device)
+        bad = sorted({int(i) // (16 << 10) for i in (out != expected).nonzero().flatten()})
+        assert torch.equal(out, expected), (
+            f"a staging slot was refilled before its copy ran (wrong chunks {bad})"
+        )
+
+
+def consumer_after_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(3) A consumer that runs before its read completed: ``fetch`` returns while the read's copy is
+    still held back on the I/O stream, and the next kernel on the compute stream reads the tensor."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = _stored_with_io_held(fake, eng, torch.randn(10_000))
+        out = eng.fetch("x")  # returns without waiting for the copy: no host sync on the critical path
+        seen = _consume(fake, out)
+        assert torch.equal(seen, expected), (
+            "the consumer kernel read the tensor before the read landed "
+            f"(it saw bytes {seen.view(torch.uint8)[:4].tolist()}, poison is {POISON_BYTE})"
+        )
+
+
+def consumer_on_another_stream(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(3') A second fetch of the same bytes from another stream, served from the buffer the first
+    fetch's read is still filling: that stream's consumer must wait for the read too."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = _stored_with_io_held(fake, eng, torch.randn(10_000))
+        first = eng.fetch("x")
+        other = fake.new_stream(first.device)
+        with fake.stream_context(other):
+            out = eng.fetch("x")  # forwarded from the live buffer: no new read
+            assert out.data_ptr() == first.data_ptr()
+            seen = _consume(fake, out)
+        assert torch.equal(seen, expected), (
+            "the consumer kernel read the tensor before the read landed "
+            f"(on a second stream it saw bytes {seen.view(torch.uint8)[:4].tolist()})"
+        )
+
+
+def read_into_recycled_block(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(4) A read buffer that the caching allocator recycled while a kernel queued earlier still writes
+    into the block: the read's copies must land after that kernel (the allocation event)."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = torch.randn(10_000)
+        eng.offload("x", fake.adopt(expected.clone())).wait()
+        eng.release("x")
+        fake.pause(fake.default_stream)
+        scratch = fake.empty(expected.nbytes, None)
+        addr = scratch.data_ptr()
+        # A queued kernel writing the scratch block; like a CUDA kernel it holds a raw pointer only.
+        fake.launch(lambda: ctypes.memset(addr, 0x5A, expected.nbytes))
+        del scratch  # the host frees it: the allocator hands the block to the next allocation
+        out = eng.fetch("x")
+        assert out.data_ptr() == addr, "precondition: the read buffer reuses the freed block"
+        seen = _consume(fake, out)
+        assert torch.equal(seen, expected), (
+            "the read's copy landed before the kernel queued on the recycled block "
+            f"(bytes {seen.view(torch.uint8)[:4].tolist()}, the kernel writes 90)"
+        )
+
+
+def _no_producer_wait(self, io, event) -> None:
+    return None
+
+
+def _no_reuse_wait(self, slot) -> None:
+    return None
+
+
+def _no_consumer_wait(self, device, events) -> None:
+    return None
+
+
+def _no_allocation_wait(self, io, event) -> None:
+    return None
+
+
+RACES = {
+    "write_after_producer": (write_after_producer, (Engine, "_order_after_producer", _no_producer_wait)),
+    "staging_reuse": (staging_reuse, (DeviceIO, "reuse_wait", _no_reuse_wait)),
+    "consumer_after_read": (consumer_after_read, (Engine, "_order_before_consumer", _no_consumer_wait)),
+    "consumer_on_another_stream": (
+        consumer_on_another_stream,
+        (Engine, "_order_before_consumer", _no_consumer_wait),
+    ),
+    "read_into_recycled_block": (
+        read_into_recycled_block,
+        (Engine, "_order_after_allocation", _no_allocation_wait),
+    ),
+}
+
+
+@pytest.mark.parametrize("tier", RACE_TIERS)
+@pytest.mark.parametrize("race", list(RACES))
+def test_race_is_ordered(fake, tier, race, tmp_path):
+    if race == "staging_reuse" and tier == "host":
+        pytest.skip("the host tier copies from its own pinned blocks: no staging")
+    scenario, _ = RACES[race]
+    scenario(fake, tier, tmp_path)
+
+
+@pytest.mark.parametrize("tier", RACE_TIERS)
+@pytest.mark.parametrize("race", list(RACES))
+def test_race_fails_without_its_wait(fake, tier, race, tmp_path, monkeypatch):
+    """The check of each scenario is real: with the one wait removed it sees wrong bytes."""
+    if race == "staging_reuse" and tier == "host":
+        pytest.skip("the host tier copies from its own pinned blocks: no staging")
+    scenario, (owner, name, stub) = RACES[race]
+    monkeypatch.setattr(owner, name, stub)
+    with pytest.raises(AssertionError, match="before"):
+        scenario(fake, tier, tmp_path)

@@ -1,0 +1,134 @@
+"""The fake device behaves like a CUDA device where the runtime's correctness depends on it: queued work
+runs late and in order per stream, events complete only when their stream reaches them, cross-stream
+waits hold a stream back, and memory is accounted as torch.cuda and its caching host allocator do."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from teraio.runtime import device as device_module
+from teraio.runtime.device import CudaDevice, Device, byte_checksum, fold_checksum, pow2_ceil
+from teraio.runtime.fake_device import POISON_BYTE, FakeDevice
+
+
+@pytest.fixture
+def fake():
+    dev = FakeDevice()
+    yield dev
+    dev.close()
+    assert not dev.errors, dev.errors
+
+
+def test_both_devices_implement_the_protocol(fake):
+    assert isinstance(fake, Device) and isinstance(CudaDevice(), Device)
+    with device_module.installed(fake):
+        assert device_module.current() is fake
+    assert isinstance(device_module.current(), CudaDevice)
+    with pytest.raises(TypeError, match="Device"):
+        device_module.set_current(object())
+
+
+def test_event_completes_only_when_its_stream_reaches_it(fake):
+    stream = fake.default_stream
+    fake.pause(stream)
+    seen = []
+    fake.launch(lambda: seen.append("kernel"))
+    ev = fake.new_event()
+    fake.record(ev, stream)
+    assert not fake.event_done(ev) and seen == []  # the host returned at once; nothing ran
+    fake.resume(stream)
+    fake.synchronize_event(ev)
+    assert seen == ["kernel"] and fake.event_done(ev)
+
+
+def test_wait_holds_another_stream_back_without_blocking_the_host(fake):
+    compute, io = fake.default_stream, fake.new_stream(torch.device("cuda"))
+    fake.pause(compute)
+    order = []
+    fake.launch(lambda: order.append("producer"), stream=compute)
+    ev = fake.new_event()
+    fake.record(ev, compute)
+    fake.wait(io, ev)  # returns at once
+    fake.launch(lambda: order.append("consumer"), stream=io)
+    fake.wait_until(fake.settled)
+    assert order == [] and io.blocked
+    fake.resume(compute)
+    fake.synchronize_stream(io)
+    assert order == ["producer", "consumer"]
+
+
+def test_copies_need_pinned_host_memory_and_run_late(fake):
+    dev_buf = fake.empty(4096, torch.device("cuda"))
+    assert fake.owns(dev_buf) and torch.all(dev_buf == POISON_BYTE)
+    stream = fake.new_stream(torch.device("cuda"))
+    with pytest.raises(ValueError, match="pinned"):
+        fake.copy_async(dev_buf, torch.zeros(4096, dtype=torch.uint8), stream)
+    pinned = fake.empty_pinned(4096)
+    pinned.fill_(7)
+    fake.pause(stream)
+    fake.copy_async(dev_buf, pinned, stream)
+    assert torch.all(dev_buf == POISON_BYTE)
+    fake.resume(stream)
+    fake.synchronize_stream(stream)
+    assert torch.all(dev_buf == 7) and ("copy H2D", stream.name) in fake.log
+
+
+def test_memory_accounting(fake):
+    base = fake.memory_allocated(None)
+    a = fake.empty(10_000, None)
+    b = fake.adopt(torch.empty(1000, dtype=torch.float32))
+    assert fake.memory_allocated(None) == base + 14_000
+    del a, b
+    gc.collect()
+    assert fake.memory_allocated(None) == base and fake.max_memory_allocated(None) == base + 14_000
+    fake.reset_peak_memory_stats(None)
+    assert fake.max_memory_allocated(None) == base
+    p = fake.empty_pinned(5000)  # the caching host allocator rounds to a power of two
+    assert fake.pinned_allocated_nbytes == 8192 == pow2_ceil(5000)
+    assert p.data_ptr() % 4096 == 0
+    del p
+    gc.collect()
+    assert fake.pinned_allocated_nbytes == 0
+
+
+def test_device_checksum_sees_every_byte_and_position():
+    t = torch.randint(0, 256, (300_001,), dtype=torch.uint8)
+    i, j = 10, 299_999
+    t[i], t[j] = 1, 2
+    ref = fold_checksum(byte_checksum(t))
+    flipped = t.clone()
+    flipped[123_456] ^= 1
+    swapped = t.clone()
+    swapped[i], swapped[j] = 2, 1  # same bytes, other places
+    assert fold_checksum(byte_checksum(flipped)) != ref
+    assert fold_checksum(byte_checksum(swapped)) != ref
+    assert fold_checksum(byte_checksum(t.clone())) == ref
+
+
+def test_device_checksum_equals_the_plain_definition():
+    """The row/column decomposition computes exactly sum(b) and sum(b * (i + 1)) (mod 2**64)."""
+    for n in [1, 4095, 4096, 4097, 3 * 4096 + 5, 100_000]:
+        t = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        wide = t.to(torch.int64)
+        plain = torch.stack([wide.sum(), (wide * torch.arange(1, n + 1)).sum()])
+        assert torch.equal(byte_checksum(t), plain), n
+
+
+def test_timing_events_measure_the_stream_not_the_launch(fake):
+    """What teraio's profiler needs on CUDA: events bracket the kernels' execution, while the host
+    returns from the launch at once (a host clock around the launch would measure nothing)."""
+    import time
+
+    start, end = fake.new_event(timing=True), fake.new_event(timing=True)
+    stream = fake.default_stream
+    fake.pause(stream)
+    fake.record(start, stream)
+    fake.launch(lambda: time.sleep(0.05))
+    fake.record(end, stream)
+    assert not fake.event_done(end)  # the launch returned; the kernel has not run
+    fake.resume(stream)
+    fake.synchronize_event(end)
+    assert fake.elapsed_ms(start, end) >= 50.0
