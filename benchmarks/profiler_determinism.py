@@ -22,23 +22,27 @@ import sys
 def _train(steps: int) -> tuple[list[dict], list[bool]]:
     import torch
 
-    from teraio.backend import TeraioBackend
+    from teraio.lifecycle import TeraioBackend
+    from teraio.measure import MemoryRecorder
     from teraio.workload import builtin_workload, compute_loss
 
     torch._dynamo.reset()
     workload = builtin_workload("tiny")
-    backend = TeraioBackend(inner="inductor", enabled=False, measure_memory=True)
+    backend = TeraioBackend(inner="inductor", enabled=False, measure_memory=False)
     compiled = torch.compile(workload.model, backend=backend)
     opt = torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
     grads, profiled = [], []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        runner = backend.runners[0] if backend.runners else None
-        if runner is not None and runner.phase == "running":
-            runner.measured_peak_bytes = None  # measure again (every other step: see GraphRunner)
+        # Every other step runs under the torch profiler's memory recording, as a measured step does.
+        rec = MemoryRecorder() if step % 2 else None
+        if rec is not None:
+            rec.start()
         loss = compute_loss(compiled, workload, step)
         loss.backward()
-        profiled.append(backend.runners[0]._mem_prof is not None)
+        if rec is not None:
+            rec.stop()
+        profiled.append(rec is not None)
         grads.append({n: p.grad.clone() for n, p in workload.model.named_parameters()})
         opt.step()
     return grads, profiled

@@ -104,6 +104,7 @@ def compile_graph(
     *,
     identity: str,
     graph_compiler: GraphCompiler | None = None,
+    inductor_options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph for training and inference with teraio's partitioner hook.
 
@@ -113,6 +114,7 @@ def compile_graph(
         identity: what distinguishes this compile in compile caches (phase and plan digest).
         graph_compiler: replaces code generation for training graphs (profiling: an interpreter).
             Inference graphs (no_grad, no input requiring grad) are always compiled normally.
+        inductor_options: Inductor config patches (``torch.compile(options=...)``), for "inductor".
     """
     if inner == "eager":
         from torch._dynamo.backends.common import aot_autograd
@@ -141,7 +143,10 @@ def compile_graph(
         return graph_compiler(g, list(ex), bool(kwargs.get("is_backward")))
 
     uuid = hashlib.sha256(f"{identity}:{source_digest()}".encode()).hexdigest()
-    patches: dict[str, Any] = {"custom_partitioner_fn": _inductor_partitioner(on_partition, uuid)}
+    patches: dict[str, Any] = {
+        **(inductor_options or {}),
+        "custom_partitioner_fn": _inductor_partitioner(on_partition, uuid),
+    }
     with inductor_config.patch(patches):
         if graph_compiler is None:
             return compile_fx(gm, example_inputs, inner_compile=inner_compile)

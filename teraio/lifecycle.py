@@ -111,8 +111,6 @@ class GraphRunner:
         graph_id: int,
         gm: fx.GraphModule,
         example_inputs: list[Any],
-        *,
-        plannable: bool = True,
     ) -> None:
         self.backend = backend
         self.cfg = backend.cfg
@@ -127,25 +125,18 @@ class GraphRunner:
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
         self._training = False
-        self._plannable = plannable
         self.phase = Phase.PROFILING
-        if plannable:
-            self._compiled = compile_graph(
-                gm,
-                example_inputs,
-                self.cfg.inner,
-                self._on_profiling_partition,
-                identity="profiling",
-                graph_compiler=self._profiling_compiler,
-            )
-        else:
-            self._compiled = compile_graph(
-                gm, example_inputs, self.cfg.inner, self._note_training, identity="plain"
-            )
+        self._compiled = compile_graph(
+            gm,
+            example_inputs,
+            self.cfg.inner,
+            self._on_profiling_partition,
+            identity="profiling",
+            graph_compiler=self._profiling_compiler,
+            inductor_options=backend.inductor_options,
+        )
         if not self._training:
             self.phase = Phase.INFERENCE
-        elif not plannable:
-            self.phase = Phase.RUNNING
 
     @property
     def name(self) -> str:
@@ -156,9 +147,6 @@ class GraphRunner:
         return self._training
 
     # ----------------------------------------------------------------------------------- compiling
-    def _note_training(self, step: CapturedStep) -> None:
-        self._training = True
-
     def _on_profiling_partition(self, step: CapturedStep) -> None:
         self._training = True
         self.profiler = StepProfiler(step, graph_id=self.graph_id, device=_device_of(self.example_inputs))
@@ -197,13 +185,22 @@ class GraphRunner:
         def run_bwd(args: list[Any]) -> Any:
             inv = self.backend.tracker.invocation_of_current_backward()
             out = prof.run_bwd(args, invocation=inv.id if inv is not None else None)
-            if self.phase is Phase.PROFILING and prof.steps_recorded >= self.cfg.profile_steps:
+            if self.phase is Phase.PROFILING and self._profiled_enough():
                 self.phase = Phase.PLANNING  # planned and compiled at the next forward, outside backward
             return out
 
         fn = run_bwd if is_backward else run_fwd
         fn._boxed_call = True  # type: ignore[attr-defined]
         return fn
+
+    def _profiled_enough(self) -> bool:
+        """``profile_steps`` steps recorded: the first takes the census, the last (from three on) runs
+        uninstrumented to calibrate the op times (Note: [Calibrated times] in teraio.profiler)."""
+        prof = self.profiler
+        assert prof is not None
+        if self.cfg.profile_steps >= 3:
+            return prof.calibration_bwd is not None and prof.steps_recorded >= self.cfg.profile_steps - 1
+        return prof.steps_recorded >= self.cfg.profile_steps
 
     def _finish_profiling(self) -> None:
         assert self.profiler is not None
@@ -242,6 +239,8 @@ class GraphRunner:
             raise self._pending_error
         if self.phase is Phase.INFERENCE or not torch.is_grad_enabled():
             return self._compiled(*args)
+        if self.phase is Phase.PROFILING:
+            self._before_profiled_forward()
         self.backend._advance(self)
         tracker = self.backend.tracker
         tracker.begin_forward(self)
@@ -252,6 +251,21 @@ class GraphRunner:
         if self.phase is Phase.PROFILING and self.profiler is not None and inv is not None:
             self.profiler.bind_last_forward(inv.id, abandoned=inv.end is InvocationEnd.ABANDONED)
         return out
+
+    def _before_profiled_forward(self) -> None:
+        prof = self.profiler
+        if prof is None:
+            return
+        if self.cfg.profile_steps >= 3 and prof.steps_recorded >= self.cfg.profile_steps - 1:
+            prof.calibrate_next = prof.calibration_bwd is None
+        if self.invocations >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
+            # Called with grad enabled again and again, never backpropagated (a validation loss in
+            # train mode): profiling would never finish, and interpreting every call is slow.
+            log.info(
+                "%s: %d forwards and no backward; running it without a plan", self.name, self.invocations
+            )
+            prof._pending.clear()
+            self.phase = Phase.PLANNING
 
 
 def _device_of(example_inputs: list[Any]) -> str:
@@ -271,8 +285,8 @@ class ShapeDispatch:
     """A graph with dynamic shapes: one GraphRunner (profile, plan) per concrete shape, bounded.
 
     Plans are exact for the shapes they were made for (sizes, offsets, bytes moved), so each shape
-    gets its own; after ``max_shapes`` shapes, further shapes run one compile of the dynamic graph
-    without migration (logged once).
+    gets its own; after ``max_shapes`` shapes, further shapes run the captured graph as it is, without
+    compiling or migration (logged once).
     """
 
     def __init__(self, backend: TeraioBackend, gm: fx.GraphModule, example_inputs: list[Any]) -> None:
@@ -280,7 +294,7 @@ class ShapeDispatch:
         self.gm = gm
         self.example_inputs = example_inputs
         self.by_shape: dict[tuple[Any, ...], GraphRunner] = {}
-        self._fallback: GraphRunner | None = None
+        self._warned = False
         self._lock = threading.Lock()
 
     @staticmethod
@@ -301,16 +315,14 @@ class ShapeDispatch:
                     runner = self.backend._new_runner(self.gm, _static_examples(args))
                     self.by_shape[key] = runner
                 else:
-                    if self._fallback is None:
+                    if not self._warned:
+                        self._warned = True
                         log.warning(
-                            "a graph has seen more than max_shapes=%d shapes; further shapes run without "
-                            "migration (raise max_shapes to plan them)",
+                            "a graph has seen more than max_shapes=%d shapes; further shapes run uncompiled "
+                            "and without migration (raise max_shapes to plan them)",
                             self.backend.cfg.max_shapes,
                         )
-                        self._fallback = self.backend._new_runner(
-                            self.gm, self.example_inputs, plannable=False
-                        )
-                    runner = self._fallback
+                    return self.gm(*args)
         return runner(*args)
 
 
@@ -325,6 +337,7 @@ class TeraioBackend:
         self._engine_id: int | None = None
         self._tmp_offload_dir: str | None = None
         self.plans_from_file: list[Plan] = []
+        self.inductor_options: dict[str, Any] = {}  # torch.compile(options=...), for inner="inductor"
         self.tracker = StepTracker(on_step_end=self._on_step_end)
         self._lock = threading.RLock()
         self._measure = MeasureState.WAITING
@@ -345,22 +358,22 @@ class TeraioBackend:
             self.plans_from_file = load_plans(self.cfg.plan)
 
     # ---------------------------------------------------------------------------- torch.compile API
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-        if kwargs.get("mode") in ("reduce-overhead", "max-autotune"):
-            from teraio.errors import UserInputError
-
-            raise UserInputError(
-                f"torch.compile(mode={kwargs['mode']!r}) uses CUDA graphs, whose replays would skip teraio's "
-                "host-side I/O: use the default mode with backend='teraio'"
-            )
+    def __call__(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        self.inductor_options = check_compile_mode(mode, options, self.cfg.inner)
         examples = list(example_inputs)
         if _is_dynamic(examples):
             return ShapeDispatch(self, gm, examples)
         return self._new_runner(gm, examples)
 
-    def _new_runner(self, gm: fx.GraphModule, examples: list[Any], plannable: bool = True) -> GraphRunner:
+    def _new_runner(self, gm: fx.GraphModule, examples: list[Any]) -> GraphRunner:
         with self._lock:
-            runner = GraphRunner(self, len(self.runners), gm, examples, plannable=plannable)
+            runner = GraphRunner(self, len(self.runners), gm, examples)
             self.runners.append(runner)
             step = self.tracker.current_step
             if step is not None and not step.complete:
@@ -476,12 +489,15 @@ class TeraioBackend:
         )[0]
         log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
 
-    def _step_calls(self, graphs: list[GraphRunner]) -> list[tuple[Any, str, int]]:
-        """The last complete step's calls among ``graphs`` (one fwd+bwd each when none was recorded)."""
+    def _step_calls(self, graphs: list[GraphRunner], absent_too: bool = True) -> list[tuple[Any, str, int]]:
+        """The last complete step's calls among ``graphs``; with ``absent_too``, graphs that were not
+        called in it are appended as one forward and backward each (planned as if they ran alone)."""
         step = self.tracker.last_complete
         calls = []
         if step is not None:
             calls = [(g, k.value, i) for g, k, i in step.calls if g in graphs]
+        if not absent_too:
+            return calls
         seen = {g for g, _, _ in calls}
         for n, r in enumerate(g for g in graphs if g not in seen):
             calls += [(r, "fwd", -1 - n), (r, "bwd", -1 - n)]
@@ -679,7 +695,9 @@ class TeraioBackend:
         """
         self._finish_measurement()
         plans = [(r, r.plan) for r in self.runners if r.plan is not None and r.is_training]
-        calls = self._step_calls([r for r in self.runners if r.is_training and r.profile is not None])
+        calls = self._step_calls(
+            [r for r in self.runners if r.is_training and r.profile is not None], absent_too=False
+        )
         fwd_calls = [g for g, k, _ in calls if k == "fwd"]
         graphs = [
             {
@@ -710,6 +728,35 @@ class TeraioBackend:
             "per_graph": graphs,
             **self._io_stats(),
         }
+
+
+_CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: str) -> dict[str, Any]:
+    """The Inductor options to compile with; refuses CUDA graphs (one line, what to do instead).
+
+    A CUDA graph replays recorded kernels without running Python: teraio's migration ops are host-side
+    I/O calls, so a replay would skip every offload and prefetch and compute on stale buffers.
+
+    Raises:
+        UserInputError: ``mode`` or ``options`` ask for CUDA graphs, or Inductor's config has them on.
+    """
+    from teraio.errors import UserInputError
+
+    options = dict(options or {})
+    asked = (
+        mode in _CUDAGRAPH_MODES
+        or bool(options.get("triton.cudagraphs"))
+        or (inner == "inductor" and bool(torch._inductor.config.triton.cudagraphs))
+    )
+    if asked:
+        what = f"mode={mode!r}" if mode in _CUDAGRAPH_MODES else "Inductor's triton.cudagraphs option"
+        raise UserInputError(
+            f"teraio cannot run under CUDA graphs ({what}): a graph replay skips teraio's host-side I/O; "
+            "use torch.compile's default mode (or mode='max-autotune-no-cudagraphs') with the teraio backend"
+        )
+    return options
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -34,6 +34,8 @@ class GraphRun:
     live_bytes: list[int] = field(default_factory=list)  # census after each op (values it left alive)
     transient_bytes: list[int] = field(default_factory=list)  # allocated and freed inside each op
     wall_s: float = 0.0
+    #: Ran as the graph's own generated code, not op by op: only ``wall_s`` (Note: [Calibrated times]).
+    uninstrumented: bool = False
 
 
 _OP_MARK = "teraio::op"
@@ -115,11 +117,27 @@ def classify_inputs(args: list[Any]) -> list[str]:
     return kinds
 
 
+def _run_uninstrumented(gm: fx.GraphModule, args_list: list[Any]) -> tuple[Any, float]:
+    args = list(args_list)
+    args_list.clear()
+    t0 = time.perf_counter()
+    out = gm(*args)
+    return out, time.perf_counter() - t0
+
+
 class StepProfiler:
     """Collects per-step timings of one captured graph and builds its Profile.
 
     ``run_fwd``/``run_bwd`` are the profiling 'compiled' graphs: they interpret and record. The first
-    recorded step is warm-up and excluded when more than one step was recorded.
+    recorded step is warm-up (and takes the memory census) and is excluded when more than one step was
+    recorded.
+
+    Note: [Calibrated times]
+    Timing op by op costs time of its own: the interpreter's dispatch per op, the clock reads. On small
+    ops that overhead dominates (the tiny GPT's summed op times came out 10x its real step), so a plan
+    made from raw op times would expect compute to hide far more I/O than it can. When asked
+    (``calibrate_next``), a step runs the partitioned graphs' own generated code, timed only as a whole,
+    and the forward's and backward's op durations are scaled so their sums equal those wall times.
     """
 
     def __init__(self, step: CapturedStep, graph_id: int = 0, device: str = "cpu") -> None:
@@ -133,6 +151,9 @@ class StepProfiler:
         self._input_refs: set[StorageWeakRef] = set()
         self._last_fwd: GraphRun | None = None
         self._pending: dict[int, GraphRun] = {}  # invocation id -> its forward's record
+        self.calibrate_next = False  # the next forward (and its backward) runs uninstrumented
+        self.calibration: GraphRun | None = None  # its forward; ``calibration_bwd`` its backward
+        self.calibration_bwd: GraphRun | None = None
 
     def run_fwd(self, args_list: list[Any]) -> Any:
         """Boxed: the interpreter clears ``args_list`` so inputs die as they would in compiled code."""
@@ -141,6 +162,11 @@ class StepProfiler:
         self._input_refs = {
             StorageWeakRef(a.untyped_storage()) for a in args_list if isinstance(a, torch.Tensor)
         }
+        if self.calibrate_next and self.fwd_runs:
+            self.calibrate_next = False
+            out, wall_s = _run_uninstrumented(self.step.fw_gm, args_list)
+            self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True)
+            return out
         interp = TimingInterpreter(self.step.fw_gm, self._input_refs, census=not self.fwd_runs)
         t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
@@ -166,6 +192,10 @@ class StepProfiler:
         pairs with its own forward's (``invocation``); a backward whose forward is unknown is not kept.
         """
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
+        if fwd is not None and fwd.uninstrumented:
+            out, wall_s = _run_uninstrumented(self.step.bw_gm, args_list)
+            self.calibration, self.calibration_bwd = fwd, GraphRun(wall_s=wall_s, uninstrumented=True)
+            return out
         census = fwd is not None and not self.bwd_runs
         interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census=census)
         t0 = time.perf_counter()
@@ -192,8 +222,16 @@ class StepProfiler:
         a = self.analysis
         fwd, bwd = self._measured(self.fwd_runs), self._measured(self.bwd_runs)
         ops_nodes = [("fwd", n) for n in a.fw_ops] + [("bwd", n) for n in a.bw_ops]
-        durations = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
-        durations += [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
+        fwd_us = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
+        bwd_us = [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
+        scales = {"fwd": 1.0, "bwd": 1.0}
+        if self.calibration is not None and self.calibration_bwd is not None:  # Note: [Calibrated times]
+            for phase, us, run in (("fwd", fwd_us, self.calibration), ("bwd", bwd_us, self.calibration_bwd)):
+                if sum(us) > 0:
+                    scales[phase] = min(1.0, run.wall_s * 1e6 / sum(us))
+            fwd_us = [d * scales["fwd"] for d in fwd_us]
+            bwd_us = [d * scales["bwd"] for d in bwd_us]
+        durations = fwd_us + bwd_us
         # Memory is deterministic: the census of the first step is the step's memory timeline, each op
         # with what it allocates and frees inside itself on top.
         live = [
@@ -246,6 +284,8 @@ class StepProfiler:
         ]
         fwd_s = statistics.median(r.wall_s for r in fwd)
         bwd_s = statistics.median(r.wall_s for r in bwd)
+        if self.calibration is not None and self.calibration_bwd is not None:
+            fwd_s, bwd_s = self.calibration.wall_s, self.calibration_bwd.wall_s
         meta = {
             "fingerprint": a.fingerprint,
             "graph_id": self.graph_id,
@@ -257,6 +297,9 @@ class StepProfiler:
             "fwd_s": fwd_s,
             "bwd_s": bwd_s,
             "op_sum_s": sum(durations) / 1e6,
+            "calibration_scale_fwd": scales["fwd"],
+            "calibration_scale_bwd": scales["bwd"],
+            "calibrated": self.calibration is not None,
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
             "census_peak_bytes": int(max(live)) if live else 0,

@@ -23,7 +23,13 @@ BUDGET = "50%"
 # Budgets a little above each tiny model's floor (the smallest achievable step peak, from the backend's
 # own error message). These models' floors are high: the logits and loss, BatchNorm's and autocast's
 # temporaries cannot be offloaded, and with a graph break one graph's tensors stay while the other runs.
-BUDGETS = {"gpt-graph-break": "60%", "gpt-checkpoint": "70%", "hf-gpt2": "75%", "hf-bert": "75%", "convnet": "75%"}
+BUDGETS = {
+    "gpt-graph-break": "70%",
+    "gpt-checkpoint": "70%",
+    "hf-gpt2": "75%",
+    "hf-bert": "75%",
+    "convnet": "75%",
+}
 BUDGETS_BY_PATTERN = {("gpt", "autocast"): "70%"}
 PEAK_SLACK = 1.05
 
@@ -114,13 +120,13 @@ def test_two_backends_in_one_process(tmp_path) -> None:
     )
     refs = []
     for case in cases:
-        be = _backend(False, budget="75%")
+        be = _backend(False, budget="85%")
         try:
             refs.append(run(case, "plain", be, STEPS))
         finally:
             be.close()
     torch._dynamo.reset()
-    backends = [_backend(True, budget="75%", offload_dirs=[str(tmp_path / n)]) for n in ("a", "b")]
+    backends = [_backend(True, budget="85%", offload_dirs=[str(tmp_path / n)]) for n in ("a", "b")]
     models = [case.build() for case in cases]
     compiled = [torch.compile(m, backend=be) for m, be in zip(models, backends)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
@@ -142,7 +148,11 @@ def test_two_backends_in_one_process(tmp_path) -> None:
         for st in stats:
             assert st["graphs"] == 1 and st["steps"] == STEPS
             assert st["moved_bytes_per_step"] > 0 and st["offloaded_bytes"] > 0
-        assert stats[0]["moved_bytes_per_step"] != stats[1]["moved_bytes_per_step"]
+        # Each backend counted its own steps and I/O (interleaved steps did not merge into one).
+        assert backends[0].engine is not backends[1].engine
+        for be, st in zip(backends, stats):
+            running = st["running_steps"]
+            assert running >= 1 and st["offloaded_bytes"] >= running * st["moved_bytes_per_step"]
     finally:
         for be in backends:
             be.close()

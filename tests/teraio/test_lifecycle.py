@@ -1,0 +1,145 @@
+"""The backend's lifecycle as a user meets it: the front door, refusals, messages, shapes, measurement."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import teraio
+from teraio.errors import UserInputError
+from teraio.lifecycle import Phase, TeraioBackend
+
+from .loops import CASES, GPTLoss, assert_bit_identical, run
+
+
+def test_backend_is_a_function_before_and_after_the_lifecycle_module_loads() -> None:
+    code = (
+        "import teraio; b = teraio.backend(memory_budget='50%'); print(type(b).__name__);"
+        "import torch; torch.compile(torch.nn.Linear(2, 2), backend='teraio');"
+        "import teraio.lifecycle; print(type(teraio.backend(memory_budget='50%')).__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["TeraioBackend", "TeraioBackend"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "reduce-overhead"}, "CUDA graphs"),
+        ({"options": {"triton.cudagraphs": True}}, "CUDA graphs"),
+    ],
+)
+def test_cuda_graph_modes_are_refused_in_one_line(kwargs, match) -> None:
+    torch._dynamo.reset()
+    be = TeraioBackend(inner="eager")
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend=be, **kwargs)
+    with pytest.raises(Exception, match=match) as info:
+        compiled(torch.randn(2, 4))
+    # Dynamo wraps a backend's error (BackendCompilerFailed); ours is the cause, one line.
+    cause = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(cause, UserInputError)
+    assert len(str(cause).splitlines()) == 1 and "default mode" in str(cause)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"inner": "tvm"}, "inner must be one of"),
+        ({"tiers": ["floppy"]}, "tiers must be one of"),
+        ({"profile_steps": 0}, "profile_steps"),
+        ({"on_plan_mismatch": "ignore"}, "on_plan_mismatch"),
+    ],
+)
+def test_bad_options_name_what_is_wrong(options, match) -> None:
+    with pytest.raises(UserInputError, match=match):
+        teraio.backend(**options)
+
+
+def test_profile_only_default_says_how_to_offload_once(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="teraio")
+    be = TeraioBackend(inner="eager", profile_steps=1)
+    run(CASES["gpt"], "plain", be, 3)
+    told = [r.getMessage() for r in caplog.records if "no memory_budget was set" in r.getMessage()]
+    assert len(told) == 1 and "teraio.backend(memory_budget=" in told[0]
+    assert any("profiling graph 0" in r.getMessage() for r in caplog.records)
+
+
+def test_shapes_beyond_max_shapes_run_unplanned_and_exact(caplog, tmp_path) -> None:
+    caplog.set_level(logging.INFO, logger="teraio")
+    case = CASES["gpt"]
+    kw = {"inner": "eager", "profile_steps": 1, "solver": "greedy", "memory_budget": "50%", "max_shapes": 2}
+    ref = TeraioBackend(**{**kw, "enabled": False})
+    try:
+        expected = run(case, "changing-shapes", ref, 9)
+    finally:
+        ref.close()
+    be = TeraioBackend(**kw, offload_dirs=[str(tmp_path)])
+    try:
+        got = run(case, "changing-shapes", be, 9)
+        assert_bit_identical(got, expected)
+        planned = [r for r in be.runners if r.plan is not None and r.plan.decisions]
+        assert len(planned) >= 2
+        assert any("max_shapes=2" in r.getMessage() for r in caplog.records)
+        # The first shape's static graph, then at most max_shapes per-shape graphs of the dynamic one.
+        assert len([r for r in be.runners if r.is_training]) <= 1 + 2
+    finally:
+        be.close()
+
+
+def test_measurement_is_silent_and_changes_no_bit(capfd, tmp_path) -> None:
+    """The backend's own measured step runs under the torch profiler: same bits, no profiler noise."""
+    kw = {"inner": "eager", "profile_steps": 1, "solver": "greedy", "memory_budget": "50%"}
+    quiet = TeraioBackend(**kw, measure_memory=False, offload_dirs=[str(tmp_path / "a")])
+    measured = TeraioBackend(**kw, measure_memory=True, offload_dirs=[str(tmp_path / "b")])
+    try:
+        a = run(CASES["gpt"], "plain", quiet, 6)
+        b = run(CASES["gpt"], "plain", measured, 6)
+        assert_bit_identical(a, b)
+        st = measured.stats()
+        assert st["measured_peak_bytes"] is not None
+        assert st["measured_peak_bytes"] <= 1.05 * measured.runners[0].step_budget_bytes
+    finally:
+        quiet.close()
+        measured.close()
+    err = capfd.readouterr().err
+    for noise in ("USDT", "Memory block of unknown size", "disableProfiler"):
+        assert noise not in err
+
+
+def test_stats_count_steps_not_graph_calls(tmp_path) -> None:
+    """Two graphs (a graph break): one step each iteration, bytes moved summed over the step's calls."""
+    be = TeraioBackend(
+        inner="eager", profile_steps=1, solver="greedy", memory_budget="70%", offload_dirs=[str(tmp_path)]
+    )
+    try:
+        run(CASES["gpt-graph-break"], "plain", be, 5)
+        st = be.stats()
+        assert st["steps"] == 5
+        assert st["graphs"] >= 2 and len(st["per_graph"]) == st["graphs"]
+        # Dynamo recompiles the second graph once (it specialises on the printed float first): the
+        # graphs of a step are the two called every step, not every graph ever compiled.
+        every_step = [g for g in st["per_graph"] if g["invocations"] >= 3]
+        assert len(every_step) == 2
+        assert st["moved_bytes_per_step"] == sum(g["moved_bytes_per_invocation"] for g in every_step) > 0
+        # step_s: only steps where every graph ran its final compilation (no compile time inside).
+        assert st["running_steps"] >= 1 and st["step_s"] is not None
+    finally:
+        be.close()
+
+
+def test_forward_only_graph_stops_being_profiled() -> None:
+    """A loss computed with grad enabled on every call and never backpropagated."""
+    be = TeraioBackend(inner="eager", profile_steps=2)
+    torch._dynamo.reset()
+    model = GPTLoss()
+    compiled = torch.compile(model, backend=be)
+    batch = CASES["gpt"].batch(0, 32)
+    for _ in range(8):
+        compiled(*batch)
+    (runner,) = be.runners
+    assert runner.phase is Phase.RUNNING and runner.profile is None
