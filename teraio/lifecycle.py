@@ -396,7 +396,7 @@ class TeraioBackend:
             unplanned = [r for r in ready if r.plan is None and r.profile is not None]
             if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
                 self._plan_step(unplanned)
-            elif unplanned and self.cfg.memory_budget is None:
+            elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()
             for r in ready:
                 r.compile_final()

@@ -109,7 +109,13 @@ def _materialized(gm: fx.GraphModule) -> set[fx.Node]:
     Note: [Anchors must not change fusion] An anchor is an input of a custom op, and a custom op's
     inputs must be real buffers: anchoring on a value Inductor would have fused away (a pointwise
     intermediate) forces it to be written out, which changes the kernels and, in bf16, the rounding.
-    So anchors are chosen only among values that are buffers anyway.
+    So anchors are chosen only among values that are buffers anyway. And an anchor creates a path
+    anchor -> migration op -> consumer: if the anchor did not already precede the consumer, two kernels
+    on either side of that new path could no longer fuse. In backward, where the fetched tensor feeds
+    compute, anchors are therefore chosen among the consumer's ancestors. Known gap: Inductor still
+    fuses differently around an offloaded forward tensor (seen on the built-in GPT: the embedding, its
+    add and the first layer norm stop being one kernel), which anchors alone do not explain;
+    ``test_migration_ops_leave_inductors_kernels_unchanged`` records it.
     """
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outputs: set[fx.Node] = set()
@@ -138,19 +144,36 @@ class _AnchorIndex:
         last_use = {n: max((index.get(u, len(ops)) for u in n.users), default=-1) for n in ops}
         return cls(ops, _allocating_ops(gm) & _materialized(gm), depth, last_use)
 
-    def before(self, pos: int) -> list[fx.Node]:
+    def ancestors(self, node: fx.Node) -> set[fx.Node]:
+        """Every node ``node`` depends on, transitively."""
+        seen: set[fx.Node] = set()
+        stack = list(node.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n not in seen:
+                seen.add(n)
+                stack.extend(n.all_input_nodes)
+        return seen
+
+    def before(self, pos: int, within: set[fx.Node] | None = None) -> list[fx.Node]:
         """Anchors for a node placed before ``ops[pos]`` (pos == len(ops): after the last op).
 
         Two anchors, both allocating ops before the position whose values are still alive there (so
         anchoring never lengthens a lifetime the plan's memory model did not count) and are buffers
-        whatever the compiler fuses (Note: [Anchors must not change fusion]): the nearest one,
+        whatever the compiler fuses (Note: [Anchors must not change fusion]), and, with ``within``,
+        among those nodes only (the ancestors of the op that will consume the result: then the anchor
+        adds no ordering the graph did not have): the nearest one,
         and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses an
         op into an earlier kernel when it can, so the nearest op alone may be computed early; the
         deepest op sits on the step's critical chain (the residual stream) and cannot run before
         everything that chain needs. Note: [Anchors pin positions] in ``teraio.ops``.
         """
         end = min(pos, len(self.ops))
-        cands = [n for n in self.ops[:end] if n in self.allocating and self.last_use[n] >= end]
+        cands = [
+            n
+            for n in self.ops[:end]
+            if n in self.allocating and self.last_use[n] >= end and (within is None or n in within)
+        ]
         if not cands:
             return []
         deepest = max(reversed(cands), key=lambda n: self.depth[n])
@@ -262,18 +285,21 @@ def apply_plan(
             continue
         bw_ops = a.bw_ops
         p_at = bw_ops[d.prefetch_before_idx - nf]
+        f_at = bw_ops[d.fetch_before_idx - nf]
+        # Note: [Anchors must not change fusion]: anchors every consumer of the tensor already follows.
+        consumers = {u for pos in g.members for u in bw_placeholders[pos].users if u.op == "call_function"}
+        precede = set.intersection(*(bw_anchor.ancestors(u) for u in consumers)) if consumers else set()
         pf = _insert(
             bw_graph,
             bw_mode,
             p_at,
             ops_teraio.prefetch.default,
-            (ph, bw_anchor.before(d.prefetch_before_idx - nf), key, engine_id),
+            (ph, bw_anchor.before(d.prefetch_before_idx - nf, precede), key, engine_id),
             f"teraio_prefetch_{g.name}",
         )
-        f_at = bw_ops[d.fetch_before_idx - nf]
         numel = g.nbytes // old_vals[g.members[0]].element_size()
         dtype, device = old_vals[g.members[0]].dtype, old_vals[g.members[0]].device
-        f_anchor = bw_anchor.before(d.fetch_before_idx - nf)
+        f_anchor = bw_anchor.before(d.fetch_before_idx - nf, precede)
         flat = _insert(
             bw_graph,
             bw_mode,

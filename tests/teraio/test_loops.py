@@ -99,6 +99,26 @@ def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
     _check(case_name, pattern, "eager", tmp_path)
 
 
+INDUCTOR_MATRIX = ["gpt", "hf-gpt2", "hf-bert", "convnet"]  # every one with dropout
+
+
+@pytest.fixture
+def deterministic_inductor():
+    """Inductor is bit-reproducible only in deterministic mode with one intra-op thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch._inductor.config.patch(deterministic=True):
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_name", INDUCTOR_MATRIX)
+def test_inductor_matrix(case_name: str, deterministic_inductor, tmp_path) -> None:
+    """Inductor's own passes (random-op replacement for dropout included) with and without the plan."""
+    _check(case_name, "plain", "inductor", tmp_path)
+
+
 def test_graph_break_has_one_budget_for_the_step(tmp_path) -> None:
     """Several graphs, one budget: each is planned with the others' memory in the step composed in."""
     _trace, be = _check("gpt-graph-break", "plain", "eager", tmp_path)
@@ -150,7 +170,7 @@ def test_two_backends_in_one_process(tmp_path) -> None:
             assert st["moved_bytes_per_step"] > 0 and st["offloaded_bytes"] > 0
         # Each backend counted its own steps and I/O (interleaved steps did not merge into one).
         assert backends[0].engine is not backends[1].engine
-        for be, st in zip(backends, stats):
+        for st in stats:
             running = st["running_steps"]
             assert running >= 1 and st["offloaded_bytes"] >= running * st["moved_bytes_per_step"]
     finally:
