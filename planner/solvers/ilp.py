@@ -51,7 +51,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from teraio.planner.bounds import bandwidth_windows
 from teraio.planner.budget import BudgetError, infeasible
+from teraio.planner.execution import channel_key
 from teraio.planner.layers import find_layers
 from teraio.planner.plan import Decision, Plan, SolverStats
 from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult
@@ -74,6 +76,15 @@ _STATUS = {
     cp_model.MODEL_INVALID: "MODEL_INVALID",
     cp_model.UNKNOWN: "UNKNOWN",
 }
+
+
+def _whole_us(duration_s: float) -> tuple[int, bool]:
+    """A duration in whole microseconds, rounded up (at least 1), and whether that is exact."""
+    us = duration_s * 1e6
+    near = round(us)
+    if abs(us - near) < 1e-6:
+        return max(1, int(near)), near >= 1
+    return max(1, math.ceil(us)), False
 
 
 def _memory_unit(sizes: list[int]) -> int:
@@ -117,6 +128,9 @@ class _IlpModel:
         self.n, self.nf = lt.num_ops, lt.num_fwd_ops
         # Durations rounded up to whole microseconds, at least 1 so every op owns a non-empty window.
         self.d = np.maximum(1, np.ceil(lt.duration_us - 1e-9)).astype(np.int64)
+        # Whether the model's times are the simulator's exactly (whole-us ops and transfers, no CPU
+        # interference): then an optimal model step must equal the simulated one.
+        self.exact_units = bool(np.array_equal(self.d, lt.duration_us))
         self.nominal_end = np.cumsum(self.d)
         self.tiers = [r for r in problem.hardware.available_tiers()]
         self.cands = [
@@ -143,8 +157,10 @@ class _IlpModel:
         for r in self.tiers:
             tm = problem.hardware.tier(r)
             for c in self.cands:
-                self.write_us[c.name, r] = max(1, math.ceil(tm.write_s(c.nbytes) * 1e6))
-                self.read_us[c.name, r] = max(1, math.ceil(tm.read_s(c.nbytes) * 1e6))
+                w_us, w_exact = _whole_us(tm.write_s(c.nbytes))
+                r_us, r_exact = _whole_us(tm.read_s(c.nbytes))
+                self.write_us[c.name, r], self.read_us[c.name, r] = w_us, r_us
+                self.exact_units = self.exact_units and w_exact and r_exact and tm.cpu_s_per_byte == 0
         # Memory no plan can move, per op, rounded up; candidates are added back as intervals.
         self.fixed_units = np.array([self.units(max(0, x)) for x in fixed], dtype=np.int64)
         self.auto = problem.budget_bytes is None
@@ -165,17 +181,27 @@ class _IlpModel:
             self.E = [m.new_constant(int(x)) for x in self.nominal_end]
         else:
             self.E = [m.new_int_var(int(self.nominal_end[k]), horizon, f"E{k}") for k in range(n)]
+            m.add(self.E[0] == int(d[0]))  # op 0 starts at time 0 (see the note below)
             for k in range(1, n):
                 m.add(self.E[k] >= self.E[k - 1] + int(d[k]))
         zero = m.new_constant(0)
         # R[k]: the boundary before op k is done waiting for writes and issues its reads. Waits happen
         # only before forward ops and at the end of forward (k <= nf); elsewhere R[k] = E[k-1].
+        # Note: [Forward ops start at their boundary] A forward op has no fetch to wait for, so the
+        # simulator starts it the moment its boundary's waits are done: E[k] == R[k] + d[k]. Letting it
+        # start later (as an earlier version did) let a tensor freed during that slack be counted as gone
+        # before the op's outputs exist, while the simulator counts both during the op: plans 0.3-11%
+        # over budget. Backward ops may still start after R[k] (their fetches), which only makes the
+        # model's memory window of the op longer than the simulator's op: conservative.
         self.R = [zero]
         for k in range(1, n):
             if k <= nf and not self.auto:
                 r = m.new_int_var(0, horizon, f"R{k}")
                 m.add(r >= self.E[k - 1])
-                m.add(r <= self.E[k] - int(d[k]))
+                if k < nf:
+                    m.add(r == self.E[k] - int(d[k]))
+                else:
+                    m.add(r <= self.E[k] - int(d[k]))
                 self.R.append(r)
             else:
                 self.R.append(self.E[k - 1])
@@ -225,9 +251,9 @@ class _IlpModel:
                 rd_iv = m.new_optional_fixed_size_interval_var(rs, rd, lit, f"R[{c.name},{r}]")
                 m.add(ws + wd <= pe).only_enforce_if(lit)
                 m.add(rs + rd <= self.E[c.fetch_idx] - int(d[c.fetch_idx])).only_enforce_if(lit)
-                shared = self.problem.hardware.tier(r).shared_channel
-                channels.setdefault((r, "rw" if shared else "write"), []).append(w)
-                channels.setdefault((r, "rw" if shared else "read"), []).append(rd_iv)
+                hw = self.problem.hardware
+                channels.setdefault(channel_key(hw, r, "write"), []).append(w)
+                channels.setdefault(channel_key(hw, r, "read"), []).append(rd_iv)
         for ivs in channels.values():
             m.add_no_overlap(ivs)
 
@@ -256,12 +282,20 @@ class _IlpModel:
             m.add_cumulative(mem_intervals, mem_demands, budget_units)
         self.budget_units = budget_units
         self._add_cuts(base_units)
+        if not self.auto:
+            self._add_bandwidth_cuts()
 
         self.moved_units = sum(self.moved[c.name] * c.units for c in self.cands)
-        # The issue's objective: compute + stall (the end of the last op), then the fewest bytes. CPU
-        # interference is proportional to bytes moved, so the second phase minimises it too; charging it
-        # in phase 1 in full over-weighted it (the simulator charges only overlap with running ops).
-        self.primary = self.peak if self.auto else self.E[-1]
+        # The objective: compute + stall (the end of the last op) + CPU interference, charged in full
+        # for every byte moved (once written, once read) (the simulator charges only the share that overlaps running ops, so the
+        # model's step is never below the simulated one); then, in a second solve, the fewest bytes.
+        self.cpu_us = sum(
+            self.o[c.name, r] * math.ceil(2 * c.nbytes * self.problem.hardware.tier(r).cpu_s_per_byte * 1e6)
+            for c in self.cands
+            for r in self.tiers
+            if self.problem.hardware.tier(r).cpu_s_per_byte > 0
+        )
+        self.primary = self.peak if self.auto else self.E[-1] + self.cpu_us
         self.m.minimize(self.primary)
 
     def _add_cuts(self, base_units: np.ndarray) -> None:
@@ -288,6 +322,20 @@ class _IlpModel:
         for k in over[np.argsort(-excess[over])][:MAX_CUTS]:
             idx = np.nonzero((start <= k) & (k <= end))[0]
             self.m.add(sum(self.moved[self.cands[i].name] * int(units[i]) for i in idx) >= int(excess[k]))
+
+    def _add_bandwidth_cuts(self) -> None:
+        """The bandwidth-window cuts of :mod:`planner.bounds`: between the end of op ``a`` and the start
+        of op ``b`` at least ``nbytes`` must move, which takes ``min_s``. They put bandwidth into the LP
+        relaxation, which otherwise bounds the step by compute time alone."""
+        self.num_bandwidth_cuts = 0
+        for w in bandwidth_windows(self.problem.lifetimes, self.problem.hardware, self.problem.budget_bytes):
+            need_us = int(math.floor(w.min_s * 1e6))
+            if w.direction == "write":  # written before the boundary of op b (waits happen there)
+                self.m.add(self.R[w.before_idx] - self.E[w.after_idx] >= need_us)
+            else:  # issued at the boundary after op a, done before op b starts
+                b = w.before_idx
+                self.m.add(self.E[b] - int(self.d[b]) - self.R[w.after_idx + 1] >= need_us)
+            self.num_bandwidth_cuts += 1
 
     # ------------------------------------------------------------------------------------ warm start
     def timeline_of(self, decisions: list[Decision] | tuple[Decision, ...]) -> _Timeline:
@@ -356,7 +404,15 @@ class _IlpModel:
 
     # --------------------------------------------------------------------------------------- extract
     def extract(self, solver: cp_model.CpSolver) -> list[Decision]:
-        """Decisions from a solution, listed in the model's write order (see the module docstring)."""
+        """Decisions from a solution, with queue ranks in the model's channel order.
+
+        Note: [Issue order is the model's channel order] A channel runs FIFO in issue order. A write is
+        issued after the latest forward op ending at or before the model's write start, which is monotone
+        in that start, so the write order is the model's. A read is issued before the op in whose window
+        the tensor's memory comes back; that is not monotone in the model's read start, so reads that the
+        model runs later are issued no earlier than the ones it runs before them (a later prefetch only
+        keeps a tensor away longer: memory never grows). Ranks break ties at one op in model order.
+        """
         lt = self.problem.lifetimes
         nf = self.nf
         end = np.array([solver.value(e) for e in self.E], dtype=np.int64)
@@ -366,11 +422,7 @@ class _IlpModel:
             tier = next((r for r in self.tiers if solver.boolean_value(self.o[c.name, r])), None)
             if tier is None:
                 continue
-            ws, pe, p = (
-                solver.value(self.ws[c.name]),
-                solver.value(self.pe[c.name]),
-                solver.value(self.p[c.name]),
-            )
+            ws, pe, p, rs = (solver.value(v[c.name]) for v in (self.ws, self.pe, self.p, self.rs))
             # Issued at the latest forward op end not after the model's write start.
             off = c.producer_idx + int(np.searchsorted(end[c.producer_idx : nf], ws, side="right")) - 1
             off = max(c.producer_idx, off)
@@ -382,8 +434,17 @@ class _IlpModel:
             pref = nf
             while pref < c.fetch_idx and end[pref] <= p:
                 pref += 1
-            wait = max(wait, off + 1)
-            d = lt.decision(
+            rows.append([c, tier, off, max(wait, off + 1), pref, ws, rs])
+        by_channel: dict[tuple[str, str], list] = {}
+        for row in rows:
+            by_channel.setdefault(channel_key(self.problem.hardware, row[1], "read"), []).append(row)
+        for part in by_channel.values():
+            part.sort(key=lambda r: r[6])
+            latest = nf
+            for row in part:
+                latest = row[4] = min(max(row[4], latest), row[0].fetch_idx)
+        decisions = [
+            lt.decision(
                 c.name,
                 tier=tier,
                 offload_after_idx=off,
@@ -391,9 +452,13 @@ class _IlpModel:
                 prefetch_before_idx=pref,
                 fetch_before_idx=c.fetch_idx,
             )
-            rows.append((off, ws, pref, solver.value(self.rs[c.name]), d))
-        rows.sort(key=lambda r: (r[0], r[1]))
-        return [r[4] for r in rows]
+            for c, tier, off, wait, pref, _, _ in rows
+        ]
+        w_rank = {r[0].name: k for k, r in enumerate(sorted(rows, key=lambda r: (r[2], r[5])))}
+        r_rank = {r[0].name: k for k, r in enumerate(sorted(rows, key=lambda r: (r[4], r[6])))}
+        return [
+            dataclasses.replace(d, write_rank=w_rank[d.name], read_rank=r_rank[d.name]) for d in decisions
+        ]
 
 
 def _better(a: SimResult, b: SimResult) -> bool:
@@ -435,9 +500,13 @@ def _complete_hint(m: cp_model.CpModel, time_limit_s: float) -> bool:
     return True
 
 
-def _run(model: _IlpModel, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+def _run(
+    model: _IlpModel, time_limit_s: float, workers: int, deterministic_s: float | None = None
+) -> tuple[cp_model.CpSolver, int]:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit_s))
+    if deterministic_s is not None:
+        solver.parameters.max_deterministic_time = max(0.01, float(deterministic_s))
     solver.parameters.num_workers = max(1, int(workers))
     solver.parameters.random_seed = 0
     status = solver.solve(model.m)
@@ -501,12 +570,15 @@ def solve_ilp(problem: Problem) -> Plan:
     # A hint on the decisions only leaves CP-SAT free to search (it reached OPTIMAL on 12 layers where a
     # complete hint kept it near greedy's plan); when that finds nothing, hint every variable instead.
     phase1_t0 = time.perf_counter()
-    solver, status = _run(model, phase1_s * (0.5 if warm else 1.0), problem.workers)
+    det = problem.deterministic_time_s
+    solver, status = _run(
+        model, phase1_s * (0.5 if warm else 1.0), problem.workers, det * 0.5 if det else None
+    )
     if warm and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
         if _complete_hint(model.m, min(0.1 * phase1_s, left_s())):
             hint = "partial, then complete"
             left = min(phase1_s - (time.perf_counter() - phase1_t0), left_s())
-            solver, status = _run(model, max(0.05, left), problem.workers)
+            solver, status = _run(model, max(0.05, left), problem.workers, det * 0.5 if det else None)
     status1 = _STATUS.get(status, str(status))
     extra: dict = {
         "model": {
@@ -531,6 +603,7 @@ def solve_ilp(problem: Problem) -> Plan:
         objective, bound = solver.objective_value, solver.best_objective_bound
         gap = (objective - bound) / objective if objective else 0.0
         ilp_decisions = model.extract(solver)
+        model_step_us = int(solver.value(model.E[-1] + model.cpu_us))
         # Phase 2: hold the first objective at its best value, move the fewest units.
         model.m.add(model.primary <= best1)
         model.m.clear_hints()
@@ -548,10 +621,11 @@ def solve_ilp(problem: Problem) -> Plan:
             model.m.add_hint(var, solver.value(var))
         model.m.minimize(model.moved_units)
         problem.report(0.8, "ilp: fewest bytes at that step time")
-        solver2, status2 = _run(model, left_s(), problem.workers)
+        solver2, status2 = _run(model, left_s(), problem.workers, det * PHASE2_SHARE if det else None)
         extra["phase2_status"] = _STATUS.get(status2, str(status2))
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             ilp_decisions = model.extract(solver2)
+            model_step_us = int(solver2.value(model.E[-1] + model.cpu_us))
     if model.auto:
         scale = model.unit
         extra["objective_unit"] = "peak bytes"
@@ -568,6 +642,16 @@ def solve_ilp(problem: Problem) -> Plan:
         ilp_sim = problem.simulate(ilp_decisions)
         extra["ilp_sim_step_s"] = ilp_sim.step_s
         extra["ilp_sim_peak_bytes"] = ilp_sim.peak_bytes
+        # The model's own plan, before any fallback: what the soundness test checks on every solve.
+        extra["own_plan"] = {
+            "model_step_s": model_step_us / 1e6,
+            "sim_step_s": ilp_sim.step_s,
+            "sim_peak_bytes": ilp_sim.peak_bytes,
+            "budget_bytes": problem.budget_bytes,
+            "status": status1,
+            "auto": model.auto,
+            "exact_units": model.exact_units,
+        }
         if warm_sim is None or better(ilp_sim, warm_sim) or not better(warm_sim, ilp_sim):
             chosen, status_out = ilp_decisions, status1
             extra["chosen"] = "ilp"

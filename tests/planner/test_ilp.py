@@ -85,7 +85,7 @@ def _tiny(other_at_2: int = 0, c_bytes: int = 0):
 
 
 def test_nothing_to_move_is_the_empty_optimal_plan():
-    plan = solve(_tiny(), 10_000, "ilp", _hw(30, 20), time_limit_s=5)
+    plan = solve(_tiny(), 10_000, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     assert plan.decisions == () and plan.stats.status == "OPTIMAL"
     assert plan.predicted_step_s == pytest.approx(400e-6)
 
@@ -93,7 +93,7 @@ def test_nothing_to_move_is_the_empty_optimal_plan():
 def test_absent_over_the_whole_middle_costs_write_plus_read():
     # Memory at f1 and b0 is A+B = 2000 > 1999: A must be away at both, so its write must finish
     # before f1 (stall 30 us) and its read can only start at the b0/b1 boundary (stall 20 us).
-    plan = solve(_tiny(), 1999, "ilp", _hw(30, 20), time_limit_s=5)
+    plan = solve(_tiny(), 1999, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     (d,) = plan.decisions
     assert (d.name, d.offload_after_idx, d.wait_before_idx, d.prefetch_before_idx, d.fetch_before_idx) == (
         "A",
@@ -110,7 +110,7 @@ def test_absent_over_the_whole_middle_costs_write_plus_read():
 def test_away_only_at_b0_hides_the_write():
     # Only b0 (with 500 B of workspace) is over: A may stay until the end of forward, so only the read
     # (issued at b1's boundary, 20 us) stalls. Optimal step: 400 + 20 us.
-    plan = solve(_tiny(other_at_2=500), 2000, "ilp", _hw(30, 20), time_limit_s=5)
+    plan = solve(_tiny(other_at_2=500), 2000, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     (d,) = plan.decisions
     assert d.name == "A" and d.wait_before_idx == 2 and d.prefetch_before_idx == 3
     assert plan.predicted_step_s == pytest.approx(420e-6)
@@ -119,7 +119,9 @@ def test_away_only_at_b0_hides_the_write():
 
 def test_fewest_bytes_among_equally_fast_plans():
     # Moving A (1000 B) or C (600 B) each clears the 100 B excess at b0 with the same stall: move C only.
-    plan = solve(_tiny(other_at_2=100, c_bytes=600), 2600, "ilp", _hw(1, 1), time_limit_s=5)
+    plan = solve(
+        _tiny(other_at_2=100, c_bytes=600), 2600, "ilp", _hw(1, 1), time_limit_s=30, deterministic_time_s=2
+    )
     assert [d.name for d in plan.decisions] == ["C"]
     assert plan.predicted_peak_bytes <= 2600
 
@@ -127,12 +129,19 @@ def test_fewest_bytes_among_equally_fast_plans():
 def test_budget_below_the_floor_names_the_smallest_peak():
     lt = analyse(_tiny())
     with pytest.raises(BudgetError, match=str(lt.min_feasible_peak_bytes)):
-        solve(_tiny(), lt.min_feasible_peak_bytes - 1, "ilp", _hw(30, 20), time_limit_s=5)
+        solve(
+            _tiny(),
+            lt.min_feasible_peak_bytes - 1,
+            "ilp",
+            _hw(30, 20),
+            time_limit_s=30,
+            deterministic_time_s=2,
+        )
 
 
 def test_auto_without_stall_beats_bisection_over_greedy():
     # Moving A always stalls the tiny step (the read cannot start before backward): auto keeps it.
-    slow = solve(_tiny(), "auto", "ilp", _hw(30, 20), time_limit_s=5)
+    slow = solve(_tiny(), "auto", "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     assert slow.predicted_peak_bytes == 2000 and slow.decisions == ()
     profile = synth_profile(layers=4)
     greedy = solve(profile, "auto", "greedy")
@@ -148,9 +157,16 @@ def test_host_tier_capacity_is_respected():
             "host": TierModel(write_bw_bytes_per_s=1e12, read_bw_bytes_per_s=1e12, capacity_bytes=999),
         },
     )
-    plan = solve(_tiny(), 1999, "ilp", hw, time_limit_s=5)
+    plan = solve(_tiny(), 1999, "ilp", hw, time_limit_s=30, deterministic_time_s=2)
     assert [d.tier for d in plan.decisions] == ["ssd"]  # A (1000 B) does not fit in 999 B of host memory
-    roomy = solve(_tiny(), 1999, "ilp", hw.with_overrides("host", capacity_bytes=1000), time_limit_s=5)
+    roomy = solve(
+        _tiny(),
+        1999,
+        "ilp",
+        hw.with_overrides("host", capacity_bytes=1000),
+        time_limit_s=30,
+        deterministic_time_s=2,
+    )
     assert [d.tier for d in roomy.decisions] == ["host"]  # free transfers: no stall at all
     assert roomy.predicted_step_s == pytest.approx(400e-6, abs=1e-8)
 
@@ -249,7 +265,7 @@ def test_ilp_keeps_the_budget_and_is_never_worse_than_greedy(case):
     except BudgetError:
         greedy = None
     try:
-        plan = solve(profile, budget, "ilp", hw, time_limit_s=2)
+        plan = solve(profile, budget, "ilp", hw, time_limit_s=30, deterministic_time_s=0.5)
     except BudgetError:
         assert greedy is None  # the ILP may only give up where greedy did too
         return

@@ -136,7 +136,8 @@ def test_simulate_what_if_and_timeline(files, capsys):
         Plan.load(tmp / "p.json").decisions
     )
     tight = json.loads(_run(capsys, "simulate", prof, tmp / "p.json", "--json", "--budget", "100MB")[1])
-    assert any("exceeds the budget" in v for v in tight["violations"])
+    assert [v["kind"] for v in tight["violations"]] == ["budget"]
+    assert "exceeds the budget" in tight["violations"][0]["message"]
     code, out, _ = _run(capsys, "simulate", prof, tmp / "p.json")
     assert code == 0 and "worst stalls" in out and "TB written per day" in out
 
