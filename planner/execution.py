@@ -72,6 +72,8 @@ class Replay:
 
     op_start: np.ndarray
     op_end: np.ndarray
+    #: When the boundary before each op is done waiting for writes (and issues its reads).
+    ready: np.ndarray
     stall: np.ndarray
     interference: np.ndarray
     w_issue: np.ndarray
@@ -132,6 +134,7 @@ def replay(
     out = Replay(
         op_start=np.zeros(n),
         op_end=np.zeros(n),
+        ready=np.zeros(n),
         stall=np.zeros(n),
         interference=np.zeros(n),
         w_issue=np.full(m, np.nan),
@@ -163,6 +166,7 @@ def replay(
         ready = t
         for k in waits_before.get(i, ()):
             ready = max(ready, out.w_end[k])
+        out.ready[i] = ready
         for k in reads_before.get(i, ()):
             out.r_issue[k], out.r_issue_idx[k] = ready, i
             out.r_start[k], out.r_end[k] = issue(k, "read", ready)

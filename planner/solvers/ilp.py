@@ -53,7 +53,7 @@ from ortools.sat.python import cp_model
 
 from teraio.planner.bounds import bandwidth_windows
 from teraio.planner.budget import BudgetError, infeasible
-from teraio.planner.execution import channel_key
+from teraio.planner.execution import channel_key, replay
 from teraio.planner.layers import find_layers
 from teraio.planner.plan import Decision, Plan, SolverStats
 from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult
@@ -340,43 +340,25 @@ class _IlpModel:
     # ------------------------------------------------------------------------------------ warm start
     def timeline_of(self, decisions: list[Decision] | tuple[Decision, ...]) -> _Timeline:
         """Replay ``decisions`` under the execution model in model units (no CPU interference)."""
-        n, d = self.n, self.d
-        writes_after: dict[int, list[Decision]] = {}
-        waits: dict[int, list[Decision]] = {}
-        reads: dict[int, list[Decision]] = {}
-        fetches: dict[int, list[Decision]] = {}
-        for x in decisions:
-            writes_after.setdefault(x.offload_after_idx, []).append(x)
-            waits.setdefault(x.wait_before_idx, []).append(x)
-            reads.setdefault(x.prefetch_before_idx, []).append(x)
-            fetches.setdefault(x.fetch_before_idx, []).append(x)
-        free: dict[tuple[str, str], int] = {}
-        w_start, w_end, r_start, r_end = {}, {}, {}, {}
-        end = np.zeros(n, dtype=np.int64)
-        mem_off, mem_on = {}, {}
-        ready_at = np.zeros(n, dtype=np.int64)
-        t = 0
-        for i in range(n):
-            ready = t
-            for x in waits.get(i, ()):
-                ready = max(ready, w_end[x.name])
-            for x in waits.get(i, ()):
-                mem_off[x.name] = ready
-            ready_at[i] = ready
-            for x in reads.get(i, ()):
-                ch = (x.tier, "rw" if self.problem.hardware.tier(x.tier).shared_channel else "read")
-                r_start[x.name] = max(ready, free.get(ch, 0))
-                r_end[x.name] = free[ch] = r_start[x.name] + self.read_us[x.name, x.tier]
-                mem_on[x.name] = ready
-            start = ready
-            for x in fetches.get(i, ()):
-                start = max(start, r_end[x.name])
-            t = end[i] = start + int(d[i])
-            for x in writes_after.get(i, ()):
-                ch = (x.tier, "rw" if self.problem.hardware.tier(x.tier).shared_channel else "write")
-                w_start[x.name] = max(t, free.get(ch, 0))
-                w_end[x.name] = free[ch] = w_start[x.name] + self.write_us[x.name, x.tier]
-        return _Timeline(end, ready_at, w_start, r_start, mem_off, mem_on)
+        rp = replay(
+            list(decisions),
+            self.problem.hardware,
+            self.d.astype(np.float64),
+            transfer=lambda x, direction: (self.write_us if direction == "write" else self.read_us)[
+                x.name, x.tier
+            ],
+            cpu_cost=lambda x: 0.0,
+        )
+        names = [x.name for x in decisions]
+        as_int = lambda a: {x: int(round(v)) for x, v in zip(names, a)}  # noqa: E731
+        return _Timeline(
+            end_us=np.rint(rp.op_end).astype(np.int64),
+            ready_us=np.rint(rp.ready).astype(np.int64),
+            write_start_us=as_int(rp.w_start),
+            read_start_us=as_int(rp.r_start),
+            mem_off_us={x.name: int(round(rp.ready[x.wait_before_idx])) for x in decisions},
+            mem_on_us=as_int(rp.r_issue),
+        )
 
     def add_hint(self, decisions: list[Decision] | tuple[Decision, ...]) -> None:
         """A complete hint from a plan (greedy's): CP-SAT starts from it and repairs it if needed."""
@@ -513,10 +495,105 @@ def _run(
     return solver, status
 
 
+#: Problems with at most this many candidates get the whole-step model first; larger ones go straight to
+#: the layer-window search (at 48 layers CP-SAT found no whole-step solution in 60 s, even hinted).
+FULL_MODEL_MAX_CANDIDATES = 300
+#: Layers per window of the large-neighbourhood search, and the CP-SAT time per window (seconds).
+LNS_WIDTH = 4
+LNS_WINDOW_S = 4.0
+
+
+@dataclass
+class _Search:
+    """The incumbent and what every model solution looked like (the soundness fixture reads ``own``)."""
+
+    problem: Problem
+    model: _IlpModel
+    decisions: list[Decision]
+    sim: SimResult
+    source: str
+    status: str = "HEURISTIC"
+    own: list[dict] = dataclasses.field(default_factory=list)
+    improvements: int = 0
+
+    def offer(self, solver: cp_model.CpSolver, status: int, label: str) -> bool:
+        """Extract the solution, judge it in the simulator, keep it when better. True when kept."""
+        decisions = self.model.extract(solver)
+        sim = self.problem.simulate(decisions)
+        m = self.model
+        self.own.append(
+            {
+                "label": label,
+                "model_step_s": None if m.auto else solver.value(m.E[-1] + m.cpu_us) / 1e6,
+                "sim_step_s": sim.step_s,
+                "sim_peak_bytes": sim.peak_bytes,
+                "budget_bytes": self.problem.budget_bytes,
+                "status": _STATUS.get(status, str(status)),
+                "auto": m.auto,
+                "exact_units": m.exact_units,
+            }
+        )
+        better = _better_auto if m.auto else _better
+        if better(sim, self.sim) or (label == "whole step" and not better(self.sim, sim)):
+            self.decisions, self.sim, self.source = decisions, sim, label
+            self.status = "OPTIMAL" if status == cp_model.OPTIMAL and label == "whole step" else "FEASIBLE"
+            self.improvements += 1
+            return True
+        return False
+
+
+def _lns(search: _Search, windows: list[tuple[int, ...]], layers, deadline: float, det: float | None) -> int:
+    """Re-solve the model with only one layer window's tensors free, the rest fixed to the incumbent.
+
+    Windows are visited worst first (most simulated stall in their ops), the incumbent hinted in full.
+    Returns the number of windows solved.
+    """
+    model, problem = search.model, search.problem
+    spans = layers.layers
+
+    def stall_in(window: tuple[int, ...]) -> float:
+        st = search.sim.stall_s_per_op
+        return sum(
+            float(st[s.fwd_start_idx : s.fwd_stop_idx].sum() + st[s.bwd_start_idx : s.bwd_stop_idx].sum())
+            for s in (spans[i] for i in window)
+        )
+
+    order = sorted(windows, key=lambda w: -stall_in(w))
+    solved = 0
+    for window in order:
+        left = deadline - time.perf_counter()
+        if left < 0.5:
+            break
+        free = {name for i in window for name in spans[i].tensor_names}
+        chosen = {d.name: d for d in search.decisions}
+        m = model.m
+        m.clear_hints()
+        model.add_hint(search.decisions)
+        sub = m.clone()
+        for c in model.cands:
+            if c.name in free:
+                continue
+            d = chosen.get(c.name)
+            for r in model.tiers:
+                var = sub.get_bool_var_from_proto_index(model.o[c.name, r].index)
+                sub.add(var == int(d is not None and d.tier == r))
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.2, min(LNS_WINDOW_S, left))
+        if det is not None:
+            solver.parameters.max_deterministic_time = max(0.01, det / max(1, len(order)))
+        solver.parameters.num_workers = max(1, problem.workers)
+        solver.parameters.random_seed = 0
+        status = solver.solve(sub)
+        solved += 1
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            search.offer(solver, status, f"window {window[0]}-{window[-1]}")
+    return solved
+
+
 @register_solver("ilp", supports_auto=True)
 def solve_ilp(problem: Problem) -> Plan:
-    """Plan with CP-SAT under ``problem.time_limit_s`` (split between the two objectives), warm-started
-    from greedy, and return whichever of its plan and greedy's simulates better.
+    """The exact solver: the best of the ``pipeline`` and ``greedy`` plans, improved with CP-SAT (the whole
+    step when it is small, then a large-neighbourhood search over layer windows), judged by the simulator.
 
     Raises:
         BudgetError: the budget is below the smallest achievable peak.
@@ -526,154 +603,135 @@ def solve_ilp(problem: Problem) -> Plan:
     if problem.budget_bytes is not None and problem.hardware.available_tiers():
         if problem.budget_bytes < lt.min_feasible_peak_bytes:
             raise infeasible(problem.budget_bytes, lt.min_feasible_peak_bytes)
-    problem.report(0.0, "ilp: greedy warm start")
-    greedy_plan = None
-    try:
-        greedy_plan = get_solver("greedy")(dataclasses.replace(problem, progress=None))
-    except BudgetError:
-        greedy_plan = None
-    warm = list(greedy_plan.decisions) if greedy_plan is not None else []
-    warm_sim = problem.simulate(warm) if greedy_plan is not None else None
+    auto = problem.budget_bytes is None
+    better = _better_auto if auto else _better
+    # CP-SAT overruns its limit a little (presolve, shutdown) and the simulations after it take time:
+    # keep a reserve so the whole call stays within the time limit.
+    deadline = t0 + problem.time_limit_s * (1 - RESERVE_SHARE)
+    det = problem.deterministic_time_s
+
+    def left_s() -> float:
+        return max(0.05, deadline - time.perf_counter())
+
+    problem.report(0.0, "ilp: starts")
+    starts: dict[str, tuple[list[Decision], SimResult]] = {}
+    for name in ("greedy",) if auto else ("pipeline", "greedy"):
+        try:
+            plan = get_solver(name)(dataclasses.replace(problem, progress=None))
+        except BudgetError:
+            continue
+        starts[name] = (list(plan.decisions), problem.simulate(plan.decisions))
+    best_start = None
+    for name, (_, sim) in starts.items():
+        if best_start is None or better(sim, starts[best_start][1]):
+            best_start = name
 
     layers = find_layers(problem.profile)
-    if not len(lt.candidates) or (
-        problem.budget_bytes is not None and lt.baseline_peak_bytes <= problem.budget_bytes
-    ):
+    extra: dict = {
+        "layers": layers.summary(),
+        "starts": {k: v[1].step_s for k, v in starts.items()},
+        "warm_start": best_start or "none",
+    }
+    if not len(lt.candidates) or (not auto and lt.baseline_peak_bytes <= problem.budget_bytes):
         # Nothing needs to move (or nothing can): the empty plan has no stall and moves no byte.
         stats = SolverStats(
             solver="ilp",
             status="OPTIMAL",
             objective=lt.compute_s,
             bound=lt.compute_s,
-            gap=0.0,
             wall_s=time.perf_counter() - t0,
-            extra={"chosen": "empty plan (already within budget)", "layers": layers.summary()},
+            extra={**extra, "chosen": "empty plan (already within budget)"},
         )
-        if problem.budget_bytes is not None or not len(lt.candidates):
+        if not auto or not len(lt.candidates):
             return make_plan(problem, [], stats)
 
     build_t0 = time.perf_counter()
     model = _IlpModel(problem)
-    hint = "partial" if warm else "none"
-    if warm:
-        model.add_hint(warm)
-    build_s = time.perf_counter() - build_t0
-    # CP-SAT overruns its limit a little (presolve, shutdown) and the simulations after it take time:
-    # keep a reserve so the whole call stays within the time limit.
-    deadline = t0 + problem.time_limit_s * (1 - RESERVE_SHARE)
-
-    def left_s() -> float:
-        return max(0.05, deadline - time.perf_counter())
-
-    phase1_s = left_s() * (1 - PHASE2_SHARE)
-    problem.report(0.1, f"ilp: solving ({len(model.cands)} candidates, {model.n} ops)")
-    # A hint on the decisions only leaves CP-SAT free to search (it reached OPTIMAL on 12 layers where a
-    # complete hint kept it near greedy's plan); when that finds nothing, hint every variable instead.
-    phase1_t0 = time.perf_counter()
-    det = problem.deterministic_time_s
-    solver, status = _run(
-        model, phase1_s * (0.5 if warm else 1.0), problem.workers, det * 0.5 if det else None
-    )
-    if warm and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
-        if _complete_hint(model.m, min(0.1 * phase1_s, left_s())):
-            hint = "partial, then complete"
-            left = min(phase1_s - (time.perf_counter() - phase1_t0), left_s())
-            solver, status = _run(model, max(0.05, left), problem.workers, det * 0.5 if det else None)
-    status1 = _STATUS.get(status, str(status))
-    extra: dict = {
-        "model": {
-            "candidates": len(model.cands),
-            "ops": model.n,
-            "tiers": model.tiers,
-            "memory_unit_nbytes": model.unit,
-            "build_s": round(build_s, 3),
-            "variables": len(model.m.proto.variables),
-            "constraints": len(model.m.proto.constraints),
-        },
-        "phase1_status": status1,
-        "proven_for": "the model: op times rounded up to whole us, CPU interference left out of phase 1",
-        "layers": layers.summary(),
-        "warm_start": "greedy" if warm else "none",
-        "hint": hint,
+    extra["model"] = {
+        "candidates": len(model.cands),
+        "ops": model.n,
+        "tiers": model.tiers,
+        "memory_unit_nbytes": model.unit,
+        "build_s": round(time.perf_counter() - build_t0, 3),
+        "variables": len(model.m.proto.variables),
+        "constraints": len(model.m.proto.constraints),
+        "bandwidth_cuts": getattr(model, "num_bandwidth_cuts", 0),
     }
-    objective = bound = gap = None
-    ilp_decisions: list[Decision] | None = None
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        best1 = int(round(solver.objective_value))
-        objective, bound = solver.objective_value, solver.best_objective_bound
-        gap = (objective - bound) / objective if objective else 0.0
-        ilp_decisions = model.extract(solver)
-        model_step_us = int(solver.value(model.E[-1] + model.cpu_us))
-        # Phase 2: hold the first objective at its best value, move the fewest units.
-        model.m.add(model.primary <= best1)
-        model.m.clear_hints()
-        hinted = [
-            *model.o.values(),
-            *model.pe.values(),
-            *model.p.values(),
-            *model.ws.values(),
-            *model.rs.values(),
-            *model.moved.values(),
-        ]
-        if not model.auto:
-            hinted += [*model.E, *model.R[1 : model.nf + 1]]
-        for var in hinted:
-            model.m.add_hint(var, solver.value(var))
-        model.m.minimize(model.moved_units)
-        problem.report(0.8, "ilp: fewest bytes at that step time")
-        solver2, status2 = _run(model, left_s(), problem.workers, det * PHASE2_SHARE if det else None)
-        extra["phase2_status"] = _STATUS.get(status2, str(status2))
-        if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            ilp_decisions = model.extract(solver2)
-            model_step_us = int(solver2.value(model.E[-1] + model.cpu_us))
+    extra["proven_for"] = "the model: op and transfer times rounded up to whole us, CPU cost of I/O in full"
+    if best_start is None:
+        empty_sim = problem.simulate([])
+        search = _Search(problem, model, [], empty_sim, "none", status="UNKNOWN")
+    else:
+        search = _Search(problem, model, starts[best_start][0], starts[best_start][1], best_start)
+    objective = bound = None
+
+    if auto or len(model.cands) <= FULL_MODEL_MAX_CANDIDATES:
+        problem.report(0.1, f"ilp: whole step ({len(model.cands)} candidates, {model.n} ops)")
+        if search.decisions:
+            model.add_hint(search.decisions)
+        # Half the time on the whole step (all of it for "auto"); a hint on every variable when CP-SAT
+        # finds nothing from the hint alone.
+        share = 1.0 if auto or not layers.num_layers else 0.5
+        phase1_s = left_s() * share * (1 - PHASE2_SHARE)
+        solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+        if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
+            if _complete_hint(model.m, min(0.1 * phase1_s, left_s())):
+                solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+        extra["phase1_status"] = _STATUS.get(status, str(status))
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            objective, bound = solver.objective_value, solver.best_objective_bound
+            search.offer(solver, status, "whole step")
+            # Phase 2: hold the first objective at its best value, move the fewest units.
+            best1 = int(round(solver.objective_value))
+            model.m.add(model.primary <= best1)
+            model.m.clear_hints()
+            hinted = [
+                *model.o.values(),
+                *model.pe.values(),
+                *model.p.values(),
+                *model.ws.values(),
+                *model.rs.values(),
+                *model.moved.values(),
+            ]
+            if not model.auto:
+                hinted += [*model.E, *model.R[1 : model.nf + 1]]
+            for var in hinted:
+                model.m.add_hint(var, solver.value(var))
+            model.m.minimize(model.moved_units)
+            problem.report(0.5, "ilp: fewest bytes at that step time")
+            solver2, status2 = _run(
+                model, left_s() * share * PHASE2_SHARE, problem.workers, det * 0.25 if det else None
+            )
+            extra["phase2_status"] = _STATUS.get(status2, str(status2))
+            if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                search.offer(solver2, status, "whole step")  # optimal in phase 1's objective
+            model.m.minimize(model.primary)
+    if not auto and layers.num_layers >= 2 and search.decisions and left_s() > 0.5:
+        problem.report(0.6, "ilp: layer windows")
+        extra["lns_windows_solved"] = _lns(
+            search, layers.windows(LNS_WIDTH), layers, deadline, det * 0.5 if det else None
+        )
     if model.auto:
-        scale = model.unit
         extra["objective_unit"] = "peak bytes"
         if objective is not None:
-            objective, bound = objective * scale, bound * scale
+            objective, bound = objective * model.unit, bound * model.unit
     else:
-        extra["objective_unit"] = "model step time s (compute + stall; interference excluded)"
+        extra["objective_unit"] = "model step time s (compute + stall + full CPU cost of I/O)"
         if objective is not None:
             objective, bound = objective / 1e6, bound / 1e6
-
-    chosen, status_out = warm, "HEURISTIC"
-    better = _better_auto if model.auto else _better
-    if ilp_decisions is not None:
-        ilp_sim = problem.simulate(ilp_decisions)
-        extra["ilp_sim_step_s"] = ilp_sim.step_s
-        extra["ilp_sim_peak_bytes"] = ilp_sim.peak_bytes
-        # The model's own plan, before any fallback: what the soundness test checks on every solve.
-        extra["own_plan"] = {
-            "model_step_s": model_step_us / 1e6,
-            "sim_step_s": ilp_sim.step_s,
-            "sim_peak_bytes": ilp_sim.peak_bytes,
-            "budget_bytes": problem.budget_bytes,
-            "status": status1,
-            "auto": model.auto,
-            "exact_units": model.exact_units,
-        }
-        if warm_sim is None or better(ilp_sim, warm_sim) or not better(warm_sim, ilp_sim):
-            chosen, status_out = ilp_decisions, status1
-            extra["chosen"] = "ilp"
-        else:
-            extra["chosen"] = "greedy (simulates better than the ILP's plan)"
-    elif warm_sim is not None:
-        extra["chosen"] = f"greedy (CP-SAT: {status1})"
-        status_out = "HEURISTIC" if status1 != "INFEASIBLE" else "INFEASIBLE"
-    else:
-        status_out = status1 if status1 == "INFEASIBLE" else "UNKNOWN"
-        extra["chosen"] = "none"
-    if warm_sim is not None:
-        extra["greedy_sim_step_s"] = warm_sim.step_s
-        extra["greedy_sim_peak_bytes"] = warm_sim.peak_bytes
+    extra["chosen"] = search.source
+    extra["own_plans"] = search.own
+    extra["improvements"] = search.improvements
+    status_out = search.status
+    if search.sim.budget_bytes is not None and not search.sim.within_budget:
+        status_out = "INFEASIBLE"
     stats = SolverStats(
         solver="ilp",
         status=status_out,
         objective=objective,
         bound=bound,
-        gap=gap,
         wall_s=time.perf_counter() - t0,
         extra=extra,
     )
     problem.report(1.0, "ilp: done")
-    return make_plan(problem, chosen, stats)
+    return make_plan(problem, search.decisions, stats)

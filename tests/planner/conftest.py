@@ -2,7 +2,7 @@
 
 The ILP returns greedy's (or another start's) plan when its own simulates worse, which would hide a model
 that disagrees with the simulator. So each solve records its own plan's simulation before any fallback
-(``stats.extra["own_plan"]``) and this fixture asserts, for every solve: the own plan is within budget, the
+(``stats.extra["own_plans"]``, one record per model solution) and this fixture asserts, for every solve: the own plan is within budget, the
 model never predicts a faster step than the simulator finds (the model is pessimistic, never optimistic),
 and where the model is proven optimal on exact units (whole-microsecond times, no CPU interference) its
 step equals the simulated step.
@@ -37,8 +37,7 @@ def _check_every_ilp_solve(monkeypatch):
 
     def checked(problem):
         plan = info.fn(problem)
-        own = plan.stats.extra.get("own_plan")
-        if own is not None:
+        for own in plan.stats.extra.get("own_plans", []):
             check_own_plan(own)
             seen.append(own)
         return plan
