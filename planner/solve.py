@@ -155,6 +155,8 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
         bound_s = max(bound_s, stats.lower_bound_s)
     if problem.budget_bytes is None or sim.violations:
         bound_s = None  # "auto" minimises the peak, and an infeasible plan has no gap to speak of
+    else:
+        bound_s = min(bound_s, sim.step_s)  # summing op times in another order differs in the last bit
     stats = dataclasses.replace(
         stats,
         lower_bound_s=bound_s,
