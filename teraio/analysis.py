@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from teraio.planner.budget import format_size
+from teraio.planner.sweep import SWEEP_COLUMNS
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -24,25 +25,7 @@ if TYPE_CHECKING:
     from teraio.planner.profile import Profile
     from teraio.planner.simulate import SimResult
 
-#: Columns of :func:`budget_sweep` (``planner.sweep``'s, repeated here so importing this module stays cheap).
-SWEEP_COLUMNS = (
-    "solver",
-    "budget_spec",
-    "budget_bytes",
-    "status",
-    "predicted_peak_bytes",
-    "peak_fraction",
-    "predicted_step_s",
-    "predicted_stall_s",
-    "compute_s",
-    "slowdown",
-    "lower_bound_s",
-    "gap",
-    "moved_bytes",
-    "decisions",
-    "solve_s",
-    "note",
-)
+__all__ = ["SWEEP_COLUMNS", "PLAN_COLUMNS"]  # SWEEP_COLUMNS is planner.sweep's, re-exported
 
 #: Columns of :func:`plan_table`.
 PLAN_COLUMNS = (
@@ -158,9 +141,8 @@ def budget_sweep(
         solve_kwargs: passed to :func:`planner.solve.solve` (``hardware``, ``time_limit_s``, ...).
 
     Returns:
-        One row per budget, columns :data:`SWEEP_COLUMNS`.
+        One row per budget, columns :data:`SWEEP_COLUMNS` (``planner.sweep``'s).
     """
-    # Lazy: the solver registry imports OR-Tools, which a caller only plotting should not pay for.
     from teraio.planner.sweep import budget_sweep as sweep
 
     return sweep(profile, budgets, [solver], lifetimes=lifetimes, **solve_kwargs)
