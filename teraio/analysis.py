@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 
 from teraio.planner.budget import format_size
-from teraio.planner.sweep import SWEEP_COLUMNS
+from teraio.planner.sweep import SWEEP_COLUMNS as SWEEP_COLUMNS  # re-exported for the notebooks
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
     from teraio.planner.plan import Plan
     from teraio.planner.profile import Profile
     from teraio.planner.simulate import SimResult
-
-__all__ = ["SWEEP_COLUMNS", "PLAN_COLUMNS"]  # SWEEP_COLUMNS is planner.sweep's, re-exported
 
 #: Columns of :func:`plan_table`.
 PLAN_COLUMNS = (
