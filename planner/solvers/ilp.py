@@ -65,7 +65,7 @@ MAX_UNIT_NBYTES = 4096
 #: Share of the time limit kept for the second (fewest bytes) solve.
 PHASE2_SHARE = 0.25
 #: Share of the time limit kept in reserve for CP-SAT's overrun and the simulations after it.
-RESERVE_SHARE = 0.1
+RESERVE_SHARE = 0.15
 #: Over-budget ops that get a knapsack cut (the ones with the largest excess; cuts are cheap but not free).
 MAX_CUTS = 256
 
