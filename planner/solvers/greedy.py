@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from teraio.planner.execution import Candidate, channel_key
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes
 from teraio.planner.plan import Decision, Plan, SolverStats
@@ -96,8 +97,7 @@ class _State:
         self.dur_us = self.lt.duration_us
 
     def channel(self, tier: str, direction: str) -> _Channel:
-        key = (tier, "rw") if self.hw.tiers[tier].shared_channel else (tier, direction)
-        return self.channels.setdefault(key, _Channel())
+        return self.channels.setdefault(channel_key(self.hw, tier, direction), _Channel())
 
     def excess(self) -> np.ndarray:
         return np.maximum(self.mem - self.budget, 0)
@@ -115,16 +115,16 @@ class _State:
             self.held[tier][lo] += nbytes
             self.held[tier][hi + 1] -= nbytes
 
-    def place(self, c: dict, tier: str, excess: np.ndarray) -> _Placement | None:
+    def place(self, c: Candidate, tier: str, excess: np.ndarray) -> _Placement | None:
         """The stall-free placement (in nominal time) of candidate ``c`` on ``tier``, or None."""
         lt, nf = self.lt, self.lt.num_fwd_ops
         t = self.hw.tiers[tier]
-        nbytes = c["nbytes"]
+        nbytes = c.nbytes
         w_us = t.write_s(nbytes) * 1e6
         r_us = t.read_s(nbytes) * 1e6
         # Earliest op k >= producer whose end finds the write channel free for the whole write.
         wch = self.channel(tier, "write")
-        k = c["producer_idx"]
+        k = c.producer_idx
         write = None
         while k < nf:
             a = self.end_us[k]
@@ -136,13 +136,13 @@ class _State:
         if write is None:
             return None
         # The write must be complete before an op j in (max(k, last_fwd), nf].
-        j = max(k, c["last_fwd_use_idx"]) + 1
+        j = max(k, c.last_fwd_use_idx) + 1
         j = max(j, bisect_left(self.start_us, write[1] - _EPS_US, lo=j))
         if j > nf or (j < lt.num_ops and self.start_us[j] < write[1] - _EPS_US):
             return None
         # Latest backward op p <= first use whose start finds the read channel free and the read done in time.
         rch = self.channel(tier, "read")
-        first = c["first_bwd_use_idx"]
+        first = c.first_bwd_use_idx
         deadline = self.start_us[first]
         p = min(first, bisect_right(self.start_us, deadline - r_us + _EPS_US) - 1)
         read = None
@@ -162,7 +162,7 @@ class _State:
         gain = float(np.minimum(excess[j:p], nbytes) @ self.dur_us[j:p])
         return _Placement(tier, k, j, p, write, read, gain / max(w_us + r_us, _EPS_US))
 
-    def best_placement(self, c: dict, excess: np.ndarray) -> _Placement | None:
+    def best_placement(self, c: Candidate, excess: np.ndarray) -> _Placement | None:
         best = None
         for tier in self.tiers:
             pl = self.place(c, tier, excess)
@@ -170,13 +170,13 @@ class _State:
                 best = pl
         return best
 
-    def commit(self, c: dict, pl: _Placement) -> Decision:
+    def commit(self, c: Candidate, pl: _Placement) -> Decision:
         self.channel(pl.tier, "write").reserve(*pl.write_us)
         self.channel(pl.tier, "read").reserve(*pl.read_us)
-        self.mem[pl.wait_before_idx : pl.prefetch_before_idx] -= c["nbytes"]
-        self.hold(pl.tier, c["nbytes"], pl.offload_after_idx + 1, c["first_bwd_use_idx"])
+        self.mem[pl.wait_before_idx : pl.prefetch_before_idx] -= c.nbytes
+        self.hold(pl.tier, c.nbytes, pl.offload_after_idx + 1, c.first_bwd_use_idx)
         return self.lt.decision(
-            c["name"],
+            c.name,
             tier=pl.tier,
             offload_after_idx=pl.offload_after_idx,
             wait_before_idx=pl.wait_before_idx,
@@ -184,7 +184,7 @@ class _State:
         )
 
 
-def _phase1(state: _State, cands: dict[str, dict], problem: Problem) -> dict[str, Decision]:
+def _phase1(state: _State, cands: dict[str, Candidate], problem: Problem) -> dict[str, Decision]:
     """TERAIO Algorithm 1 with a lazy priority queue (benefits never rise as picks accumulate)."""
     chosen: dict[str, Decision] = {}
     excess = state.excess()
@@ -210,7 +210,7 @@ def _phase1(state: _State, cands: dict[str, dict], problem: Problem) -> dict[str
 
 
 def _phase2(
-    state: _State, cands: dict[str, dict], chosen: dict[str, Decision], tier: str
+    state: _State, cands: dict[str, Candidate], chosen: dict[str, Decision], tier: str
 ) -> tuple[dict[str, Decision], int]:
     """Repair: make tensors absent at over-budget ops until none is left (stall accepted).
 
@@ -221,11 +221,11 @@ def _phase2(
     mem = lt.memory_with(list(chosen.values()))
     names = list(cands)
     rows = [cands[x] for x in names]
-    nbytes = np.array([c["nbytes"] for c in rows], dtype=np.int64)
-    prod = np.array([c["producer_idx"] for c in rows], dtype=np.int64)
-    first = np.array([c["first_bwd_use_idx"] for c in rows], dtype=np.int64)
-    starts = np.array([c["inactive_start_idx"] for c in rows], dtype=np.int64)
-    ends = np.array([c["inactive_end_idx"] for c in rows], dtype=np.int64)
+    nbytes = np.array([c.nbytes for c in rows], dtype=np.int64)
+    prod = np.array([c.producer_idx for c in rows], dtype=np.int64)
+    first = np.array([c.first_bwd_use_idx for c in rows], dtype=np.int64)
+    starts = np.array([c.inactive_start_idx for c in rows], dtype=np.int64)
+    ends = np.array([c.inactive_end_idx for c in rows], dtype=np.int64)
     name_rank = np.argsort(np.argsort(np.array(names, dtype=object)))
     # The current window of every candidate; a candidate not moved has an empty one.
     moved = np.array([x in chosen for x in names], dtype=bool)
@@ -270,14 +270,14 @@ def _phase2(
             # The fastest tier with room for the copy, else the default tier.
             for t in sorted(
                 state.tiers,
-                key=lambda t: state.hw.tiers[t].write_s(c["nbytes"]) + state.hw.tiers[t].read_s(c["nbytes"]),
+                key=lambda t: state.hw.tiers[t].write_s(c.nbytes) + state.hw.tiers[t].read_s(c.nbytes),
             ):
-                if state.tier_fits(t, c["nbytes"], new.offload_after_idx + 1, new.fetch_before_idx):
+                if state.tier_fits(t, c.nbytes, new.offload_after_idx + 1, new.fetch_before_idx):
                     new = dataclasses.replace(new, tier=t)
                     break
-            state.hold(new.tier, c["nbytes"], new.offload_after_idx + 1, new.fetch_before_idx)
-            w_us[j] = state.hw.tiers[new.tier].write_s(c["nbytes"]) * 1e6
-            r_us[j] = state.hw.tiers[new.tier].read_s(c["nbytes"]) * 1e6
+            state.hold(new.tier, c.nbytes, new.offload_after_idx + 1, new.fetch_before_idx)
+            w_us[j] = state.hw.tiers[new.tier].write_s(c.nbytes) * 1e6
+            r_us[j] = state.hw.tiers[new.tier].read_s(c.nbytes) * 1e6
         else:
             new = lt.decision(
                 names[j],
@@ -335,14 +335,12 @@ def greedy_decisions(problem: Problem, budget: int) -> tuple[list[Decision], dic
     """The greedy plan's decisions for ``budget`` bytes, and counters for the solver stats."""
     lt = problem.lifetimes
     state = _State(problem, budget)
-    cand_rows = lt.candidates.to_dict("records")
+    cand_rows = lt.candidate_list
     # Only tensors that could be away at some over-budget op can help.
     over = lt.baseline_memory_bytes > budget
     over_cum = np.concatenate([[0], np.cumsum(over)])
     cands = {
-        c["name"]: c
-        for c in cand_rows
-        if over_cum[c["inactive_end_idx"] + 1] > over_cum[c["inactive_start_idx"]]
+        c.name: c for c in cand_rows if over_cum[c.inactive_end_idx + 1] > over_cum[c.inactive_start_idx]
     }
     chosen = _phase1(state, cands, problem)
     phase1 = len(chosen)

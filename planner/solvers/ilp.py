@@ -97,17 +97,6 @@ def _memory_unit(sizes: list[int]) -> int:
 
 
 @dataclass
-class _Cand:
-    name: str
-    nbytes: int
-    units: int
-    producer_idx: int
-    last_fwd_use_idx: int
-    fetch_idx: int  # first backward use
-    last_use_idx: int
-
-
-@dataclass
 class _Timeline:
     """A schedule in model units: op ends, and per moved tensor its transfer starts and memory edges."""
 
@@ -133,25 +122,14 @@ class _IlpModel:
         self.exact_units = bool(np.array_equal(self.d, lt.duration_us))
         self.nominal_end = np.cumsum(self.d)
         self.tiers = [r for r in problem.hardware.available_tiers()]
-        self.cands = [
-            _Cand(
-                name=str(r.name),
-                nbytes=int(r.nbytes),
-                units=0,
-                producer_idx=int(r.producer_idx),
-                last_fwd_use_idx=int(r.last_fwd_use_idx),
-                fetch_idx=int(r.first_bwd_use_idx),
-                last_use_idx=int(r.last_use_idx),
-            )
-            for r in lt.candidates.itertuples(index=False)
-        ]
+        self.cands = list(lt.candidate_list)
         self.by_name = {c.name: c for c in self.cands}
         fixed = lt.baseline_memory_bytes.astype(np.int64).copy()
         for c in self.cands:
             fixed[c.producer_idx : c.last_use_idx + 1] -= c.nbytes
         self.unit = _memory_unit([c.nbytes for c in self.cands] + [int(x) for x in fixed])
-        for c in self.cands:
-            c.units = self.units(c.nbytes)
+        #: Candidate sizes in memory units.
+        self.cunits = {c.name: self.units(c.nbytes) for c in self.cands}
         self.write_us = {}
         self.read_us = {}
         for r in self.tiers:
@@ -231,7 +209,9 @@ class _IlpModel:
             self.pe[c.name], self.p[c.name] = pe, p
             m.add(pe >= self.E[c.last_fwd_use_idx])  # needed through its last forward use
             m.add(pe <= p)
-            m.add(p <= self.E[c.fetch_idx] - int(d[c.fetch_idx]))  # back before its first backward use
+            m.add(
+                p <= self.E[c.first_bwd_use_idx] - int(d[c.first_bwd_use_idx])
+            )  # back before its first backward use
             m.add(pe == p).only_enforce_if(moved.Not())
             m.add(pe <= self.R[nf]).only_enforce_if(moved)  # writes are waited by the end of forward
             m.add(p >= self.R[nf]).only_enforce_if(moved)  # reads are issued in backward
@@ -239,7 +219,7 @@ class _IlpModel:
             size_b = m.new_int_var(0, horizon, f"sb[{c.name}]")
             mem_intervals.append(m.new_interval_var(prod_start, size_a, pe, f"memA[{c.name}]"))
             mem_intervals.append(m.new_interval_var(p, size_b, self.E[c.last_use_idx], f"memB[{c.name}]"))
-            mem_demands += [c.units, c.units]
+            mem_demands += [self.cunits[c.name]] * 2
             ws = m.new_int_var(0, horizon, f"ws[{c.name}]")
             rs = m.new_int_var(0, horizon, f"rs[{c.name}]")
             self.ws[c.name], self.rs[c.name] = ws, rs
@@ -250,7 +230,9 @@ class _IlpModel:
                 w = m.new_optional_fixed_size_interval_var(ws, wd, lit, f"W[{c.name},{r}]")
                 rd_iv = m.new_optional_fixed_size_interval_var(rs, rd, lit, f"R[{c.name},{r}]")
                 m.add(ws + wd <= pe).only_enforce_if(lit)
-                m.add(rs + rd <= self.E[c.fetch_idx] - int(d[c.fetch_idx])).only_enforce_if(lit)
+                m.add(rs + rd <= self.E[c.first_bwd_use_idx] - int(d[c.first_bwd_use_idx])).only_enforce_if(
+                    lit
+                )
                 hw = self.problem.hardware
                 channels.setdefault(channel_key(hw, r, "write"), []).append(w)
                 channels.setdefault(channel_key(hw, r, "read"), []).append(rd_iv)
@@ -262,7 +244,7 @@ class _IlpModel:
         for r in self.tiers:
             cap = self.problem.hardware.tier(r).capacity_bytes
             if cap:
-                m.add(sum(self.o[c.name, r] * c.units for c in self.cands) <= cap // self.unit)
+                m.add(sum(self.o[c.name, r] * self.cunits[c.name] for c in self.cands) <= cap // self.unit)
 
         base_units = np.array([self.units(x) for x in lt.baseline_memory_bytes])
         if self.auto:
@@ -285,7 +267,7 @@ class _IlpModel:
         if not self.auto:
             self._add_bandwidth_cuts()
 
-        self.moved_units = sum(self.moved[c.name] * c.units for c in self.cands)
+        self.moved_units = sum(self.moved[c.name] * self.cunits[c.name] for c in self.cands)
         # The objective: compute + stall (the end of the last op) + CPU interference, charged in full
         # for every byte moved (once written, once read) (the simulator charges only the share that overlaps running ops, so the
         # model's step is never below the simulated one); then, in a second solve, the fewest bytes.
@@ -304,12 +286,12 @@ class _IlpModel:
         if not self.cands:
             return
         start = np.array([c.last_fwd_use_idx + 1 for c in self.cands])
-        end = np.array([c.fetch_idx - 1 for c in self.cands])
-        units = np.array([c.units for c in self.cands])
+        end = np.array([c.inactive_end_idx for c in self.cands])
+        units = np.array([self.cunits[c.name] for c in self.cands])
         # Pages counted exactly as the cumulative sees them: fixed part + every candidate alive there.
         mem_units = self.fixed_units.copy()
         for c in self.cands:
-            mem_units[c.producer_idx : c.last_use_idx + 1] += c.units
+            mem_units[c.producer_idx : c.last_use_idx + 1] += self.cunits[c.name]
         if self.auto:
             # The excess depends on the peak variable: cut only the highest ops.
             for k in np.argsort(-mem_units)[: min(MAX_CUTS, 32)]:
@@ -414,7 +396,7 @@ class _IlpModel:
                 wait += 1
             # Prefetched before the first op whose window ends after p.
             pref = nf
-            while pref < c.fetch_idx and end[pref] <= p:
+            while pref < c.first_bwd_use_idx and end[pref] <= p:
                 pref += 1
             rows.append([c, tier, off, max(wait, off + 1), pref, ws, rs])
         by_channel: dict[tuple[str, str], list] = {}
@@ -424,7 +406,7 @@ class _IlpModel:
             part.sort(key=lambda r: r[6])
             latest = nf
             for row in part:
-                latest = row[4] = min(max(row[4], latest), row[0].fetch_idx)
+                latest = row[4] = min(max(row[4], latest), row[0].first_bwd_use_idx)
         decisions = [
             lt.decision(
                 c.name,
@@ -432,7 +414,7 @@ class _IlpModel:
                 offload_after_idx=off,
                 wait_before_idx=wait,
                 prefetch_before_idx=pref,
-                fetch_before_idx=c.fetch_idx,
+                fetch_before_idx=c.first_bwd_use_idx,
             )
             for c, tier, off, wait, pref, _, _ in rows
         ]
