@@ -88,10 +88,14 @@ def test_nothing_to_move_is_the_empty_optimal_plan():
     assert plan.predicted_step_s == pytest.approx(400e-6)
 
 
-def test_absent_over_the_whole_middle_costs_write_plus_read():
+def test_absent_over_the_whole_middle_costs_write_plus_read(_check_every_ilp_solve):
     # Memory at f1 and b0 is A+B = 2000 > 1999: A must be away at both, so its write must finish
     # before f1 (stall 30 us) and its read can only start at the b0/b1 boundary (stall 20 us).
     plan = solve(_tiny(), 1999, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
+    # The model's own plan, proven optimal on exact units: its step is the simulator's, to the bit.
+    own = _check_every_ilp_solve[0]
+    assert own["status"] == "OPTIMAL" and own["exact_units"]
+    assert own["model_step_s"] == own["sim_step_s"] == pytest.approx(450e-6)
     (d,) = plan.decisions
     assert (d.name, d.offload_after_idx, d.wait_before_idx, d.prefetch_before_idx, d.fetch_before_idx) == (
         "A",
