@@ -58,15 +58,26 @@ def run(
     batch: int = 8,
     profile_dirs: tuple[str, ...] = (),
     deterministic_time_s: float | None = None,
+    split: int = 1,
 ) -> pd.DataFrame:
-    """One row per (profile, hardware, budget, solver) with the simulated figures of the plan."""
+    """One row per (profile, hardware, budget, solver) with the simulated figures of the plan.
+
+    ``split`` > 1 splits every synthetic op into that many (``planner.synth.split_ops``): a traced
+    step's op granularity (80 layers x 7 is about 11k ops).
+    """
     from teraio.planner.hardware import HardwareModel
     from teraio.planner.lifetimes import analyse
     from teraio.planner.profile import Profile
     from teraio.planner.sweep import budget_sweep
-    from teraio.planner.synth import synth_profile
+    from teraio.planner.synth import split_ops, synth_profile
 
-    cases = [(f"synth-{n}L", synth_profile(layers=n, hidden=hidden, seq=seq, batch=batch)) for n in layers]
+    cases = [
+        (
+            f"synth-{n}L" + (f"x{split}" if split > 1 else ""),
+            split_ops(synth_profile(layers=n, hidden=hidden, seq=seq, batch=batch), split),
+        )
+        for n in layers
+    ]
     cases += [(f"profile:{Path(d).name}", Profile.load(d)) for d in profile_dirs]
     parts = []
     for label, profile in cases:
@@ -160,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--solvers", nargs="+", default=list(SOLVERS))
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--split", type=int, default=1, help="split every synthetic op into this many (default 1)")
     p.add_argument("--profile", action="append", default=[], help="also plan this profile directory")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
     p.add_argument("--out", help="also write the rows to this CSV file")
@@ -173,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         time_limit_s=args.time_limit,
         workers=args.workers,
         profile_dirs=tuple(args.profile),
+        split=args.split,
     )
     if args.out:
         df.to_csv(args.out, index=False)

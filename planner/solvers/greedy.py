@@ -95,6 +95,8 @@ class _State:
         self.start_us: list[float] = self.lt.op_start_us.tolist()
         self.end_us: list[float] = self.lt.op_end_us.tolist()
         self.dur_us = self.lt.duration_us
+        #: Where the last channel search per (tensor, tier, direction) stopped (see ``place``).
+        self.resume: dict[tuple[str, str, str], int] = {}
 
     def channel(self, tier: str, direction: str) -> _Channel:
         return self.channels.setdefault(channel_key(self.hw, tier, direction), _Channel())
@@ -124,7 +126,9 @@ class _State:
         r_us = t.read_s(nbytes) * 1e6
         # Earliest op k >= producer whose end finds the write channel free for the whole write.
         wch = self.channel(tier, "write")
-        k = c.producer_idx
+        # Channels only fill up, so an op end found blocked before stays blocked: resume the search
+        # where the last one for this tensor and tier stopped (the same answer, without re-walking).
+        k = self.resume.get((c.name, tier, "write"), c.producer_idx)
         write = None
         while k < nf:
             a = self.end_us[k]
@@ -133,6 +137,7 @@ class _State:
                 write = (a, a + w_us)
                 break
             k = bisect_left(self.end_us, wch.ends[blk] - _EPS_US, lo=k + 1)
+        self.resume[c.name, tier, "write"] = k
         if write is None:
             return None
         # The write must be complete before an op j in (max(k, last_fwd), nf].
@@ -145,6 +150,7 @@ class _State:
         first = c.first_bwd_use_idx
         deadline = self.start_us[first]
         p = min(first, bisect_right(self.start_us, deadline - r_us + _EPS_US) - 1)
+        p = min(p, self.resume.get((c.name, tier, "read"), p))
         read = None
         while p >= max(nf, j):
             a = self.start_us[p]
@@ -155,6 +161,8 @@ class _State:
                 read = (a, a + r_us)
                 break
             p = min(p - 1, bisect_right(self.start_us, rch.starts[blk] - r_us + _EPS_US) - 1)
+        if read is not None:
+            self.resume[c.name, tier, "read"] = p
         if read is None or p <= j:
             return None
         if not self.tier_fits(tier, nbytes, k + 1, first):
