@@ -1,44 +1,48 @@
-"""The exact solver: an OR-Tools CP-SAT model of the whole step, warm-started from greedy.
+"""The exact solver: an OR-Tools CP-SAT model of the step, searched from the best constructive plan.
 
 Which tensors move, to which tier, and when each write and read runs, so that memory stays within the
-budget at every op and the predicted step (compute + stall) is smallest, then the fewest bytes move. The plan is always re-judged by the simulator, and greedy's plan is returned instead
-when it simulates better: ``ilp`` is never worse than ``greedy``.
+budget at every op and the predicted step (compute + stall + the CPU cost of I/O) is smallest, then the
+fewest bytes move. Every plan is re-judged by the simulator; ``ilp`` returns the best plan it has seen,
+so it is never worse than its starts (``pipeline`` and ``greedy``).
 
-Legend (times in integer microseconds, op durations rounded up; sizes in bytes, exactly):
+Search, within ``time_limit_s`` (15% kept in reserve):
+
+1. Starts: the ``pipeline`` and ``greedy`` plans (greedy only for "auto"); the better one simulated is
+   the incumbent.
+2. Whole step: for steps of at most :data:`FULL_MODEL_MAX_CANDIDATES` candidates (and for "auto"), the
+   model below hinted with the incumbent, then a second solve for the fewest bytes at that step time.
+3. Large-neighbourhood search: layer windows (:mod:`planner.layers`, :data:`LNS_WIDTH` layers each, most
+   simulated stall first) re-solved with every tensor outside the window held to the incumbent's choice.
+
+Legend (times in integer microseconds, op and transfer times rounded up; sizes in bytes, exactly):
 
 - ``E[k]``   end of op ``k``; ``E[k] - E[k-1] >= d[k]`` (the difference beyond ``d[k]`` is op k's stall).
-- ``R[k]``   the boundary before op ``k`` is done waiting for writes and issues its reads
-  (``E[k-1] <= R[k] <= E[k] - d[k]``; a separate variable only where waits happen, k <= num_fwd_ops).
+- ``R[k]``   the boundary before op ``k`` is done waiting for writes and issues its reads; a separate
+  variable only where waits happen (k <= num_fwd_ops). A forward op starts at its boundary,
+  ``E[k] == R[k] + d[k]`` (see the note in ``_build``); the first backward op may wait for fetches.
 - ``o[t,r]`` tensor ``t`` moves to tier ``r`` (at most one tier).
 - ``W[t,r]``, ``R[t,r]``: optional write/read intervals of fixed length on their tier's channels
-  (``NoOverlap`` per channel: one write and one read queue, or one queue for a shared channel).
+  (``NoOverlap`` per :func:`planner.execution.channel_key`).
 - ``pe[t]``  when ``t`` stops occupying memory after forward; ``p[t]`` when it occupies memory again.
 
 Memory is a *cumulative* resource over time, not a boolean per (tensor, op): op ``k`` owns the time
-``[R[k], E[k])`` (its fetch stall included) with the memory nothing can move (``other_bytes``, params,
-non-candidates); each candidate occupies ``[start of its producer, pe[t])`` and ``[p[t], E[last use])``.
-Reading the plan back (see :func:`_IlpModel.extract`), a tensor is absent exactly at the ops whose time
-window lies in ``[pe, p)``, which is the simulator's ``[wait_before_idx, prefetch_before_idx)``: the
-cumulative constraint *is* the per-op budget check, with O(tensors + ops) variables instead of the
-O(tensors x ops) booleans of FINDINGS.md's prototype (211k variables at 48 layers, no solution in 60 s).
-That is this solver's scale reduction (48 layers: ~6.7k variables, solved in well under 60 s on 2 cores);
-:mod:`planner.layers` recognises the repeated layers, reported in the plan's solver stats.
-A knapsack cut per over-budget op (bytes that could be away there >= the excess) gives the LP relaxation
-the memory argument that the cumulative constraint hides from it.
+``[R[k], E[k])`` with the memory nothing can move (``other_bytes``, params, non-candidates); each
+candidate occupies ``[start of its producer, pe[t])`` and ``[p[t], E[last use])``. Reading the plan back
+(:meth:`_IlpModel.extract`), a tensor is absent at the ops whose window lies in ``[pe, p)``, the
+simulator's ``[wait_before_idx, prefetch_before_idx)``; the model's memory at every op is at least the
+simulator's, so the model's plans keep the budget (a fixture checks this on every solve of the test suite),
+with O(tensors + ops) variables instead of the O(tensors x ops) booleans of a per-op formulation.
+Cuts: a knapsack cut per over-budget op (bytes that could be away there >= the excess), and the
+bandwidth-window cuts of :mod:`planner.bounds` (time between two ops >= bytes that must move / bandwidth),
+which put bandwidth into the LP relaxation.
 
-Objective, lexicographic in two solves: (1) ``E[last]``, compute plus stall; (2) with (1) held at its best
-value, the fewest bytes moved. CPU interference is proportional to bytes moved, so (2) minimises it; it
-is left out of (1) because the simulator charges it only where transfers overlap running ops. With
-``budget="auto"`` op times are fixed at their nominal values (no stall) and (1) minimises the peak.
+Objective: ``E[last]`` plus the CPU cost of every transfer in full (the simulator charges only the share
+that overlaps running ops), so the model's step is never below the simulated step, and equal to it where
+the model is optimal on exact units. With ``budget="auto"`` op times are fixed at their nominal values (no
+stall) and the objective is the peak.
 
-Transfer order: the simulator (and the runtime) run each channel FIFO in issue order. Positions are read
-back so that issue order equals the model's channel order (writes are issued at the latest op end before
-the model's start time, decisions listed by model start time), so a simulated transfer never starts later
-than the model's, up to CPU interference (which stretches simulated ops). The simulator has the last word.
-
-Warm start: greedy's plan, replayed in model units, hints the decision variables; when CP-SAT finds no
-solution in half of phase 1 (seen at 48 layers), the hint is completed to every variable and phase 1
-resumes from greedy's plan.
+Transfer order: the simulator (and the runtime) run each channel FIFO in issue order; the plan's
+``write_rank`` / ``read_rank`` carry the model's channel order (see the note in ``extract``).
 """
 
 from __future__ import annotations
