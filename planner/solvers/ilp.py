@@ -449,7 +449,7 @@ def _better_auto(a: SimResult, b: SimResult) -> bool:
     return a.step_s < b.step_s
 
 
-def _complete_hint(m: cp_model.CpModel, time_limit_s: float) -> bool:
+def _complete_hint(m: cp_model.CpModel, time_limit_s: float, deterministic_s: float | None = None) -> bool:
     """Turn a hint on the decision variables into a hint on every variable.
 
     CP-SAT ignored a partial hint of greedy's plan at 48 layers (no solution in 45 s) although fixing the
@@ -459,6 +459,8 @@ def _complete_hint(m: cp_model.CpModel, time_limit_s: float) -> bool:
     probe.parameters.fix_variables_to_their_hinted_value = True
     probe.parameters.num_workers = 1
     probe.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    if deterministic_s is not None:
+        probe.parameters.max_deterministic_time = max(0.01, deterministic_s)
     if probe.solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False
     values = list(probe.response_proto.solution)
@@ -661,7 +663,7 @@ def solve_ilp(problem: Problem) -> Plan:
         phase1_s = left_s() * share * (1 - PHASE2_SHARE)
         solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
         if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
-            if _complete_hint(model.m, min(0.1 * phase1_s, left_s())):
+            if _complete_hint(model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None):
                 solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
         extra["phase1_status"] = _STATUS.get(status, str(status))
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):

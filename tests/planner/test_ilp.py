@@ -275,7 +275,9 @@ def test_ilp_keeps_the_budget_and_is_never_worse_than_greedy(case):
     assert sim.ok, sim.violations  # within budget, nothing used while away
     assert plan.predicted_peak_bytes <= budget
     if greedy is not None:
-        assert plan.predicted_step_s <= greedy.predicted_step_s + 1e-12
+        # Steps within a nanosecond are a tie, which the ILP breaks by fewer bytes (float sums of op
+        # times in another order differ in the last bits).
+        assert plan.predicted_step_s <= greedy.predicted_step_s + 1e-9
 
 
 def test_real_op_granularity_plans_never_worse_than_its_start():
