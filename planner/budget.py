@@ -1,7 +1,9 @@
 """Memory budgets: turning what a user types ("512MiB", "40%", "auto") into a number of bytes.
 
-Sizes accept plain bytes (``1024``, ``"1.5e9"``), decimal units (``kB MB GB TB``) and binary units
-(``KiB MiB GiB TiB``); the bare letters ``K M G T`` are decimal, as in ``runtime.config.parse_nbytes``. A budget
+This module is the project's one size grammar: the CLI, ``teraio.backend`` and the notebooks parse sizes
+here (the runtime, which may not import the planner, takes byte counts). Sizes accept plain bytes
+(``1024``, ``"1.5e9"``), decimal units (``kB MB GB TB``) and binary units (``KiB MiB GiB TiB``); the bare
+letters ``K M G T`` are decimal. A budget
 is a size, a fraction of the unplanned peak (``"40%"``, ``0.4``, ``"0.4"``), or ``"auto"``: the smallest
 peak that predicts no stall, which only a solver can find, so it resolves to ``None`` here.
 """

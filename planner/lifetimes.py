@@ -23,6 +23,7 @@ import networkx as nx
 import numpy as np
 import pandas as pd
 
+from teraio.planner.execution import Candidate
 from teraio.planner.plan import Decision
 from teraio.planner.profile import Profile, ProfileError
 
@@ -83,13 +84,38 @@ class Lifetimes:
 
     def candidate(self, name: str) -> pd.Series:
         """The candidate row for tensor ``name`` (KeyError when it is not a candidate)."""
-        return self.candidates.loc[self._by_name[name]]
+        return self.candidates.iloc[self._by_name[name]]
+
+    @property
+    def candidate_list(self) -> tuple[Candidate, ...]:
+        """The candidates as :class:`~planner.execution.Candidate` records, in profile order (what the
+        solvers and the simulator work with; the ``candidates`` table is for people and plots)."""
+        cache = self.__dict__.get("_candidate_list")
+        if cache is None:
+            cache = tuple(
+                Candidate(
+                    name=str(r.name),
+                    nbytes=int(r.nbytes),
+                    producer_idx=int(r.producer_idx),
+                    last_fwd_use_idx=int(r.last_fwd_use_idx),
+                    first_bwd_use_idx=int(r.first_bwd_use_idx),
+                    last_use_idx=int(r.last_use_idx),
+                    module=str(r.module),
+                )
+                for r in self.candidates.itertuples(index=False)
+            )
+            object.__setattr__(self, "_candidate_list", cache)
+        return cache
+
+    def candidate_of(self, name: str) -> Candidate:
+        """The :class:`~planner.execution.Candidate` for tensor ``name`` (KeyError when it is none)."""
+        return self.candidate_list[self._by_name[name]]
 
     @property
     def _by_name(self) -> dict[str, int]:
         cache = self.__dict__.get("_by_name_cache")
         if cache is None:
-            cache = {n: i for i, n in zip(self.candidates.index, self.candidates["name"])}
+            cache = {str(n): i for i, n in enumerate(self.candidates["name"])}
             object.__setattr__(self, "_by_name_cache", cache)
         return cache
 
@@ -111,15 +137,15 @@ class Lifetimes:
         Defaults put the tensor away as long as possible: write issued after the producer, waited
         right after the last forward use, read issued and fetched before the first backward use.
         """
-        c = self.candidate(name)
-        off = int(c["producer_idx"]) if offload_after_idx is None else int(offload_after_idx)
-        wait = int(c["earliest_wait_idx"]) if wait_before_idx is None else int(wait_before_idx)
-        fetch = int(c["first_bwd_use_idx"]) if fetch_before_idx is None else int(fetch_before_idx)
+        c = self.candidate_of(name)
+        off = c.producer_idx if offload_after_idx is None else int(offload_after_idx)
+        wait = c.inactive_start_idx if wait_before_idx is None else int(wait_before_idx)
+        fetch = c.first_bwd_use_idx if fetch_before_idx is None else int(fetch_before_idx)
         pre = fetch if prefetch_before_idx is None else int(prefetch_before_idx)
         return Decision(
             name=str(name),
             tier=tier,
-            nbytes=int(c["nbytes"]),
+            nbytes=c.nbytes,
             offload_after_idx=off,
             offload_after_name=self.op_name(off),
             wait_before_idx=wait,
@@ -128,7 +154,7 @@ class Lifetimes:
             prefetch_before_name=self.op_name(pre),
             fetch_before_idx=fetch,
             fetch_before_name=self.op_name(fetch),
-            module=str(c["module"]),
+            module=c.module,
         )
 
     def memory_with(self, decisions: list[Decision] | tuple[Decision, ...]) -> np.ndarray:

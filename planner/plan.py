@@ -12,19 +12,31 @@ Per moved tensor (a :class:`Decision`), in step order:
   of the forward graph".
 - ``prefetch_before_idx``: the read starts (and its buffer is allocated) before this backward op.
 - ``fetch_before_idx``: the read must be complete before this op: the tensor's first backward use.
+- ``write_rank`` / ``read_rank``: the plan's two queue orders. Each channel runs its transfers FIFO in
+  issue order; transfers issued at the same op boundary are issued in ascending rank. :func:`make_plan`
+  (``planner.solve``) numbers them plan-wide, ``0 .. len-1`` in issue order, so a runtime may simply
+  issue writes by ``write_rank`` and reads by ``read_rank``. A rank of -1 (a hand-made decision) means
+  "in plan order".
+
+Schema history: version 1 had no ranks (ties were broken by the decisions' order in the file); it loads
+as version 2 with the ranks that order implies, which is the same schedule.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from teraio.planner.hardware import HardwareModel
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+#: Older versions this code converts on load (see the module docstring).
+CONVERTIBLE_VERSIONS = (1,)
 
 
 class PlanError(ValueError):
@@ -46,6 +58,36 @@ class Decision:
     fetch_before_name: str
     #: The producer's nn.Module path ("blocks.3.attn"), "" when unknown: lets ``teraio show`` group by layer.
     module: str = ""
+    #: Place of this tensor's write in the plan's write order (issue order); -1 = plan order.
+    write_rank: int = -1
+    #: Place of this tensor's read in the plan's read order (issue order); -1 = plan order.
+    read_rank: int = -1
+
+
+def queue_order(decisions: Sequence[Decision], direction: Literal["write", "read"]) -> list[int]:
+    """Indices of ``decisions`` in the order their transfers of ``direction`` are issued.
+
+    Issue position first (``offload_after_idx`` for writes, ``prefetch_before_idx`` for reads), then the
+    plan's rank, then the decision's place in the plan (decisions without a rank keep plan order).
+    """
+    if direction == "write":
+        key = [(d.offload_after_idx, d.write_rank, k) for k, d in enumerate(decisions)]
+    else:
+        key = [(d.prefetch_before_idx, d.read_rank, k) for k, d in enumerate(decisions)]
+    return sorted(range(len(decisions)), key=key.__getitem__)
+
+
+def with_ranks(decisions: Sequence[Decision]) -> list[Decision]:
+    """The decisions with explicit, plan-wide ``write_rank`` and ``read_rank``: each transfer's place in
+    its issue order (:func:`queue_order`), so the ranks alone give the order (``0 .. len-1``)."""
+    w = {k: r for r, k in enumerate(queue_order(decisions, "write"))}
+    r = {k: r for r, k in enumerate(queue_order(decisions, "read"))}
+    return [
+        d
+        if (d.write_rank, d.read_rank) == (w[k], r[k])
+        else dataclasses.replace(d, write_rank=w[k], read_rank=r[k])
+        for k, d in enumerate(decisions)
+    ]
 
 
 @dataclass(frozen=True)
@@ -57,6 +99,9 @@ class SolverStats:
     gap: float | None = None
     wall_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
+    #: A lower bound on any plan's step time for this profile, budget and hardware (``planner.bounds``,
+    #: or a solver's proven bound when tighter); ``gap`` is then (predicted step - this) / predicted step.
+    lower_bound_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +161,7 @@ class Plan:
         if not isinstance(d, dict):
             raise PlanError("plan JSON must be an object")
         version = d.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
+        if version not in (PLAN_SCHEMA_VERSION, *CONVERTIBLE_VERSIONS):
             raise PlanError(
                 f"plan schema_version {version!r} is not supported (this teraio reads "
                 f"{PLAN_SCHEMA_VERSION}); re-plan with this version"
@@ -128,14 +173,14 @@ class Plan:
                 budget_spec=str(d["budget_spec"]),
                 hardware=HardwareModel.from_dict(d["hardware"]),
                 stats=SolverStats(**d["stats"]),
-                decisions=tuple(Decision(**x) for x in d["decisions"]),
+                decisions=tuple(with_ranks([Decision(**x) for x in d["decisions"]])),
                 baseline_peak_bytes=int(d["baseline_peak_bytes"]),
                 predicted_peak_bytes=int(d["predicted_peak_bytes"]),
                 predicted_step_s=float(d["predicted_step_s"]),
                 predicted_stall_s=float(d["predicted_stall_s"]),
                 compute_s=float(d["compute_s"]),
                 config=dict(d.get("config", {})),
-                schema_version=int(version),
+                schema_version=PLAN_SCHEMA_VERSION,
             )
         except KeyError as e:
             raise PlanError(f"plan JSON lacks key {e}") from None

@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from teraio.planner.bounds import StepBound, step_lower_bound
 from teraio.planner.budget import BudgetError, format_size, infeasible, resolve_budget
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes, analyse
-from teraio.planner.plan import Decision, Plan, PlanError, SolverStats
+from teraio.planner.plan import Decision, Plan, PlanError, SolverStats, with_ranks
 from teraio.planner.profile import Profile
 from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, simulate_decisions
 
@@ -50,6 +51,11 @@ class Problem:
     workers: int = 2
     progress: ProgressFn | None = None
     solver: str = ""
+    #: CP-SAT's deterministic time limit (its own work units, reproducible on a loaded machine): when
+    #: set, exact solvers stop on it rather than on the wall clock (tests use it; the wall-clock
+    #: ``time_limit_s`` still caps them).
+    deterministic_time_s: float | None = None
+    _bound: StepBound | None = dataclasses.field(default=None, repr=False)
 
     @property
     def default_tier(self) -> str:
@@ -68,7 +74,13 @@ class Problem:
         return simulate_decisions(self.lifetimes, decisions, self.hardware, budget_bytes=self.budget_bytes)
 
     def with_budget(self, budget_bytes: int | None) -> Problem:
-        return dataclasses.replace(self, budget_bytes=budget_bytes)
+        return dataclasses.replace(self, budget_bytes=budget_bytes, _bound=None)
+
+    def lower_bound(self) -> StepBound:
+        """The bandwidth-window lower bound on any plan's step (``planner.bounds``), computed once."""
+        if self._bound is None:
+            self._bound = step_lower_bound(self.lifetimes, self.hardware, self.budget_bytes)
+        return self._bound
 
 
 SolverFn = Callable[[Problem], Plan]
@@ -129,14 +141,27 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
     Raises:
         SolverBugError: the decisions break a rule other than the budget (the solver is wrong).
     """
+    # Every saved plan carries explicit queue orders (ranks) for the runtime to follow.
+    decisions = with_ranks(decisions)
     sim = problem.simulate(decisions)
     # Over the budget or a tier's capacity: the plan is valid but infeasible. Anything else is a bug.
-    over = [v for v in sim.violations if "exceeds the budget" in v or "over its capacity" in v]
-    broken = [v for v in sim.violations if v not in over]
+    broken = sim.broken_rules()
     if broken:
         raise SolverBugError(f"solver '{stats.solver}' produced an invalid plan: {broken[0]}")
-    if over and stats.status != "INFEASIBLE":
+    if sim.violations and stats.status != "INFEASIBLE":
         stats = dataclasses.replace(stats, status="INFEASIBLE")
+    bound_s = problem.lower_bound().step_s
+    if stats.lower_bound_s is not None:
+        bound_s = max(bound_s, stats.lower_bound_s)
+    if problem.budget_bytes is None or sim.violations:
+        bound_s = None  # "auto" minimises the peak, and an infeasible plan has no gap to speak of
+    else:
+        bound_s = min(bound_s, sim.step_s)  # summing op times in another order differs in the last bit
+    stats = dataclasses.replace(
+        stats,
+        lower_bound_s=bound_s,
+        gap=None if bound_s is None else max(0.0, (sim.step_s - bound_s) / sim.step_s if sim.step_s else 0.0),
+    )
     lt = problem.lifetimes
     return Plan(
         fingerprint=problem.profile.fingerprint,
@@ -201,6 +226,7 @@ def solve(
     progress: ProgressFn | None = None,
     *,
     lifetimes: Lifetimes | None = None,
+    deterministic_time_s: float | None = None,
 ) -> Plan:
     """Plan ``profile`` under ``budget`` with solver ``solver``.
 
@@ -208,6 +234,7 @@ def solve(
         budget: bytes, a size ("512MiB"), a fraction of the unplanned peak ("40%", 0.4), or "auto".
         hardware: defaults to ``HardwareModel()`` (this project's measured machine).
         lifetimes: ``analyse(profile)`` when the caller already has it.
+        deterministic_time_s: stop CP-SAT on its deterministic clock (reproducible results).
 
     Raises:
         BudgetError: the budget does not parse, is below the smallest achievable peak, or the (non
@@ -231,6 +258,7 @@ def solve(
         workers=int(workers),
         progress=progress,
         solver=solver,
+        deterministic_time_s=deterministic_time_s,
     )
     t0 = time.perf_counter()
     if budget_bytes is None and not info.supports_auto and not info.baseline:

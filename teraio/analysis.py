@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
-from teraio.planner.budget import BudgetError, format_size
+from teraio.planner.budget import format_size
+from teraio.planner.sweep import SWEEP_COLUMNS as SWEEP_COLUMNS  # re-exported for the notebooks
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -23,21 +24,6 @@ if TYPE_CHECKING:
     from teraio.planner.plan import Plan
     from teraio.planner.profile import Profile
     from teraio.planner.simulate import SimResult
-
-#: Columns of :func:`budget_sweep`.
-SWEEP_COLUMNS = (
-    "budget",
-    "budget_bytes",
-    "predicted_peak_bytes",
-    "predicted_peak",
-    "predicted_step_s",
-    "predicted_stall_s",
-    "moved_bytes",
-    "decisions",
-    "status",
-    "wall_s",
-    "note",
-)
 
 #: Columns of :func:`plan_table`.
 PLAN_COLUMNS = (
@@ -140,10 +126,11 @@ def budget_sweep(
     lifetimes: Lifetimes | None = None,
     **solve_kwargs: Any,
 ) -> pd.DataFrame:
-    """Plan ``profile`` at each budget and tabulate the predicted peak, step time and stall.
+    """Plan ``profile`` at each budget and tabulate the predicted peak, step time, stall and bound.
 
-    A budget no plan can meet gives a row with NaN figures and the planner's message in ``note``
-    rather than stopping the sweep: the point of a sweep is to see where plans stop existing.
+    The one sweep of the project (:func:`planner.sweep.budget_sweep`, also behind ``teraio sweep`` and
+    the planner benchmark) for one solver: a budget no plan can meet gives a row with status ``NO PLAN``,
+    NaN figures and the planner's message in ``note``.
 
     Args:
         budgets: anything :func:`planner.solve.solve` accepts ("50%", 0.5, "512MiB", bytes).
@@ -152,36 +139,11 @@ def budget_sweep(
         solve_kwargs: passed to :func:`planner.solve.solve` (``hardware``, ``time_limit_s``, ...).
 
     Returns:
-        One row per budget, columns :data:`SWEEP_COLUMNS`.
+        One row per budget, columns :data:`SWEEP_COLUMNS` (``planner.sweep``'s).
     """
-    # Lazy: the solver registry imports OR-Tools, which a caller only plotting should not pay for.
-    from teraio.planner.lifetimes import analyse
-    from teraio.planner.solve import solve
+    from teraio.planner.sweep import budget_sweep as sweep
 
-    lt = lifetimes if lifetimes is not None else analyse(profile)
-    rows = []
-    for budget in budgets:
-        try:
-            plan = solve(profile, budget=budget, solver=solver, lifetimes=lt, **solve_kwargs)
-        except BudgetError as e:
-            rows.append({"budget": str(budget), "status": "NO PLAN", "note": str(e)})
-            continue
-        rows.append(
-            {
-                "budget": str(budget),
-                "budget_bytes": plan.budget_bytes,
-                "predicted_peak_bytes": plan.predicted_peak_bytes,
-                "predicted_peak": format_size(plan.predicted_peak_bytes),
-                "predicted_step_s": plan.predicted_step_s,
-                "predicted_stall_s": plan.predicted_stall_s,
-                "moved_bytes": plan.moved_bytes,
-                "decisions": len(plan.decisions),
-                "status": plan.stats.status,
-                "wall_s": plan.stats.wall_s,
-                "note": "",
-            }
-        )
-    return pd.DataFrame(rows, columns=list(SWEEP_COLUMNS))
+    return sweep(profile, budgets, [solver], lifetimes=lifetimes, **solve_kwargs)
 
 
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
@@ -301,7 +263,7 @@ def plot_sweep(sweep: pd.DataFrame, *, ax: Axes | None = None, title: str = "Bud
     x = np.arange(len(ok))
     ax.bar(x, ok["predicted_peak_bytes"].astype(float) / _MIB, color="tab:green", alpha=0.7, label="peak")
     ax.set_xticks(x)
-    ax.set_xticklabels(ok["budget"].tolist())
+    ax.set_xticklabels(ok["budget_spec"].tolist())
     ax.set_xlabel("budget")
     ax.set_ylabel("predicted peak (MiB)")
     step_ax = ax.twinx()

@@ -87,7 +87,12 @@ def test_budget_sweep_rows_and_columns(small_profile) -> None:
     budgets = ["100%", "60%", "45%"]
     sweep = analysis.budget_sweep(profile, budgets, solver="greedy", lifetimes=lt)
     assert list(sweep.columns) == list(analysis.SWEEP_COLUMNS)
-    assert sweep["budget"].tolist() == budgets
+    assert sweep["budget_spec"].tolist() == budgets and (sweep["solver"] == "greedy").all()
+    # The notebook's sweep is the planner's (one implementation), with a bound and a gap per plan.
+    from teraio.planner.sweep import SWEEP_COLUMNS
+
+    assert analysis.SWEEP_COLUMNS == SWEEP_COLUMNS
+    assert (sweep["lower_bound_s"] <= sweep["predicted_step_s"]).all() and (sweep["gap"] >= 0).all()
     assert (sweep["predicted_peak_bytes"] <= sweep["budget_bytes"]).all()
     # At 100% nothing needs to move; tighter budgets give lower peaks.
     assert sweep.loc[0, "predicted_peak_bytes"] == lt.baseline_peak_bytes

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from teraio.planner.solvers import baselines, greedy
+from teraio.planner.solvers import baselines, greedy, pipeline
 
-__all__ = ["baselines", "greedy"]
+__all__ = ["baselines", "greedy", "pipeline"]
 
 if importlib.util.find_spec("teraio.planner.solvers.ilp") is not None:
     from teraio.planner.solvers import ilp  # noqa: F401

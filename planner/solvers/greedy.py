@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from teraio.planner.execution import Candidate, channel_key
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes
 from teraio.planner.plan import Decision, Plan, SolverStats
@@ -94,10 +95,11 @@ class _State:
         self.start_us: list[float] = self.lt.op_start_us.tolist()
         self.end_us: list[float] = self.lt.op_end_us.tolist()
         self.dur_us = self.lt.duration_us
+        #: Where the last channel search per (tensor, tier, direction) stopped (see ``place``).
+        self.resume: dict[tuple[str, str, str], int] = {}
 
     def channel(self, tier: str, direction: str) -> _Channel:
-        key = (tier, "rw") if self.hw.tiers[tier].shared_channel else (tier, direction)
-        return self.channels.setdefault(key, _Channel())
+        return self.channels.setdefault(channel_key(self.hw, tier, direction), _Channel())
 
     def excess(self) -> np.ndarray:
         return np.maximum(self.mem - self.budget, 0)
@@ -115,16 +117,18 @@ class _State:
             self.held[tier][lo] += nbytes
             self.held[tier][hi + 1] -= nbytes
 
-    def place(self, c: dict, tier: str, excess: np.ndarray) -> _Placement | None:
+    def place(self, c: Candidate, tier: str, excess: np.ndarray) -> _Placement | None:
         """The stall-free placement (in nominal time) of candidate ``c`` on ``tier``, or None."""
         lt, nf = self.lt, self.lt.num_fwd_ops
         t = self.hw.tiers[tier]
-        nbytes = c["nbytes"]
+        nbytes = c.nbytes
         w_us = t.write_s(nbytes) * 1e6
         r_us = t.read_s(nbytes) * 1e6
         # Earliest op k >= producer whose end finds the write channel free for the whole write.
         wch = self.channel(tier, "write")
-        k = c["producer_idx"]
+        # Channels only fill up, so an op end found blocked before stays blocked: resume the search
+        # where the last one for this tensor and tier stopped (the same answer, without re-walking).
+        k = self.resume.get((c.name, tier, "write"), c.producer_idx)
         write = None
         while k < nf:
             a = self.end_us[k]
@@ -133,18 +137,20 @@ class _State:
                 write = (a, a + w_us)
                 break
             k = bisect_left(self.end_us, wch.ends[blk] - _EPS_US, lo=k + 1)
+        self.resume[c.name, tier, "write"] = k
         if write is None:
             return None
         # The write must be complete before an op j in (max(k, last_fwd), nf].
-        j = max(k, c["last_fwd_use_idx"]) + 1
+        j = max(k, c.last_fwd_use_idx) + 1
         j = max(j, bisect_left(self.start_us, write[1] - _EPS_US, lo=j))
         if j > nf or (j < lt.num_ops and self.start_us[j] < write[1] - _EPS_US):
             return None
         # Latest backward op p <= first use whose start finds the read channel free and the read done in time.
         rch = self.channel(tier, "read")
-        first = c["first_bwd_use_idx"]
+        first = c.first_bwd_use_idx
         deadline = self.start_us[first]
         p = min(first, bisect_right(self.start_us, deadline - r_us + _EPS_US) - 1)
+        p = min(p, self.resume.get((c.name, tier, "read"), p))
         read = None
         while p >= max(nf, j):
             a = self.start_us[p]
@@ -155,6 +161,8 @@ class _State:
                 read = (a, a + r_us)
                 break
             p = min(p - 1, bisect_right(self.start_us, rch.starts[blk] - r_us + _EPS_US) - 1)
+        if read is not None:
+            self.resume[c.name, tier, "read"] = p
         if read is None or p <= j:
             return None
         if not self.tier_fits(tier, nbytes, k + 1, first):
@@ -162,7 +170,7 @@ class _State:
         gain = float(np.minimum(excess[j:p], nbytes) @ self.dur_us[j:p])
         return _Placement(tier, k, j, p, write, read, gain / max(w_us + r_us, _EPS_US))
 
-    def best_placement(self, c: dict, excess: np.ndarray) -> _Placement | None:
+    def best_placement(self, c: Candidate, excess: np.ndarray) -> _Placement | None:
         best = None
         for tier in self.tiers:
             pl = self.place(c, tier, excess)
@@ -170,13 +178,13 @@ class _State:
                 best = pl
         return best
 
-    def commit(self, c: dict, pl: _Placement) -> Decision:
+    def commit(self, c: Candidate, pl: _Placement) -> Decision:
         self.channel(pl.tier, "write").reserve(*pl.write_us)
         self.channel(pl.tier, "read").reserve(*pl.read_us)
-        self.mem[pl.wait_before_idx : pl.prefetch_before_idx] -= c["nbytes"]
-        self.hold(pl.tier, c["nbytes"], pl.offload_after_idx + 1, c["first_bwd_use_idx"])
+        self.mem[pl.wait_before_idx : pl.prefetch_before_idx] -= c.nbytes
+        self.hold(pl.tier, c.nbytes, pl.offload_after_idx + 1, c.first_bwd_use_idx)
         return self.lt.decision(
-            c["name"],
+            c.name,
             tier=pl.tier,
             offload_after_idx=pl.offload_after_idx,
             wait_before_idx=pl.wait_before_idx,
@@ -184,7 +192,7 @@ class _State:
         )
 
 
-def _phase1(state: _State, cands: dict[str, dict], problem: Problem) -> dict[str, Decision]:
+def _phase1(state: _State, cands: dict[str, Candidate], problem: Problem) -> dict[str, Decision]:
     """TERAIO Algorithm 1 with a lazy priority queue (benefits never rise as picks accumulate)."""
     chosen: dict[str, Decision] = {}
     excess = state.excess()
@@ -210,79 +218,88 @@ def _phase1(state: _State, cands: dict[str, dict], problem: Problem) -> dict[str
 
 
 def _phase2(
-    state: _State, cands: dict[str, dict], chosen: dict[str, Decision], tier: str
+    state: _State, cands: dict[str, Candidate], chosen: dict[str, Decision], tier: str
 ) -> tuple[dict[str, Decision], int]:
-    """Repair: make tensors absent at over-budget ops until none is left (stall accepted)."""
+    """Repair: make tensors absent at over-budget ops until none is left (stall accepted).
+
+    Each repair scores every option at once with numpy (one pass over the candidates), so a repair costs
+    O(candidates + ops) and a 96-layer profile with tens of thousands of repairs plans in seconds.
+    """
     lt, nf = state.lt, state.lt.num_fwd_ops
     mem = lt.memory_with(list(chosen.values()))
-    repaired = 0
-    starts = np.array([c["inactive_start_idx"] for c in cands.values()])
-    ends = np.array([c["inactive_end_idx"] for c in cands.values()])
     names = list(cands)
+    rows = [cands[x] for x in names]
+    nbytes = np.array([c.nbytes for c in rows], dtype=np.int64)
+    prod = np.array([c.producer_idx for c in rows], dtype=np.int64)
+    first = np.array([c.first_bwd_use_idx for c in rows], dtype=np.int64)
+    starts = np.array([c.inactive_start_idx for c in rows], dtype=np.int64)
+    ends = np.array([c.inactive_end_idx for c in rows], dtype=np.int64)
+    name_rank = np.argsort(np.argsort(np.array(names, dtype=object)))
+    # The current window of every candidate; a candidate not moved has an empty one.
+    moved = np.array([x in chosen for x in names], dtype=bool)
+    off = np.array([chosen[x].offload_after_idx if x in chosen else -1 for x in names], dtype=np.int64)
+    wait = np.array([chosen[x].wait_before_idx if x in chosen else 0 for x in names], dtype=np.int64)
+    pref = np.array([chosen[x].prefetch_before_idx if x in chosen else 0 for x in names], dtype=np.int64)
+    tier_of = [chosen[x].tier if x in chosen else tier for x in names]
+    w_us = np.array([state.hw.tiers[t].write_s(int(b)) * 1e6 for t, b in zip(tier_of, nbytes)])
+    r_us = np.array([state.hw.tiers[t].read_s(int(b)) * 1e6 for t, b in zip(tier_of, nbytes)])
+    start_us = np.asarray(state.start_us)
+    end_us = np.asarray(state.end_us)
+    repaired = 0
     while True:
         over = mem - state.budget
         i = int(np.argmax(over))
         if over[i] <= 0:
             return chosen, repaired
         need = int(over[i])
-        options = []  # (is_new, fit_key, name)
-        for k in np.nonzero((starts <= i) & (ends >= i))[0]:
-            name = names[k]
-            d = chosen.get(name)
-            if d is not None and d.wait_before_idx <= i < d.prefetch_before_idx:
-                continue  # already away at i
-            c = cands[name]
-            nbytes = c["nbytes"]
-            # Best fit: the smallest tensor covering the excess, else the largest.
-            fit = (0, nbytes) if nbytes >= need else (1, -nbytes)
-            options.append((_repair_stall_us(state, c, d, i, tier), d is None, fit, name))
-        if not options:
+        ok = (starts <= i) & (ends >= i) & ~(moved & (wait <= i) & (i < pref))
+        idx = np.nonzero(ok)[0]
+        if not idx.size:
             raise AssertionError(f"op {i} over budget with nothing left to move (floor check missed it)")
-        _, is_new, _, name = min(options)
-        c = cands[name]
-        if is_new:
-            new = lt.decision(name, tier=tier, wait_before_idx=min(i, nf), prefetch_before_idx=max(i + 1, nf))
+        is_new = ~moved[idx]
+        fi = min(i, nf)
+        # The smallest window change that makes each option absent at op i, and its nominal stall
+        # (queues ignored): a write must end before the wait, a read before the first use.
+        o = np.where(is_new, prod[idx], np.minimum(off[idx], np.maximum(prod[idx], fi - 1)))
+        wt = np.where(is_new, fi, np.minimum(wait[idx], fi))
+        pr = np.where(is_new, max(i + 1, nf), np.maximum(pref[idx], i + 1))
+        stall = np.maximum(w_us[idx] - (start_us[wt] - end_us[o]), 0.0) + np.maximum(
+            r_us[idx] - (start_us[first[idx]] - start_us[pr]), 0.0
+        )
+        # Least stall, then no new I/O, then best fit: the smallest tensor covering the excess, else
+        # the largest.
+        b = nbytes[idx]
+        covers = b >= need
+        pick = int(np.lexsort((name_rank[idx], np.where(covers, b, -b), ~covers, is_new, stall))[0])
+        j = int(idx[pick])
+        c = rows[j]
+        if is_new[pick]:
+            new = lt.decision(names[j], tier=tier, wait_before_idx=fi, prefetch_before_idx=max(i + 1, nf))
             # The fastest tier with room for the copy, else the default tier.
             for t in sorted(
                 state.tiers,
-                key=lambda t: state.hw.tiers[t].write_s(c["nbytes"]) + state.hw.tiers[t].read_s(c["nbytes"]),
+                key=lambda t: state.hw.tiers[t].write_s(c.nbytes) + state.hw.tiers[t].read_s(c.nbytes),
             ):
-                if state.tier_fits(t, c["nbytes"], new.offload_after_idx + 1, new.fetch_before_idx):
+                if state.tier_fits(t, c.nbytes, new.offload_after_idx + 1, new.fetch_before_idx):
                     new = dataclasses.replace(new, tier=t)
                     break
-            state.hold(new.tier, c["nbytes"], new.offload_after_idx + 1, new.fetch_before_idx)
+            state.hold(new.tier, c.nbytes, new.offload_after_idx + 1, new.fetch_before_idx)
+            w_us[j] = state.hw.tiers[new.tier].write_s(c.nbytes) * 1e6
+            r_us[j] = state.hw.tiers[new.tier].read_s(c.nbytes) * 1e6
         else:
-            d = chosen[name]
             new = lt.decision(
-                name,
-                tier=d.tier,
-                offload_after_idx=min(d.offload_after_idx, max(c["producer_idx"], min(i, nf) - 1)),
-                wait_before_idx=min(d.wait_before_idx, i, nf),
-                prefetch_before_idx=max(d.prefetch_before_idx, i + 1),
+                names[j],
+                tier=chosen[names[j]].tier,
+                offload_after_idx=int(o[pick]),
+                wait_before_idx=int(wt[pick]),
+                prefetch_before_idx=int(pr[pick]),
             )
-            mem = mem + _window(lt, d)
-        chosen[name] = new
-        mem = mem - _window(lt, new)
+            mem[wait[j] : pref[j]] += nbytes[j]
+        chosen[names[j]] = new
+        moved[j] = True
+        off[j], wait[j], pref[j] = new.offload_after_idx, new.wait_before_idx, new.prefetch_before_idx
+        mem[wait[j] : pref[j]] -= nbytes[j]
         repaired += 1
-
-
-def _repair_stall_us(state: _State, c: dict, d: Decision | None, i: int, tier: str) -> float:
-    """Nominal stall (queues ignored) of making ``c`` absent at op ``i`` with the smallest window change."""
-    nf = state.lt.num_fwd_ops
-    t = state.hw.tiers[d.tier if d is not None else tier]
-    off = c["producer_idx"] if d is None else min(d.offload_after_idx, max(c["producer_idx"], min(i, nf) - 1))
-    wait = min(i, nf) if d is None else min(d.wait_before_idx, i, nf)
-    pre = max(i + 1, nf) if d is None else max(d.prefetch_before_idx, i + 1)
-    fetch = c["first_bwd_use_idx"]
-    w_us = t.write_s(c["nbytes"]) * 1e6 - (state.start_us[wait] - state.end_us[off])
-    r_us = t.read_s(c["nbytes"]) * 1e6 - (state.start_us[fetch] - state.start_us[pre])
-    return max(w_us, 0.0) + max(r_us, 0.0)
-
-
-def _window(lt: Lifetimes, d: Decision) -> np.ndarray:
-    w = np.zeros(lt.num_ops, dtype=np.int64)
-    w[d.wait_before_idx : d.prefetch_before_idx] = d.nbytes
-    return w
 
 
 def _phase3(lt: Lifetimes, chosen: dict[str, Decision], budget: int) -> tuple[list[Decision], int]:
@@ -326,14 +343,12 @@ def greedy_decisions(problem: Problem, budget: int) -> tuple[list[Decision], dic
     """The greedy plan's decisions for ``budget`` bytes, and counters for the solver stats."""
     lt = problem.lifetimes
     state = _State(problem, budget)
-    cand_rows = lt.candidates.to_dict("records")
+    cand_rows = lt.candidate_list
     # Only tensors that could be away at some over-budget op can help.
     over = lt.baseline_memory_bytes > budget
     over_cum = np.concatenate([[0], np.cumsum(over)])
     cands = {
-        c["name"]: c
-        for c in cand_rows
-        if over_cum[c["inactive_end_idx"] + 1] > over_cum[c["inactive_start_idx"]]
+        c.name: c for c in cand_rows if over_cum[c.inactive_end_idx + 1] > over_cum[c.inactive_start_idx]
     }
     chosen = _phase1(state, cands, problem)
     phase1 = len(chosen)

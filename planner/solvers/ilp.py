@@ -1,44 +1,48 @@
-"""The exact solver: an OR-Tools CP-SAT model of the whole step, warm-started from greedy.
+"""The exact solver: an OR-Tools CP-SAT model of the step, searched from the best constructive plan.
 
 Which tensors move, to which tier, and when each write and read runs, so that memory stays within the
-budget at every op and the predicted step (compute + stall) is smallest, then the fewest bytes move. The plan is always re-judged by the simulator, and greedy's plan is returned instead
-when it simulates better: ``ilp`` is never worse than ``greedy``.
+budget at every op and the predicted step (compute + stall + the CPU cost of I/O) is smallest, then the
+fewest bytes move. Every plan is re-judged by the simulator; ``ilp`` returns the best plan it has seen,
+so it is never worse than its starts (``pipeline`` and ``greedy``).
 
-Legend (times in integer microseconds, op durations rounded up; sizes in bytes, exactly):
+Search, within ``time_limit_s`` (15% kept in reserve):
+
+1. Starts: the ``pipeline`` and ``greedy`` plans (greedy only for "auto"); the better one simulated is
+   the incumbent.
+2. Whole step: for steps of at most :data:`FULL_MODEL_MAX_CANDIDATES` candidates (and for "auto"), the
+   model below hinted with the incumbent, then a second solve for the fewest bytes at that step time.
+3. Large-neighbourhood search: layer windows (:mod:`planner.layers`, :data:`LNS_WIDTH` layers each, most
+   simulated stall first) re-solved with every tensor outside the window held to the incumbent's choice.
+
+Legend (times in integer microseconds, op and transfer times rounded up; sizes in bytes, exactly):
 
 - ``E[k]``   end of op ``k``; ``E[k] - E[k-1] >= d[k]`` (the difference beyond ``d[k]`` is op k's stall).
-- ``R[k]``   the boundary before op ``k`` is done waiting for writes and issues its reads
-  (``E[k-1] <= R[k] <= E[k] - d[k]``; a separate variable only where waits happen, k <= num_fwd_ops).
+- ``R[k]``   the boundary before op ``k`` is done waiting for writes and issues its reads; a separate
+  variable only where waits happen (k <= num_fwd_ops). A forward op starts at its boundary,
+  ``E[k] == R[k] + d[k]`` (see the note in ``_build``); the first backward op may wait for fetches.
 - ``o[t,r]`` tensor ``t`` moves to tier ``r`` (at most one tier).
 - ``W[t,r]``, ``R[t,r]``: optional write/read intervals of fixed length on their tier's channels
-  (``NoOverlap`` per channel: one write and one read queue, or one queue for a shared channel).
+  (``NoOverlap`` per :func:`planner.execution.channel_key`).
 - ``pe[t]``  when ``t`` stops occupying memory after forward; ``p[t]`` when it occupies memory again.
 
 Memory is a *cumulative* resource over time, not a boolean per (tensor, op): op ``k`` owns the time
-``[R[k], E[k])`` (its fetch stall included) with the memory nothing can move (``other_bytes``, params,
-non-candidates); each candidate occupies ``[start of its producer, pe[t])`` and ``[p[t], E[last use])``.
-Reading the plan back (see :func:`_IlpModel.extract`), a tensor is absent exactly at the ops whose time
-window lies in ``[pe, p)``, which is the simulator's ``[wait_before_idx, prefetch_before_idx)``: the
-cumulative constraint *is* the per-op budget check, with O(tensors + ops) variables instead of the
-O(tensors x ops) booleans of an earlier prototype (211k variables at 48 layers, no solution in 60 s).
-That is this solver's scale reduction (48 layers: ~6.7k variables, solved in well under 60 s on 2 cores);
-:mod:`planner.layers` recognises the repeated layers, reported in the plan's solver stats.
-A knapsack cut per over-budget op (bytes that could be away there >= the excess) gives the LP relaxation
-the memory argument that the cumulative constraint hides from it.
+``[R[k], E[k])`` with the memory nothing can move (``other_bytes``, params, non-candidates); each
+candidate occupies ``[start of its producer, pe[t])`` and ``[p[t], E[last use])``. Reading the plan back
+(:meth:`_IlpModel.extract`), a tensor is absent at the ops whose window lies in ``[pe, p)``, the
+simulator's ``[wait_before_idx, prefetch_before_idx)``; the model's memory at every op is at least the
+simulator's, so the model's plans keep the budget (a fixture checks this on every solve of the test suite),
+with O(tensors + ops) variables instead of the O(tensors x ops) booleans of a per-op formulation.
+Cuts: a knapsack cut per over-budget op (bytes that could be away there >= the excess), and the
+bandwidth-window cuts of :mod:`planner.bounds` (time between two ops >= bytes that must move / bandwidth),
+which put bandwidth into the LP relaxation.
 
-Objective, lexicographic in two solves: (1) ``E[last]``, compute plus stall; (2) with (1) held at its best
-value, the fewest bytes moved. CPU interference is proportional to bytes moved, so (2) minimises it; it
-is left out of (1) because the simulator charges it only where transfers overlap running ops. With
-``budget="auto"`` op times are fixed at their nominal values (no stall) and (1) minimises the peak.
+Objective: ``E[last]`` plus the CPU cost of every transfer in full (the simulator charges only the share
+that overlaps running ops), so the model's step is never below the simulated step, and equal to it where
+the model is optimal on exact units. With ``budget="auto"`` op times are fixed at their nominal values (no
+stall) and the objective is the peak.
 
-Transfer order: the simulator (and the runtime) run each channel FIFO in issue order. Positions are read
-back so that issue order equals the model's channel order (writes are issued at the latest op end before
-the model's start time, decisions listed by model start time), so a simulated transfer never starts later
-than the model's, up to CPU interference (which stretches simulated ops). The simulator has the last word.
-
-Warm start: greedy's plan, replayed in model units, hints the decision variables; when CP-SAT finds no
-solution in half of phase 1 (seen at 48 layers), the hint is completed to every variable and phase 1
-resumes from greedy's plan.
+Transfer order: the simulator (and the runtime) run each channel FIFO in issue order; the plan's
+``write_rank`` / ``read_rank`` carry the model's channel order (see the note in ``extract``).
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from teraio.planner.bounds import bandwidth_windows
 from teraio.planner.budget import BudgetError, infeasible
+from teraio.planner.execution import channel_key, replay
 from teraio.planner.layers import find_layers
 from teraio.planner.plan import Decision, Plan, SolverStats
 from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult
@@ -63,7 +69,7 @@ MAX_UNIT_NBYTES = 4096
 #: Share of the time limit kept for the second (fewest bytes) solve.
 PHASE2_SHARE = 0.25
 #: Share of the time limit kept in reserve for CP-SAT's overrun and the simulations after it.
-RESERVE_SHARE = 0.1
+RESERVE_SHARE = 0.15
 #: Over-budget ops that get a knapsack cut (the ones with the largest excess; cuts are cheap but not free).
 MAX_CUTS = 256
 
@@ -76,6 +82,15 @@ _STATUS = {
 }
 
 
+def _whole_us(duration_s: float) -> tuple[int, bool]:
+    """A duration in whole microseconds, rounded up (at least 1), and whether that is exact."""
+    us = duration_s * 1e6
+    near = round(us)
+    if abs(us - near) < 1e-6:
+        return max(1, int(near)), near >= 1
+    return max(1, math.ceil(us)), False
+
+
 def _memory_unit(sizes: list[int]) -> int:
     """The largest power of two up to MAX_UNIT_NBYTES dividing every size: sizes in it are exact."""
     unit = MAX_UNIT_NBYTES
@@ -83,17 +98,6 @@ def _memory_unit(sizes: list[int]) -> int:
         while unit > 1 and s % unit:
             unit //= 2
     return unit
-
-
-@dataclass
-class _Cand:
-    name: str
-    nbytes: int
-    units: int
-    producer_idx: int
-    last_fwd_use_idx: int
-    fetch_idx: int  # first backward use
-    last_use_idx: int
 
 
 @dataclass
@@ -117,34 +121,28 @@ class _IlpModel:
         self.n, self.nf = lt.num_ops, lt.num_fwd_ops
         # Durations rounded up to whole microseconds, at least 1 so every op owns a non-empty window.
         self.d = np.maximum(1, np.ceil(lt.duration_us - 1e-9)).astype(np.int64)
+        # Whether the model's times are the simulator's exactly (whole-us ops and transfers, no CPU
+        # interference): then an optimal model step must equal the simulated one.
+        self.exact_units = bool(np.array_equal(self.d, lt.duration_us))
         self.nominal_end = np.cumsum(self.d)
         self.tiers = [r for r in problem.hardware.available_tiers()]
-        self.cands = [
-            _Cand(
-                name=str(r.name),
-                nbytes=int(r.nbytes),
-                units=0,
-                producer_idx=int(r.producer_idx),
-                last_fwd_use_idx=int(r.last_fwd_use_idx),
-                fetch_idx=int(r.first_bwd_use_idx),
-                last_use_idx=int(r.last_use_idx),
-            )
-            for r in lt.candidates.itertuples(index=False)
-        ]
+        self.cands = list(lt.candidate_list)
         self.by_name = {c.name: c for c in self.cands}
         fixed = lt.baseline_memory_bytes.astype(np.int64).copy()
         for c in self.cands:
             fixed[c.producer_idx : c.last_use_idx + 1] -= c.nbytes
         self.unit = _memory_unit([c.nbytes for c in self.cands] + [int(x) for x in fixed])
-        for c in self.cands:
-            c.units = self.units(c.nbytes)
+        #: Candidate sizes in memory units.
+        self.cunits = {c.name: self.units(c.nbytes) for c in self.cands}
         self.write_us = {}
         self.read_us = {}
         for r in self.tiers:
             tm = problem.hardware.tier(r)
             for c in self.cands:
-                self.write_us[c.name, r] = max(1, math.ceil(tm.write_s(c.nbytes) * 1e6))
-                self.read_us[c.name, r] = max(1, math.ceil(tm.read_s(c.nbytes) * 1e6))
+                w_us, w_exact = _whole_us(tm.write_s(c.nbytes))
+                r_us, r_exact = _whole_us(tm.read_s(c.nbytes))
+                self.write_us[c.name, r], self.read_us[c.name, r] = w_us, r_us
+                self.exact_units = self.exact_units and w_exact and r_exact and tm.cpu_s_per_byte == 0
         # Memory no plan can move, per op, rounded up; candidates are added back as intervals.
         self.fixed_units = np.array([self.units(max(0, x)) for x in fixed], dtype=np.int64)
         self.auto = problem.budget_bytes is None
@@ -165,17 +163,27 @@ class _IlpModel:
             self.E = [m.new_constant(int(x)) for x in self.nominal_end]
         else:
             self.E = [m.new_int_var(int(self.nominal_end[k]), horizon, f"E{k}") for k in range(n)]
+            m.add(self.E[0] == int(d[0]))  # op 0 starts at time 0 (see the note below)
             for k in range(1, n):
                 m.add(self.E[k] >= self.E[k - 1] + int(d[k]))
         zero = m.new_constant(0)
         # R[k]: the boundary before op k is done waiting for writes and issues its reads. Waits happen
         # only before forward ops and at the end of forward (k <= nf); elsewhere R[k] = E[k-1].
+        # Note: [Forward ops start at their boundary] A forward op has no fetch to wait for, so the
+        # simulator starts it the moment its boundary's waits are done: E[k] == R[k] + d[k]. Letting it
+        # start later (as an earlier version did) let a tensor freed during that slack be counted as gone
+        # before the op's outputs exist, while the simulator counts both during the op: plans 0.3-11%
+        # over budget. Backward ops may still start after R[k] (their fetches), which only makes the
+        # model's memory window of the op longer than the simulator's op: conservative.
         self.R = [zero]
         for k in range(1, n):
             if k <= nf and not self.auto:
                 r = m.new_int_var(0, horizon, f"R{k}")
                 m.add(r >= self.E[k - 1])
-                m.add(r <= self.E[k] - int(d[k]))
+                if k < nf:
+                    m.add(r == self.E[k] - int(d[k]))
+                else:
+                    m.add(r <= self.E[k] - int(d[k]))
                 self.R.append(r)
             else:
                 self.R.append(self.E[k - 1])
@@ -205,7 +213,9 @@ class _IlpModel:
             self.pe[c.name], self.p[c.name] = pe, p
             m.add(pe >= self.E[c.last_fwd_use_idx])  # needed through its last forward use
             m.add(pe <= p)
-            m.add(p <= self.E[c.fetch_idx] - int(d[c.fetch_idx]))  # back before its first backward use
+            m.add(
+                p <= self.E[c.first_bwd_use_idx] - int(d[c.first_bwd_use_idx])
+            )  # back before its first backward use
             m.add(pe == p).only_enforce_if(moved.Not())
             m.add(pe <= self.R[nf]).only_enforce_if(moved)  # writes are waited by the end of forward
             m.add(p >= self.R[nf]).only_enforce_if(moved)  # reads are issued in backward
@@ -213,7 +223,7 @@ class _IlpModel:
             size_b = m.new_int_var(0, horizon, f"sb[{c.name}]")
             mem_intervals.append(m.new_interval_var(prod_start, size_a, pe, f"memA[{c.name}]"))
             mem_intervals.append(m.new_interval_var(p, size_b, self.E[c.last_use_idx], f"memB[{c.name}]"))
-            mem_demands += [c.units, c.units]
+            mem_demands += [self.cunits[c.name]] * 2
             ws = m.new_int_var(0, horizon, f"ws[{c.name}]")
             rs = m.new_int_var(0, horizon, f"rs[{c.name}]")
             self.ws[c.name], self.rs[c.name] = ws, rs
@@ -224,10 +234,12 @@ class _IlpModel:
                 w = m.new_optional_fixed_size_interval_var(ws, wd, lit, f"W[{c.name},{r}]")
                 rd_iv = m.new_optional_fixed_size_interval_var(rs, rd, lit, f"R[{c.name},{r}]")
                 m.add(ws + wd <= pe).only_enforce_if(lit)
-                m.add(rs + rd <= self.E[c.fetch_idx] - int(d[c.fetch_idx])).only_enforce_if(lit)
-                shared = self.problem.hardware.tier(r).shared_channel
-                channels.setdefault((r, "rw" if shared else "write"), []).append(w)
-                channels.setdefault((r, "rw" if shared else "read"), []).append(rd_iv)
+                m.add(rs + rd <= self.E[c.first_bwd_use_idx] - int(d[c.first_bwd_use_idx])).only_enforce_if(
+                    lit
+                )
+                hw = self.problem.hardware
+                channels.setdefault(channel_key(hw, r, "write"), []).append(w)
+                channels.setdefault(channel_key(hw, r, "read"), []).append(rd_iv)
         for ivs in channels.values():
             m.add_no_overlap(ivs)
 
@@ -236,7 +248,7 @@ class _IlpModel:
         for r in self.tiers:
             cap = self.problem.hardware.tier(r).capacity_bytes
             if cap:
-                m.add(sum(self.o[c.name, r] * c.units for c in self.cands) <= cap // self.unit)
+                m.add(sum(self.o[c.name, r] * self.cunits[c.name] for c in self.cands) <= cap // self.unit)
 
         base_units = np.array([self.units(x) for x in lt.baseline_memory_bytes])
         if self.auto:
@@ -256,12 +268,20 @@ class _IlpModel:
             m.add_cumulative(mem_intervals, mem_demands, budget_units)
         self.budget_units = budget_units
         self._add_cuts(base_units)
+        if not self.auto:
+            self._add_bandwidth_cuts()
 
-        self.moved_units = sum(self.moved[c.name] * c.units for c in self.cands)
-        # The issue's objective: compute + stall (the end of the last op), then the fewest bytes. CPU
-        # interference is proportional to bytes moved, so the second phase minimises it too; charging it
-        # in phase 1 in full over-weighted it (the simulator charges only overlap with running ops).
-        self.primary = self.peak if self.auto else self.E[-1]
+        self.moved_units = sum(self.moved[c.name] * self.cunits[c.name] for c in self.cands)
+        # The objective: compute + stall (the end of the last op) + CPU interference, charged in full
+        # for every byte moved (once written, once read) (the simulator charges only the share that overlaps running ops, so the
+        # model's step is never below the simulated one); then, in a second solve, the fewest bytes.
+        self.cpu_us = sum(
+            self.o[c.name, r] * math.ceil(2 * c.nbytes * self.problem.hardware.tier(r).cpu_s_per_byte * 1e6)
+            for c in self.cands
+            for r in self.tiers
+            if self.problem.hardware.tier(r).cpu_s_per_byte > 0
+        )
+        self.primary = self.peak if self.auto else self.E[-1] + self.cpu_us
         self.m.minimize(self.primary)
 
     def _add_cuts(self, base_units: np.ndarray) -> None:
@@ -270,12 +290,12 @@ class _IlpModel:
         if not self.cands:
             return
         start = np.array([c.last_fwd_use_idx + 1 for c in self.cands])
-        end = np.array([c.fetch_idx - 1 for c in self.cands])
-        units = np.array([c.units for c in self.cands])
+        end = np.array([c.inactive_end_idx for c in self.cands])
+        units = np.array([self.cunits[c.name] for c in self.cands])
         # Pages counted exactly as the cumulative sees them: fixed part + every candidate alive there.
         mem_units = self.fixed_units.copy()
         for c in self.cands:
-            mem_units[c.producer_idx : c.last_use_idx + 1] += c.units
+            mem_units[c.producer_idx : c.last_use_idx + 1] += self.cunits[c.name]
         if self.auto:
             # The excess depends on the peak variable: cut only the highest ops.
             for k in np.argsort(-mem_units)[: min(MAX_CUTS, 32)]:
@@ -289,46 +309,42 @@ class _IlpModel:
             idx = np.nonzero((start <= k) & (k <= end))[0]
             self.m.add(sum(self.moved[self.cands[i].name] * int(units[i]) for i in idx) >= int(excess[k]))
 
+    def _add_bandwidth_cuts(self) -> None:
+        """The bandwidth-window cuts of :mod:`planner.bounds`: between the end of op ``a`` and the start
+        of op ``b`` at least ``nbytes`` must move, which takes ``min_s``. They put bandwidth into the LP
+        relaxation, which otherwise bounds the step by compute time alone."""
+        self.num_bandwidth_cuts = 0
+        for w in bandwidth_windows(self.problem.lifetimes, self.problem.hardware, self.problem.budget_bytes):
+            need_us = int(math.floor(w.min_s * 1e6))
+            if w.direction == "write":  # written before the boundary of op b (waits happen there)
+                self.m.add(self.R[w.before_idx] - self.E[w.after_idx] >= need_us)
+            else:  # issued at the boundary after op a, done before op b starts
+                b = w.before_idx
+                self.m.add(self.E[b] - int(self.d[b]) - self.R[w.after_idx + 1] >= need_us)
+            self.num_bandwidth_cuts += 1
+
     # ------------------------------------------------------------------------------------ warm start
     def timeline_of(self, decisions: list[Decision] | tuple[Decision, ...]) -> _Timeline:
         """Replay ``decisions`` under the execution model in model units (no CPU interference)."""
-        n, d = self.n, self.d
-        writes_after: dict[int, list[Decision]] = {}
-        waits: dict[int, list[Decision]] = {}
-        reads: dict[int, list[Decision]] = {}
-        fetches: dict[int, list[Decision]] = {}
-        for x in decisions:
-            writes_after.setdefault(x.offload_after_idx, []).append(x)
-            waits.setdefault(x.wait_before_idx, []).append(x)
-            reads.setdefault(x.prefetch_before_idx, []).append(x)
-            fetches.setdefault(x.fetch_before_idx, []).append(x)
-        free: dict[tuple[str, str], int] = {}
-        w_start, w_end, r_start, r_end = {}, {}, {}, {}
-        end = np.zeros(n, dtype=np.int64)
-        mem_off, mem_on = {}, {}
-        ready_at = np.zeros(n, dtype=np.int64)
-        t = 0
-        for i in range(n):
-            ready = t
-            for x in waits.get(i, ()):
-                ready = max(ready, w_end[x.name])
-            for x in waits.get(i, ()):
-                mem_off[x.name] = ready
-            ready_at[i] = ready
-            for x in reads.get(i, ()):
-                ch = (x.tier, "rw" if self.problem.hardware.tier(x.tier).shared_channel else "read")
-                r_start[x.name] = max(ready, free.get(ch, 0))
-                r_end[x.name] = free[ch] = r_start[x.name] + self.read_us[x.name, x.tier]
-                mem_on[x.name] = ready
-            start = ready
-            for x in fetches.get(i, ()):
-                start = max(start, r_end[x.name])
-            t = end[i] = start + int(d[i])
-            for x in writes_after.get(i, ()):
-                ch = (x.tier, "rw" if self.problem.hardware.tier(x.tier).shared_channel else "write")
-                w_start[x.name] = max(t, free.get(ch, 0))
-                w_end[x.name] = free[ch] = w_start[x.name] + self.write_us[x.name, x.tier]
-        return _Timeline(end, ready_at, w_start, r_start, mem_off, mem_on)
+        rp = replay(
+            list(decisions),
+            self.problem.hardware,
+            self.d.astype(np.float64),
+            transfer=lambda x, direction: (self.write_us if direction == "write" else self.read_us)[
+                x.name, x.tier
+            ],
+            cpu_cost=lambda x: 0.0,
+        )
+        names = [x.name for x in decisions]
+        as_int = lambda a: {x: int(round(v)) for x, v in zip(names, a)}  # noqa: E731
+        return _Timeline(
+            end_us=np.rint(rp.op_end).astype(np.int64),
+            ready_us=np.rint(rp.ready).astype(np.int64),
+            write_start_us=as_int(rp.w_start),
+            read_start_us=as_int(rp.r_start),
+            mem_off_us={x.name: int(round(rp.ready[x.wait_before_idx])) for x in decisions},
+            mem_on_us=as_int(rp.r_issue),
+        )
 
     def add_hint(self, decisions: list[Decision] | tuple[Decision, ...]) -> None:
         """A complete hint from a plan (greedy's): CP-SAT starts from it and repairs it if needed."""
@@ -356,7 +372,15 @@ class _IlpModel:
 
     # --------------------------------------------------------------------------------------- extract
     def extract(self, solver: cp_model.CpSolver) -> list[Decision]:
-        """Decisions from a solution, listed in the model's write order (see the module docstring)."""
+        """Decisions from a solution, with queue ranks in the model's channel order.
+
+        Note: [Issue order is the model's channel order] A channel runs FIFO in issue order. A write is
+        issued after the latest forward op ending at or before the model's write start, which is monotone
+        in that start, so the write order is the model's. A read is issued before the op in whose window
+        the tensor's memory comes back; that is not monotone in the model's read start, so reads that the
+        model runs later are issued no earlier than the ones it runs before them (a later prefetch only
+        keeps a tensor away longer: memory never grows). Ranks break ties at one op in model order.
+        """
         lt = self.problem.lifetimes
         nf = self.nf
         end = np.array([solver.value(e) for e in self.E], dtype=np.int64)
@@ -366,11 +390,7 @@ class _IlpModel:
             tier = next((r for r in self.tiers if solver.boolean_value(self.o[c.name, r])), None)
             if tier is None:
                 continue
-            ws, pe, p = (
-                solver.value(self.ws[c.name]),
-                solver.value(self.pe[c.name]),
-                solver.value(self.p[c.name]),
-            )
+            ws, pe, p, rs = (solver.value(v[c.name]) for v in (self.ws, self.pe, self.p, self.rs))
             # Issued at the latest forward op end not after the model's write start.
             off = c.producer_idx + int(np.searchsorted(end[c.producer_idx : nf], ws, side="right")) - 1
             off = max(c.producer_idx, off)
@@ -380,20 +400,33 @@ class _IlpModel:
                 wait += 1
             # Prefetched before the first op whose window ends after p.
             pref = nf
-            while pref < c.fetch_idx and end[pref] <= p:
+            while pref < c.first_bwd_use_idx and end[pref] <= p:
                 pref += 1
-            wait = max(wait, off + 1)
-            d = lt.decision(
+            rows.append([c, tier, off, max(wait, off + 1), pref, ws, rs])
+        by_channel: dict[tuple[str, str], list] = {}
+        for row in rows:
+            by_channel.setdefault(channel_key(self.problem.hardware, row[1], "read"), []).append(row)
+        for part in by_channel.values():
+            part.sort(key=lambda r: r[6])
+            latest = nf
+            for row in part:
+                latest = row[4] = min(max(row[4], latest), row[0].first_bwd_use_idx)
+        decisions = [
+            lt.decision(
                 c.name,
                 tier=tier,
                 offload_after_idx=off,
                 wait_before_idx=wait,
                 prefetch_before_idx=pref,
-                fetch_before_idx=c.fetch_idx,
+                fetch_before_idx=c.first_bwd_use_idx,
             )
-            rows.append((off, ws, pref, solver.value(self.rs[c.name]), d))
-        rows.sort(key=lambda r: (r[0], r[1]))
-        return [r[4] for r in rows]
+            for c, tier, off, wait, pref, _, _ in rows
+        ]
+        w_rank = {r[0].name: k for k, r in enumerate(sorted(rows, key=lambda r: (r[2], r[5])))}
+        r_rank = {r[0].name: k for k, r in enumerate(sorted(rows, key=lambda r: (r[4], r[6])))}
+        return [
+            dataclasses.replace(d, write_rank=w_rank[d.name], read_rank=r_rank[d.name]) for d in decisions
+        ]
 
 
 def _better(a: SimResult, b: SimResult) -> bool:
@@ -416,7 +449,7 @@ def _better_auto(a: SimResult, b: SimResult) -> bool:
     return a.step_s < b.step_s
 
 
-def _complete_hint(m: cp_model.CpModel, time_limit_s: float) -> bool:
+def _complete_hint(m: cp_model.CpModel, time_limit_s: float, deterministic_s: float | None = None) -> bool:
     """Turn a hint on the decision variables into a hint on every variable.
 
     CP-SAT ignored a partial hint of greedy's plan at 48 layers (no solution in 45 s) although fixing the
@@ -426,6 +459,8 @@ def _complete_hint(m: cp_model.CpModel, time_limit_s: float) -> bool:
     probe.parameters.fix_variables_to_their_hinted_value = True
     probe.parameters.num_workers = 1
     probe.parameters.max_time_in_seconds = max(0.05, time_limit_s)
+    if deterministic_s is not None:
+        probe.parameters.max_deterministic_time = max(0.01, deterministic_s)
     if probe.solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return False
     values = list(probe.response_proto.solution)
@@ -435,19 +470,118 @@ def _complete_hint(m: cp_model.CpModel, time_limit_s: float) -> bool:
     return True
 
 
-def _run(model: _IlpModel, time_limit_s: float, workers: int) -> tuple[cp_model.CpSolver, int]:
+def _run(
+    model: _IlpModel, time_limit_s: float, workers: int, deterministic_s: float | None = None
+) -> tuple[cp_model.CpSolver, int]:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, float(time_limit_s))
+    if deterministic_s is not None:
+        solver.parameters.max_deterministic_time = max(0.01, float(deterministic_s))
     solver.parameters.num_workers = max(1, int(workers))
     solver.parameters.random_seed = 0
     status = solver.solve(model.m)
     return solver, status
 
 
+#: Problems with at most this many candidates get the whole-step model first; larger ones go straight to
+#: the layer-window search (at 48 layers CP-SAT found no whole-step solution in 60 s, even hinted).
+FULL_MODEL_MAX_CANDIDATES = 300
+#: Layers per window of the large-neighbourhood search, and the CP-SAT time per window (seconds).
+LNS_WIDTH = 4
+LNS_WINDOW_S = 4.0
+
+
+@dataclass
+class _Search:
+    """The incumbent and what every model solution looked like (the soundness fixture reads ``own``)."""
+
+    problem: Problem
+    model: _IlpModel
+    decisions: list[Decision]
+    sim: SimResult
+    source: str
+    status: str = "HEURISTIC"
+    own: list[dict] = dataclasses.field(default_factory=list)
+    improvements: int = 0
+
+    def offer(self, solver: cp_model.CpSolver, status: int, label: str) -> bool:
+        """Extract the solution, judge it in the simulator, keep it when better. True when kept."""
+        decisions = self.model.extract(solver)
+        sim = self.problem.simulate(decisions)
+        m = self.model
+        self.own.append(
+            {
+                "label": label,
+                "model_step_s": None if m.auto else solver.value(m.E[-1] + m.cpu_us) / 1e6,
+                "sim_step_s": sim.step_s,
+                "sim_peak_bytes": sim.peak_bytes,
+                "budget_bytes": self.problem.budget_bytes,
+                "status": _STATUS.get(status, str(status)),
+                "auto": m.auto,
+                "exact_units": m.exact_units,
+            }
+        )
+        better = _better_auto if m.auto else _better
+        if better(sim, self.sim) or (label == "whole step" and not better(self.sim, sim)):
+            self.decisions, self.sim, self.source = decisions, sim, label
+            self.status = "OPTIMAL" if status == cp_model.OPTIMAL and label == "whole step" else "FEASIBLE"
+            self.improvements += 1
+            return True
+        return False
+
+
+def _lns(search: _Search, windows: list[tuple[int, ...]], layers, deadline: float, det: float | None) -> int:
+    """Re-solve the model with only one layer window's tensors free, the rest fixed to the incumbent.
+
+    Windows are visited worst first (most simulated stall in their ops), the incumbent hinted in full.
+    Returns the number of windows solved.
+    """
+    model, problem = search.model, search.problem
+    spans = layers.layers
+
+    def stall_in(window: tuple[int, ...]) -> float:
+        st = search.sim.stall_s_per_op
+        return sum(
+            float(st[s.fwd_start_idx : s.fwd_stop_idx].sum() + st[s.bwd_start_idx : s.bwd_stop_idx].sum())
+            for s in (spans[i] for i in window)
+        )
+
+    order = sorted(windows, key=lambda w: -stall_in(w))
+    solved = 0
+    for window in order:
+        left = deadline - time.perf_counter()
+        if left < 0.5:
+            break
+        free = {name for i in window for name in spans[i].tensor_names}
+        chosen = {d.name: d for d in search.decisions}
+        m = model.m
+        m.clear_hints()
+        model.add_hint(search.decisions)
+        sub = m.clone()
+        for c in model.cands:
+            if c.name in free:
+                continue
+            d = chosen.get(c.name)
+            for r in model.tiers:
+                var = sub.get_bool_var_from_proto_index(model.o[c.name, r].index)
+                sub.add(var == int(d is not None and d.tier == r))
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.2, min(LNS_WINDOW_S, left))
+        if det is not None:
+            solver.parameters.max_deterministic_time = max(0.01, det / max(1, len(order)))
+        solver.parameters.num_workers = max(1, problem.workers)
+        solver.parameters.random_seed = 0
+        status = solver.solve(sub)
+        solved += 1
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            search.offer(solver, status, f"window {window[0]}-{window[-1]}")
+    return solved
+
+
 @register_solver("ilp", supports_auto=True)
 def solve_ilp(problem: Problem) -> Plan:
-    """Plan with CP-SAT under ``problem.time_limit_s`` (split between the two objectives), warm-started
-    from greedy, and return whichever of its plan and greedy's simulates better.
+    """The exact solver: the best of the ``pipeline`` and ``greedy`` plans, improved with CP-SAT (the whole
+    step when it is small, then a large-neighbourhood search over layer windows), judged by the simulator.
 
     Raises:
         BudgetError: the budget is below the smallest achievable peak.
@@ -457,139 +591,135 @@ def solve_ilp(problem: Problem) -> Plan:
     if problem.budget_bytes is not None and problem.hardware.available_tiers():
         if problem.budget_bytes < lt.min_feasible_peak_bytes:
             raise infeasible(problem.budget_bytes, lt.min_feasible_peak_bytes)
-    problem.report(0.0, "ilp: greedy warm start")
-    greedy_plan = None
-    try:
-        greedy_plan = get_solver("greedy")(dataclasses.replace(problem, progress=None))
-    except BudgetError:
-        greedy_plan = None
-    warm = list(greedy_plan.decisions) if greedy_plan is not None else []
-    warm_sim = problem.simulate(warm) if greedy_plan is not None else None
+    auto = problem.budget_bytes is None
+    better = _better_auto if auto else _better
+    # CP-SAT overruns its limit a little (presolve, shutdown) and the simulations after it take time:
+    # keep a reserve so the whole call stays within the time limit.
+    deadline = t0 + problem.time_limit_s * (1 - RESERVE_SHARE)
+    det = problem.deterministic_time_s
+
+    def left_s() -> float:
+        return max(0.05, deadline - time.perf_counter())
+
+    problem.report(0.0, "ilp: starts")
+    starts: dict[str, tuple[list[Decision], SimResult]] = {}
+    for name in ("greedy",) if auto else ("pipeline", "greedy"):
+        try:
+            plan = get_solver(name)(dataclasses.replace(problem, progress=None))
+        except BudgetError:
+            continue
+        starts[name] = (list(plan.decisions), problem.simulate(plan.decisions))
+    best_start = None
+    for name, (_, sim) in starts.items():
+        if best_start is None or better(sim, starts[best_start][1]):
+            best_start = name
 
     layers = find_layers(problem.profile)
-    if not len(lt.candidates) or (
-        problem.budget_bytes is not None and lt.baseline_peak_bytes <= problem.budget_bytes
-    ):
+    extra: dict = {
+        "layers": layers.summary(),
+        "starts": {k: v[1].step_s for k, v in starts.items()},
+        "warm_start": best_start or "none",
+    }
+    if not len(lt.candidates) or (not auto and lt.baseline_peak_bytes <= problem.budget_bytes):
         # Nothing needs to move (or nothing can): the empty plan has no stall and moves no byte.
         stats = SolverStats(
             solver="ilp",
             status="OPTIMAL",
             objective=lt.compute_s,
             bound=lt.compute_s,
-            gap=0.0,
             wall_s=time.perf_counter() - t0,
-            extra={"chosen": "empty plan (already within budget)", "layers": layers.summary()},
+            extra={**extra, "chosen": "empty plan (already within budget)"},
         )
-        if problem.budget_bytes is not None or not len(lt.candidates):
+        if not auto or not len(lt.candidates):
             return make_plan(problem, [], stats)
 
     build_t0 = time.perf_counter()
     model = _IlpModel(problem)
-    hint = "partial" if warm else "none"
-    if warm:
-        model.add_hint(warm)
-    build_s = time.perf_counter() - build_t0
-    # CP-SAT overruns its limit a little (presolve, shutdown) and the simulations after it take time:
-    # keep a reserve so the whole call stays within the time limit.
-    deadline = t0 + problem.time_limit_s * (1 - RESERVE_SHARE)
-
-    def left_s() -> float:
-        return max(0.05, deadline - time.perf_counter())
-
-    phase1_s = left_s() * (1 - PHASE2_SHARE)
-    problem.report(0.1, f"ilp: solving ({len(model.cands)} candidates, {model.n} ops)")
-    # A hint on the decisions only leaves CP-SAT free to search (it reached OPTIMAL on 12 layers where a
-    # complete hint kept it near greedy's plan); when that finds nothing, hint every variable instead.
-    phase1_t0 = time.perf_counter()
-    solver, status = _run(model, phase1_s * (0.5 if warm else 1.0), problem.workers)
-    if warm and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
-        if _complete_hint(model.m, min(0.1 * phase1_s, left_s())):
-            hint = "partial, then complete"
-            left = min(phase1_s - (time.perf_counter() - phase1_t0), left_s())
-            solver, status = _run(model, max(0.05, left), problem.workers)
-    status1 = _STATUS.get(status, str(status))
-    extra: dict = {
-        "model": {
-            "candidates": len(model.cands),
-            "ops": model.n,
-            "tiers": model.tiers,
-            "memory_unit_nbytes": model.unit,
-            "build_s": round(build_s, 3),
-            "variables": len(model.m.proto.variables),
-            "constraints": len(model.m.proto.constraints),
-        },
-        "phase1_status": status1,
-        "proven_for": "the model: op times rounded up to whole us, CPU interference left out of phase 1",
-        "layers": layers.summary(),
-        "warm_start": "greedy" if warm else "none",
-        "hint": hint,
+    extra["model"] = {
+        "candidates": len(model.cands),
+        "ops": model.n,
+        "tiers": model.tiers,
+        "memory_unit_nbytes": model.unit,
+        "build_s": round(time.perf_counter() - build_t0, 3),
+        "variables": len(model.m.proto.variables),
+        "constraints": len(model.m.proto.constraints),
+        "bandwidth_cuts": getattr(model, "num_bandwidth_cuts", 0),
     }
-    objective = bound = gap = None
-    ilp_decisions: list[Decision] | None = None
-    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        best1 = int(round(solver.objective_value))
-        objective, bound = solver.objective_value, solver.best_objective_bound
-        gap = (objective - bound) / objective if objective else 0.0
-        ilp_decisions = model.extract(solver)
-        # Phase 2: hold the first objective at its best value, move the fewest units.
-        model.m.add(model.primary <= best1)
-        model.m.clear_hints()
-        hinted = [
-            *model.o.values(),
-            *model.pe.values(),
-            *model.p.values(),
-            *model.ws.values(),
-            *model.rs.values(),
-            *model.moved.values(),
-        ]
-        if not model.auto:
-            hinted += [*model.E, *model.R[1 : model.nf + 1]]
-        for var in hinted:
-            model.m.add_hint(var, solver.value(var))
-        model.m.minimize(model.moved_units)
-        problem.report(0.8, "ilp: fewest bytes at that step time")
-        solver2, status2 = _run(model, left_s(), problem.workers)
-        extra["phase2_status"] = _STATUS.get(status2, str(status2))
-        if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            ilp_decisions = model.extract(solver2)
+    extra["proven_for"] = "the model: op and transfer times rounded up to whole us, CPU cost of I/O in full"
+    if best_start is None:
+        empty_sim = problem.simulate([])
+        search = _Search(problem, model, [], empty_sim, "none", status="UNKNOWN")
+    else:
+        search = _Search(problem, model, starts[best_start][0], starts[best_start][1], best_start)
+    objective = bound = None
+
+    if auto or len(model.cands) <= FULL_MODEL_MAX_CANDIDATES:
+        problem.report(0.1, f"ilp: whole step ({len(model.cands)} candidates, {model.n} ops)")
+        if search.decisions:
+            model.add_hint(search.decisions)
+        # Half the time on the whole step (all of it for "auto"); a hint on every variable when CP-SAT
+        # finds nothing from the hint alone.
+        share = 1.0 if auto or not layers.num_layers else 0.5
+        phase1_s = left_s() * share * (1 - PHASE2_SHARE)
+        solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+        if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
+            if _complete_hint(model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None):
+                solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+        extra["phase1_status"] = _STATUS.get(status, str(status))
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            objective, bound = solver.objective_value, solver.best_objective_bound
+            search.offer(solver, status, "whole step")
+            # Phase 2: hold the first objective at its best value, move the fewest units.
+            best1 = int(round(solver.objective_value))
+            model.m.add(model.primary <= best1)
+            model.m.clear_hints()
+            hinted = [
+                *model.o.values(),
+                *model.pe.values(),
+                *model.p.values(),
+                *model.ws.values(),
+                *model.rs.values(),
+                *model.moved.values(),
+            ]
+            if not model.auto:
+                hinted += [*model.E, *model.R[1 : model.nf + 1]]
+            for var in hinted:
+                model.m.add_hint(var, solver.value(var))
+            model.m.minimize(model.moved_units)
+            problem.report(0.5, "ilp: fewest bytes at that step time")
+            solver2, status2 = _run(
+                model, left_s() * share * PHASE2_SHARE, problem.workers, det * 0.25 if det else None
+            )
+            extra["phase2_status"] = _STATUS.get(status2, str(status2))
+            if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                search.offer(solver2, status, "whole step")  # optimal in phase 1's objective
+            model.m.minimize(model.primary)
+    if not auto and layers.num_layers >= 2 and search.decisions and left_s() > 0.5:
+        problem.report(0.6, "ilp: layer windows")
+        extra["lns_windows_solved"] = _lns(
+            search, layers.windows(LNS_WIDTH), layers, deadline, det * 0.5 if det else None
+        )
     if model.auto:
-        scale = model.unit
         extra["objective_unit"] = "peak bytes"
         if objective is not None:
-            objective, bound = objective * scale, bound * scale
+            objective, bound = objective * model.unit, bound * model.unit
     else:
-        extra["objective_unit"] = "model step time s (compute + stall; interference excluded)"
+        extra["objective_unit"] = "model step time s (compute + stall + full CPU cost of I/O)"
         if objective is not None:
             objective, bound = objective / 1e6, bound / 1e6
-
-    chosen, status_out = warm, "HEURISTIC"
-    better = _better_auto if model.auto else _better
-    if ilp_decisions is not None:
-        ilp_sim = problem.simulate(ilp_decisions)
-        extra["ilp_sim_step_s"] = ilp_sim.step_s
-        extra["ilp_sim_peak_bytes"] = ilp_sim.peak_bytes
-        if warm_sim is None or better(ilp_sim, warm_sim) or not better(warm_sim, ilp_sim):
-            chosen, status_out = ilp_decisions, status1
-            extra["chosen"] = "ilp"
-        else:
-            extra["chosen"] = "greedy (simulates better than the ILP's plan)"
-    elif warm_sim is not None:
-        extra["chosen"] = f"greedy (CP-SAT: {status1})"
-        status_out = "HEURISTIC" if status1 != "INFEASIBLE" else "INFEASIBLE"
-    else:
-        status_out = status1 if status1 == "INFEASIBLE" else "UNKNOWN"
-        extra["chosen"] = "none"
-    if warm_sim is not None:
-        extra["greedy_sim_step_s"] = warm_sim.step_s
-        extra["greedy_sim_peak_bytes"] = warm_sim.peak_bytes
+    extra["chosen"] = search.source
+    extra["own_plans"] = search.own
+    extra["improvements"] = search.improvements
+    status_out = search.status
+    if search.sim.budget_bytes is not None and not search.sim.within_budget:
+        status_out = "INFEASIBLE"
     stats = SolverStats(
         solver="ilp",
         status=status_out,
         objective=objective,
         bound=bound,
-        gap=gap,
         wall_s=time.perf_counter() - t0,
         extra=extra,
     )
     problem.report(1.0, "ilp: done")
-    return make_plan(problem, chosen, stats)
+    return make_plan(problem, search.decisions, stats)

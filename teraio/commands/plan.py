@@ -80,8 +80,16 @@ def plan_summary(plan) -> dict[str, Any]:
         "compute_s": plan.compute_s,
         "moved_bytes": plan.moved_bytes,
         "moved_tensors": len(plan.decisions),
+        "lower_bound_s": plan.stats.lower_bound_s,
         "gap": plan.stats.gap,
     }
+
+
+def bound_text(plan) -> str:
+    """The plan's lower bound and gap for a table row ("-" when the plan has none, e.g. for "auto")."""
+    if plan.stats.lower_bound_s is None:
+        return "-"
+    return f"{plan.stats.lower_bound_s:.4f} s (gap {100 * (plan.stats.gap or 0.0):.1f}%)"
 
 
 # ---------------------------------------------------------------------------------------- command
@@ -95,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("profile", help="profile directory written by 'teraio profile' or 'teraio synth'")
     p.add_argument("--budget", "-b", required=True, help="memory budget: 512MiB | 2GB | 40%% | 0.4 | auto")
-    p.add_argument("--solver", default="ilp", help="ilp | greedy | all | none (default ilp)")
+    p.add_argument("--solver", default="ilp", help="ilp | pipeline | greedy | all | none (default ilp)")
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     p.add_argument("--workers", type=int, default=2, help="solver worker threads (default 2)")
     p.add_argument("--hardware", help="hardware model JSON (from 'teraio calibrate'); default: built-in")
@@ -143,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         "step",
         f"{plan.compute_s:.4f} s -> {plan.predicted_step_s:.4f} s (stall {plan.predicted_stall_s:.4f} s)",
     )
+    t.add_row("lower bound", bound_text(plan))
     t.add_row("moved", f"{len(plan.decisions)} tensors, {format_bytes(plan.moved_bytes)}")
     console().print(t)
     return 0

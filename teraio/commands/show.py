@@ -11,7 +11,7 @@ import json
 import re
 from collections import defaultdict
 
-from teraio.commands.plan import console, load_profile_arg, plan_summary
+from teraio.commands.plan import bound_text, console, load_profile_arg, plan_summary
 from teraio.units import format_bytes
 
 _LAYER_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.compute_s:.4f} s compute -> {plan.predicted_step_s:.4f} s predicted "
         f"(stall {plan.predicted_stall_s:.4f} s)",
     )
+    head.add_row("lower bound", bound_text(plan))
     head.add_row("moved", f"{len(plan.decisions)} tensors, {format_bytes(plan.moved_bytes)} per step")
     head.add_row("hardware", plan.hardware.name)
     head.add_row("graph", plan.fingerprint[:16])
@@ -107,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             "wait before",
             "prefetch before",
             "fetch before",
+            "write rank",
+            "read rank",
         ):
             t.add_column(col)
         for d in plan.decisions:
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
                 f"{d.wait_before_idx} {d.wait_before_name}",
                 f"{d.prefetch_before_idx} {d.prefetch_before_name}",
                 f"{d.fetch_before_idx} {d.fetch_before_name}",
+                str(d.write_rank),
+                str(d.read_rank),
             )
         con.print(t)
     return 0

@@ -1,7 +1,8 @@
 """``teraio sweep``: the budget-to-step-time trade-off of one profile, one solve per budget and solver.
 
 Each row is a plan's predicted peak and step time; budgets that cannot be met are rows too (status
-INFEASIBLE, with the smallest achievable peak in the note), so the table always has every budget asked.
+NO PLAN, with the smallest achievable peak in the note), so the table always has every budget asked. The
+table is ``planner.sweep.budget_sweep``'s, the same the notebooks and the planner benchmark use.
 """
 
 from __future__ import annotations
@@ -12,21 +13,6 @@ import json
 from teraio.commands.plan import console, load_hardware_arg, load_profile_arg, progress_callback
 from teraio.errors import UserInputError
 from teraio.units import format_bytes
-
-COLUMNS = [
-    "solver",
-    "budget_spec",
-    "budget_bytes",
-    "status",
-    "predicted_peak_bytes",
-    "peak_fraction",
-    "predicted_step_s",
-    "predicted_stall_s",
-    "slowdown",
-    "moved_bytes",
-    "solve_s",
-    "note",
-]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,72 +32,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def sweep(
-    profile,
-    budgets: list[str],
-    solvers: list[str],
-    hardware,
-    time_limit_s: float = 60.0,
-    workers: int = 2,
-    progress=None,
-):
-    """One row per (solver, budget): a pandas DataFrame with :data:`COLUMNS`."""
-    import pandas as pd
-
-    from teraio.planner.budget import BudgetError
-    from teraio.planner.lifetimes import analyse
-    from teraio.planner.solve import solve
-
-    lt = analyse(profile)
-    rows = []
-    total = len(budgets) * len(solvers)
-    for s_i, solver in enumerate(solvers):
-        for b_i, budget in enumerate(budgets):
-            if progress is not None:
-                progress((s_i * len(budgets) + b_i) / total, f"{solver} @ {budget}")
-            try:
-                plan = solve(
-                    profile,
-                    budget,
-                    solver,
-                    hardware,
-                    time_limit_s=time_limit_s,
-                    workers=workers,
-                    lifetimes=lt,
-                )
-            except BudgetError as e:
-                rows.append({"solver": solver, "budget_spec": budget, "status": "INFEASIBLE", "note": str(e)})
-                continue
-            rows.append(
-                {
-                    "solver": solver,
-                    "budget_spec": budget,
-                    "budget_bytes": plan.budget_bytes,
-                    "status": plan.stats.status,
-                    "predicted_peak_bytes": plan.predicted_peak_bytes,
-                    "peak_fraction": plan.predicted_peak_bytes / lt.baseline_peak_bytes
-                    if lt.baseline_peak_bytes
-                    else 1.0,
-                    "predicted_step_s": plan.predicted_step_s,
-                    "predicted_stall_s": plan.predicted_stall_s,
-                    "slowdown": plan.predicted_step_s / lt.compute_s if lt.compute_s else 1.0,
-                    "moved_bytes": plan.moved_bytes,
-                    "solve_s": plan.stats.wall_s,
-                    "note": "",
-                }
-            )
-    df = pd.DataFrame(rows, columns=COLUMNS)
-    for col in ("budget_bytes", "predicted_peak_bytes", "moved_bytes"):
-        df[col] = df[col].astype("Int64")  # integers, with <NA> where no plan exists
-    df["note"] = df["note"].fillna("")
-    return df
-
-
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from teraio.planner.budget import resolve_budget
     from teraio.planner.solve import solver_info
+    from teraio.planner.sweep import budget_sweep
 
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     solvers = [s.strip() for s in args.solver.split(",") if s.strip()]
@@ -124,7 +50,15 @@ def run(args: argparse.Namespace) -> int:
         resolve_budget(b, 1)  # malformed budgets fail before any solving
     hardware = load_hardware_arg(args.hardware)
     with progress_callback("sweep") as progress:
-        df = sweep(profile, budgets, solvers, hardware, args.time_limit, args.workers, progress)
+        df = budget_sweep(
+            profile,
+            budgets,
+            solvers,
+            hardware,
+            time_limit_s=args.time_limit,
+            workers=args.workers,
+            progress=progress,
+        )
     if args.out:
         df.to_csv(args.out, index=False)
     if args.json:
@@ -141,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         "peak %",
         "step s",
         "stall s",
+        "bound s",
+        "gap",
         "slowdown",
         "moved",
         "solve s",
@@ -148,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         t.add_column(col)
     for r in df.itertuples():
         if pd.isna(r.predicted_peak_bytes):  # no plan for this budget
-            t.add_row(r.solver, r.budget_spec, r.status, "-", "-", "-", "-", "-", "-", "-")
+            t.add_row(r.solver, r.budget_spec, r.status, *["-"] * 9)
             continue
         t.add_row(
             r.solver,
@@ -158,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             f"{100 * r.peak_fraction:.1f}",
             f"{r.predicted_step_s:.4f}",
             f"{r.predicted_stall_s:.4f}",
+            "-" if pd.isna(r.lower_bound_s) else f"{r.lower_bound_s:.4f}",
+            "-" if pd.isna(r.gap) else f"{100 * r.gap:.1f}%",
             f"{r.slowdown:.3f}",
             format_bytes(r.moved_bytes),
             f"{r.solve_s:.2f}",

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,7 +12,7 @@ from teraio.planner.lifetimes import analyse
 from teraio.planner.profile import make_profile
 from teraio.planner.simulate import simulate
 from teraio.planner.solve import solve
-from teraio.planner.synth import synth_profile
+from teraio.planner.synth import split_ops, synth_profile
 
 
 def _hw(write_us_per_kb: float, read_us_per_kb: float, **tier) -> HardwareModel:
@@ -85,15 +83,19 @@ def _tiny(other_at_2: int = 0, c_bytes: int = 0):
 
 
 def test_nothing_to_move_is_the_empty_optimal_plan():
-    plan = solve(_tiny(), 10_000, "ilp", _hw(30, 20), time_limit_s=5)
+    plan = solve(_tiny(), 10_000, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     assert plan.decisions == () and plan.stats.status == "OPTIMAL"
     assert plan.predicted_step_s == pytest.approx(400e-6)
 
 
-def test_absent_over_the_whole_middle_costs_write_plus_read():
+def test_absent_over_the_whole_middle_costs_write_plus_read(_check_every_ilp_solve):
     # Memory at f1 and b0 is A+B = 2000 > 1999: A must be away at both, so its write must finish
     # before f1 (stall 30 us) and its read can only start at the b0/b1 boundary (stall 20 us).
-    plan = solve(_tiny(), 1999, "ilp", _hw(30, 20), time_limit_s=5)
+    plan = solve(_tiny(), 1999, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
+    # The model's own plan, proven optimal on exact units: its step is the simulator's, to the bit.
+    own = _check_every_ilp_solve[0]
+    assert own["status"] == "OPTIMAL" and own["exact_units"]
+    assert own["model_step_s"] == own["sim_step_s"] == pytest.approx(450e-6)
     (d,) = plan.decisions
     assert (d.name, d.offload_after_idx, d.wait_before_idx, d.prefetch_before_idx, d.fetch_before_idx) == (
         "A",
@@ -110,7 +112,7 @@ def test_absent_over_the_whole_middle_costs_write_plus_read():
 def test_away_only_at_b0_hides_the_write():
     # Only b0 (with 500 B of workspace) is over: A may stay until the end of forward, so only the read
     # (issued at b1's boundary, 20 us) stalls. Optimal step: 400 + 20 us.
-    plan = solve(_tiny(other_at_2=500), 2000, "ilp", _hw(30, 20), time_limit_s=5)
+    plan = solve(_tiny(other_at_2=500), 2000, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     (d,) = plan.decisions
     assert d.name == "A" and d.wait_before_idx == 2 and d.prefetch_before_idx == 3
     assert plan.predicted_step_s == pytest.approx(420e-6)
@@ -119,7 +121,9 @@ def test_away_only_at_b0_hides_the_write():
 
 def test_fewest_bytes_among_equally_fast_plans():
     # Moving A (1000 B) or C (600 B) each clears the 100 B excess at b0 with the same stall: move C only.
-    plan = solve(_tiny(other_at_2=100, c_bytes=600), 2600, "ilp", _hw(1, 1), time_limit_s=5)
+    plan = solve(
+        _tiny(other_at_2=100, c_bytes=600), 2600, "ilp", _hw(1, 1), time_limit_s=30, deterministic_time_s=2
+    )
     assert [d.name for d in plan.decisions] == ["C"]
     assert plan.predicted_peak_bytes <= 2600
 
@@ -127,16 +131,23 @@ def test_fewest_bytes_among_equally_fast_plans():
 def test_budget_below_the_floor_names_the_smallest_peak():
     lt = analyse(_tiny())
     with pytest.raises(BudgetError, match=str(lt.min_feasible_peak_bytes)):
-        solve(_tiny(), lt.min_feasible_peak_bytes - 1, "ilp", _hw(30, 20), time_limit_s=5)
+        solve(
+            _tiny(),
+            lt.min_feasible_peak_bytes - 1,
+            "ilp",
+            _hw(30, 20),
+            time_limit_s=30,
+            deterministic_time_s=2,
+        )
 
 
 def test_auto_without_stall_beats_bisection_over_greedy():
     # Moving A always stalls the tiny step (the read cannot start before backward): auto keeps it.
-    slow = solve(_tiny(), "auto", "ilp", _hw(30, 20), time_limit_s=5)
+    slow = solve(_tiny(), "auto", "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     assert slow.predicted_peak_bytes == 2000 and slow.decisions == ()
     profile = synth_profile(layers=4)
     greedy = solve(profile, "auto", "greedy")
-    plan = solve(profile, "auto", "ilp", time_limit_s=20)
+    plan = solve(profile, "auto", "ilp", time_limit_s=60, deterministic_time_s=4)
     assert plan.predicted_stall_s == 0 and simulate(profile, plan).ok
     assert plan.predicted_peak_bytes <= greedy.predicted_peak_bytes < plan.baseline_peak_bytes
 
@@ -148,43 +159,50 @@ def test_host_tier_capacity_is_respected():
             "host": TierModel(write_bw_bytes_per_s=1e12, read_bw_bytes_per_s=1e12, capacity_bytes=999),
         },
     )
-    plan = solve(_tiny(), 1999, "ilp", hw, time_limit_s=5)
+    plan = solve(_tiny(), 1999, "ilp", hw, time_limit_s=30, deterministic_time_s=2)
     assert [d.tier for d in plan.decisions] == ["ssd"]  # A (1000 B) does not fit in 999 B of host memory
-    roomy = solve(_tiny(), 1999, "ilp", hw.with_overrides("host", capacity_bytes=1000), time_limit_s=5)
+    roomy = solve(
+        _tiny(),
+        1999,
+        "ilp",
+        hw.with_overrides("host", capacity_bytes=1000),
+        time_limit_s=30,
+        deterministic_time_s=2,
+    )
     assert [d.tier for d in roomy.decisions] == ["host"]  # free transfers: no stall at all
     assert roomy.predicted_step_s == pytest.approx(400e-6, abs=1e-8)
 
 
-def test_io_bound_12_layers_beats_greedy_and_reports_stats():
+IO_BOUND = HardwareModel().with_overrides("ssd", write_bw_bytes_per_s=0.3e9, read_bw_bytes_per_s=0.2e9)
+
+
+def test_io_bound_12_layers_beats_greedy_by_10_percent_near_the_bound(_check_every_ilp_solve):
     profile = synth_profile(layers=12)
-    greedy = solve(profile, "25%", "greedy")
-    plan = solve(profile, "25%", "ilp", time_limit_s=30)
-    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    greedy = solve(profile, "50%", "greedy", IO_BOUND)
+    plan = solve(profile, "50%", "ilp", IO_BOUND, time_limit_s=120, deterministic_time_s=4)
     sim = simulate(profile, plan)
-    assert sim.ok and sim.step_s == pytest.approx(plan.predicted_step_s)
-    # The objective is step time (compute + stall + interference): never worse than greedy's, and
-    # strictly better whenever the ILP's own plan was chosen. Under CI load CP-SAT may not find a better
-    # plan within the limit; it then returns greedy's plan and says so.
-    assert plan.predicted_step_s <= greedy.predicted_step_s + 1e-9
-    if plan.stats.extra["chosen"] == "ilp":
-        assert plan.predicted_step_s < greedy.predicted_step_s
+    assert sim.ok and sim.step_s == plan.predicted_step_s
+    assert plan.predicted_step_s <= 0.9 * greedy.predicted_step_s
     s = plan.stats
-    assert s.extra["warm_start"] == "greedy"
-    if s.extra["chosen"] == "ilp":
-        assert s.status in ("OPTIMAL", "FEASIBLE") and s.bound <= s.objective and 0 <= s.gap < 1
-    else:
-        assert s.status == "HEURISTIC"
+    # The analytic bound (bytes that must move through each bandwidth window) is within 10% of the plan's
+    # overhead, and greedy's overhead is far above it.
+    overhead, bound = plan.predicted_step_s - plan.compute_s, s.lower_bound_s - plan.compute_s
+    assert 0 < bound <= overhead <= 1.1 * bound
+    assert greedy.predicted_step_s - greedy.compute_s > 1.5 * bound
+    assert s.gap == pytest.approx((plan.predicted_step_s - s.lower_bound_s) / plan.predicted_step_s)
+    assert set(s.extra["starts"]) == {"pipeline", "greedy"} and s.extra["warm_start"] == "pipeline"
     assert s.extra["layers"] == {"layers": 12, "classes": 2, "largest_class": 11}
+    assert s.extra["model"]["bandwidth_cuts"] > 0
+    assert _check_every_ilp_solve, "the whole-step model found no plan of its own to check"
 
 
-def test_48_layers_plans_within_60_s():
-    profile = synth_profile(layers=48)
-    t0 = time.perf_counter()
-    plan = solve(profile, "50%", "ilp", time_limit_s=55)
-    assert time.perf_counter() - t0 <= 60
-    greedy = solve(profile, "50%", "greedy")
-    assert plan.predicted_peak_bytes <= plan.budget_bytes
-    assert plan.predicted_step_s <= greedy.predicted_step_s + 1e-9
+def test_never_worse_than_greedy_where_compute_bound():
+    profile = synth_profile(layers=6)
+    for budget in ("50%", "30%"):
+        greedy = solve(profile, budget, "greedy")
+        plan = solve(profile, budget, "ilp", time_limit_s=120, deterministic_time_s=2)
+        assert plan.predicted_step_s <= greedy.predicted_step_s
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
 
 
 # ------------------------------------------------------------------------------------ properties
@@ -249,7 +267,7 @@ def test_ilp_keeps_the_budget_and_is_never_worse_than_greedy(case):
     except BudgetError:
         greedy = None
     try:
-        plan = solve(profile, budget, "ilp", hw, time_limit_s=2)
+        plan = solve(profile, budget, "ilp", hw, time_limit_s=30, deterministic_time_s=0.5)
     except BudgetError:
         assert greedy is None  # the ILP may only give up where greedy did too
         return
@@ -257,4 +275,21 @@ def test_ilp_keeps_the_budget_and_is_never_worse_than_greedy(case):
     assert sim.ok, sim.violations  # within budget, nothing used while away
     assert plan.predicted_peak_bytes <= budget
     if greedy is not None:
-        assert plan.predicted_step_s <= greedy.predicted_step_s + 1e-12
+        # Steps within a nanosecond are a tie, which the ILP breaks by fewer bytes (float sums of op
+        # times in another order differ in the last bits).
+        assert plan.predicted_step_s <= greedy.predicted_step_s + 1e-9
+
+
+def test_real_op_granularity_plans_never_worse_than_its_start():
+    # A traced step has ~7x the synthetic ops (80 layers: ~11k ops, planned in the benchmark); the same
+    # split at 4 layers keeps the test fast. Splitting keeps the tensors, the compute and the peak.
+    coarse = synth_profile(layers=4)
+    fine = split_ops(coarse, 7)
+    lt_c, lt_f = analyse(coarse), analyse(fine)
+    assert lt_f.num_ops == 7 * lt_c.num_ops and len(lt_f.candidates) == len(lt_c.candidates)
+    assert lt_f.baseline_peak_bytes == lt_c.baseline_peak_bytes
+    assert lt_f.compute_s == pytest.approx(lt_c.compute_s)
+    plan = solve(fine, "50%", "ilp", IO_BOUND, time_limit_s=120, deterministic_time_s=2, lifetimes=lt_f)
+    starts = plan.stats.extra["starts"]
+    assert plan.predicted_step_s <= min(starts.values())
+    assert plan.predicted_peak_bytes <= plan.budget_bytes and simulate(fine, plan).ok

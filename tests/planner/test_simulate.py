@@ -99,29 +99,31 @@ def test_cpu_interference_charged_to_overlapping_ops():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "fragment"),
+    ("kwargs", "kind", "fragment"),
     [
-        ({"wait_before_idx": 1}, "used while away: waited"),
-        ({"fetch_before_idx": 7, "name": "t1"}, "used while away: fetched"),
-        ({"prefetch_before_idx": 3}, "read issued before op 3, a forward op"),
-        ({"wait_before_idx": 5}, "after the end of forward"),
-        ({"offload_after_idx": 2, "wait_before_idx": 2}, "not after it is issued"),
-        ({"prefetch_before_idx": 7, "fetch_before_idx": 6}, "before its read is issued"),
-        ({"tier": "tape"}, "tier 'tape' is not in the hardware model"),
-        ({"tier": "host"}, "unavailable"),
-        ({"nbytes": 5}, "nbytes 5 in the plan"),
-        ({"wait_before_name": "conv"}, "names op 'conv'"),
-        ({"name": "t3"}, "not an offload candidate"),
-        ({"name": "ghost"}, "no such tensor"),
-        ({"fetch_before_idx": 99}, "outside the profile's ops"),
+        ({"wait_before_idx": 1}, "used_while_away", "used while away: waited"),
+        ({"fetch_before_idx": 7, "name": "t1"}, "used_while_away", "used while away: fetched"),
+        ({"prefetch_before_idx": 3}, "phase", "read issued before op 3, a forward op"),
+        ({"wait_before_idx": 5}, "phase", "after the end of forward"),
+        ({"offload_after_idx": 2, "wait_before_idx": 2}, "order", "not after it is issued"),
+        ({"prefetch_before_idx": 7, "fetch_before_idx": 6}, "order", "before its read is issued"),
+        ({"tier": "tape"}, "unknown_tier", "tier 'tape' is not in the hardware model"),
+        ({"tier": "host"}, "tier_unavailable", "unavailable"),
+        ({"nbytes": 5}, "nbytes", "nbytes 5 in the plan"),
+        ({"wait_before_name": "conv"}, "name_mismatch", "names op 'conv'"),
+        ({"name": "t3"}, "not_candidate", "not an offload candidate"),
+        ({"name": "ghost"}, "unknown_tensor", "no such tensor"),
+        ({"fetch_before_idx": 99}, "index_range", "outside the profile's ops"),
     ],
 )
-def test_violations(kwargs, fragment):
+def test_violations(kwargs, kind, fragment):
     p = pyramid()
     lt = analyse(p)
     d = dataclasses.replace(lt.decision("t0"), **kwargs)
     r = simulate(p, _plan(p, [d], ssd_only()))
-    assert any(fragment in v for v in r.violations), r.violations
+    assert [(v.kind, v.tensor) for v in r.violations if fragment in v.message] == [(kind, d.name)], (
+        r.violations
+    )
     assert not r.ok
 
 
@@ -130,13 +132,16 @@ def test_duplicate_budget_and_capacity_violations():
     lt = analyse(p)
     d = lt.decision("t0")
     r = simulate(p, _plan(p, [d, d], ssd_only()), budget_bytes=250 * MB)
-    assert any("more than one decision" in v for v in r.violations)
-    assert any("exceeds the budget" in v for v in r.violations) and not r.within_budget
+    assert [v.kind for v in r.violations] == ["duplicate", "budget"] and not r.within_budget
+    assert "more than one decision" in r.violations[0].message and "exceeds the budget" in str(
+        r.violations[1]
+    )
     hw = ssd_only().with_overrides("host", capacity_bytes=150 * MB)
     ds = [lt.decision("t0", tier="host"), lt.decision("t1", tier="host")]
     r = simulate_decisions(lt, ds, hw)
     assert r.tier_peak_bytes == {"host": 200 * MB}
-    assert any("over its capacity" in v for v in r.violations)
+    assert [(v.kind, v.tensor) for v in r.violations] == [("capacity", "")]
+    assert "over its capacity" in r.violations[0].message
     assert r.ssd_tb_written_per_day == 0.0 and r.written_bytes == 200 * MB
 
 
@@ -147,7 +152,7 @@ def test_read_before_write_completes_is_caught():
     d = dataclasses.replace(lt.decision("t0", offload_after_idx=3, wait_before_idx=4, prefetch_before_idx=4))
     d = dataclasses.replace(d, wait_before_idx=6, wait_before_name="op6")
     r = simulate(p, _plan(p, [d], ssd_only()))
-    assert any("before its write completes" in v for v in r.violations)
+    assert ("read_before_write", "t0") in [(v.kind, v.tensor) for v in r.violations]
 
 
 def test_plan_for_another_profile_is_refused():
@@ -171,3 +176,52 @@ def test_what_if_hardware_and_budget():
     assert simulate(p, plan, budget_bytes=250 * MB).violations
     tier = TierModel(write_bw_bytes_per_s=1e12, read_bw_bytes_per_s=1e12)
     assert simulate(p, plan, dataclasses.replace(plan.hardware, tiers={"ssd": tier})).stall_s == 0
+
+
+def test_read_rank_orders_reads_issued_together():
+    # t0 and t1 are both prefetched before op 4 (at 4 ms; 1 GB/s: 0.1 s each). t1 is needed first (op 6),
+    # t0 at op 7. t0 read first: t1 is in at 204 ms, ops 6 and 7 end at 206 ms. t1 first: op 6 runs at
+    # 104 ms, t0 is in at 204 ms, op 7 ends at 205 ms.
+    p = pyramid()
+    lt = analyse(p)
+    d0 = lt.decision("t0", prefetch_before_idx=4)
+    d1 = lt.decision("t1", prefetch_before_idx=4)
+    hw = ssd_only(write_bw=1e12, read_bw=1e9)
+    t0_first = simulate(
+        p, _plan(p, [dataclasses.replace(d0, read_rank=0), dataclasses.replace(d1, read_rank=1)], hw)
+    )
+    t1_first = simulate(
+        p, _plan(p, [dataclasses.replace(d0, read_rank=1), dataclasses.replace(d1, read_rank=0)], hw)
+    )
+    reads = t1_first.io_timeline[t1_first.io_timeline.direction == "read"].set_index("name")
+    assert reads.loc["t1", "start_s"] < reads.loc["t0", "start_s"]
+    assert (t0_first.step_s, t1_first.step_s) == pytest.approx((0.206, 0.205), abs=1e-9)
+    assert t0_first.violations == [] and t1_first.violations == []
+
+
+def test_ranks_against_issue_positions_are_a_violation():
+    p = pyramid()
+    lt = analyse(p)
+    d0 = dataclasses.replace(lt.decision("t0", offload_after_idx=0), write_rank=1)
+    d1 = dataclasses.replace(lt.decision("t1", offload_after_idx=1), write_rank=0)
+    r = simulate(p, _plan(p, [d0, d1], ssd_only()))
+    assert [(v.kind, v.tensor) for v in r.violations] == [("queue_order", "t0")]
+
+
+def test_schema_1_plans_load_with_the_ranks_their_order_implied():
+    p = pyramid()
+    lt = analyse(p)
+    plan = _plan(
+        p, [lt.decision("t1", prefetch_before_idx=4), lt.decision("t0", prefetch_before_idx=4)], ssd_only()
+    )
+    old = plan.to_dict()
+    old["schema_version"] = 1
+    for d in old["decisions"]:
+        del d["write_rank"], d["read_rank"]
+    loaded = Plan.from_dict(old)
+    assert loaded.schema_version == 2
+    assert [(d.name, d.read_rank) for d in loaded.decisions] == [("t1", 0), ("t0", 1)]
+    assert simulate(p, loaded).step_s == simulate(p, plan).step_s
+    old["schema_version"] = 0
+    with pytest.raises(PlanError, match="schema_version 0 is not supported"):
+        Plan.from_dict(old)
