@@ -32,7 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
 from teraio.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
 from teraio.errors import TeraioError
-from teraio.planner.plan import Decision, Plan
+from teraio.planner.plan import Decision, Plan, queue_order
 
 
 class PlanMismatchError(TeraioError):
@@ -246,8 +246,17 @@ def apply_plan(
     for d in plan.decisions:
         if d.name not in groups:
             raise PlanMismatchError(f"plan moves '{d.name}', which this graph does not save; re-plan")
-        gi, g = groups[d.name]
-        check_decision(d, g, nf, num_ops)
+        check_decision(d, groups[d.name][1], nf, num_ops)
+
+    # Note: [Queue orders] Each channel runs its transfers FIFO in issue order, and the plan says that
+    # order (``write_rank``/``read_rank``). Offloads issued after the same op are chained one after the
+    # other in write order; prefetches before the same op are inserted in read order.
+    last_offload_at: dict[int, fx.Node] = {}
+    last_prefetch_at: dict[int, fx.Node] = {}
+    tokens: dict[int, fx.Node] = {}
+    for k in queue_order(plan.decisions, "write"):
+        d = plan.decisions[k]
+        g = groups[d.name][1]
         owner = g.producer
         key = f"{key_prefix}/{g.name}"
 
@@ -256,12 +265,16 @@ def apply_plan(
         # Anchored on the op it follows, so the write is issued where the plan (and the FIFO order of
         # the simulator) has it, not as soon as the tensor exists.
         offload_anchors = fw_anchor.before(d.offload_after_idx + 1)
+        if d.offload_after_idx in last_offload_at:  # chained: a compiler may not swap tied offloads
+            offload_anchors = [*offload_anchors, last_offload_at[d.offload_after_idx]]
         offload_args = (owner, offload_anchors, key, engine_id, owner_stride)
-        with fw_graph.inserting_after(a.fw_ops[d.offload_after_idx]):
+        after = last_offload_at.get(d.offload_after_idx, a.fw_ops[d.offload_after_idx])
+        with fw_graph.inserting_after(after):
             h = fw_graph.create_node(
                 "call_function", ops_teraio.offload.default, offload_args, name=f"teraio_offload_{g.name}"
             )
         h.meta["val"] = _fake_val(fw_mode, ops_teraio.offload.default, offload_args)
+        last_offload_at[d.offload_after_idx] = h
         wait_at = a.fw_ops[d.wait_before_idx] if d.wait_before_idx < nf else fw_out
         anchors = fw_anchor.before(d.wait_before_idx)
         tok = _insert(
@@ -274,7 +287,13 @@ def apply_plan(
         )
         for pos in g.members:
             outputs[saved_pos0 + pos] = tok
+        tokens[k] = tok
 
+    for k in queue_order(plan.decisions, "read"):
+        d = plan.decisions[k]
+        g = groups[d.name][1]
+        key = f"{key_prefix}/{g.name}"
+        tok = tokens[k]
         # Backward: the first member's placeholder now receives the token.
         ph = bw_placeholders[g.members[0]]
         old_vals = {pos: bw_placeholders[pos].meta["val"] for pos in g.members}
@@ -289,14 +308,18 @@ def apply_plan(
         # Note: [Anchors must not change fusion]: anchors every consumer of the tensor already follows.
         consumers = {u for pos in g.members for u in bw_placeholders[pos].users if u.op == "call_function"}
         precede = set.intersection(*(bw_anchor.ancestors(u) for u in consumers)) if consumers else set()
+        pf_anchors = bw_anchor.before(d.prefetch_before_idx - nf, precede)
+        if d.prefetch_before_idx in last_prefetch_at:  # chained in read order, like tied offloads
+            pf_anchors = [*pf_anchors, last_prefetch_at[d.prefetch_before_idx]]
         pf = _insert(
             bw_graph,
             bw_mode,
             p_at,
             ops_teraio.prefetch.default,
-            (ph, bw_anchor.before(d.prefetch_before_idx - nf, precede), key, engine_id),
+            (ph, pf_anchors, key, engine_id),
             f"teraio_prefetch_{g.name}",
         )
+        last_prefetch_at[d.prefetch_before_idx] = pf
         numel = g.nbytes // old_vals[g.members[0]].element_size()
         dtype, device = old_vals[g.members[0]].dtype, old_vals[g.members[0]].device
         f_anchor = bw_anchor.before(d.fetch_before_idx - nf, precede)
