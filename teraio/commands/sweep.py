@@ -9,8 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from teraio.commands.plan import console, load_hardware_arg, load_profile_arg, progress_callback
+from teraio.commands.plan import (
+    add_force_option,
+    console,
+    load_hardware_arg,
+    load_profile_arg,
+    progress_callback,
+)
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import atomic_writer, check_output_file
 from teraio.units import format_bytes
 
 COLUMNS = [
@@ -42,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="solver worker threads")
     p.add_argument("--hardware", help="hardware model JSON; default: built-in")
     p.add_argument("--out", help="write the table as CSV here")
+    add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the table as JSON records")
     p.set_defaults(func=run)
 
@@ -113,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
     from teraio.planner.budget import resolve_budget
     from teraio.planner.solve import solver_info
 
+    if args.out is not None:
+        check_output_file(args.out, overwrite=args.force, option="--out")
+    if not args.time_limit > 0:
+        raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.workers < 1:
+        raise UserInputError(f"--workers must be at least 1, got {args.workers}")
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     solvers = [s.strip() for s in args.solver.split(",") if s.strip()]
     if not budgets or not solvers:
@@ -125,8 +139,9 @@ def run(args: argparse.Namespace) -> int:
     hardware = load_hardware_arg(args.hardware)
     with progress_callback("sweep") as progress:
         df = sweep(profile, budgets, solvers, hardware, args.time_limit, args.workers, progress)
-    if args.out:
-        df.to_csv(args.out, index=False)
+    if args.out is not None:
+        with atomic_writer(args.out, overwrite=args.force) as f:
+            df.to_csv(f, index=False)
     if args.json:
         print(json.dumps(json.loads(df.to_json(orient="records")), indent=2))
         return 0
@@ -166,6 +181,6 @@ def run(args: argparse.Namespace) -> int:
     for r in df.itertuples():
         if r.note:
             print(f"{r.solver} @ {r.budget_spec}: {r.note}")
-    if args.out:
+    if args.out is not None:
         print(f"wrote {args.out}")
     return 0
