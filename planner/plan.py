@@ -261,7 +261,10 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
     _float(stats.get("wall_s", 0.0), f"{source}: 'stats.wall_s'")
     if not isinstance(stats.get("extra", {}), dict):
         raise PlanError(f"{source}: 'stats.extra' must be an object")
-    hardware = HardwareModel.from_dict(d.get("hardware"), source=f"{source}: 'hardware'")
+    try:
+        hardware = HardwareModel.from_dict(d.get("hardware"), source=f"{source}: 'hardware'")
+    except HardwareError as e:
+        raise PlanError(str(e)) from None
     decisions = d.get("decisions")
     if not isinstance(decisions, list):
         raise PlanError(f"{source}: 'decisions' is {type(decisions).__name__}, expected a list")

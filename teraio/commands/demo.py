@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--offload-dir",
         default=None,
-        help="where offloaded bytes go (default: a fresh directory under the temp dir, removed after)",
+        help="where offloaded bytes go (default: the per-user $XDG_CACHE_HOME/teraio/offload; the run's "
+        "files are removed after it, and a killed run's at the next start)",
     )
     p.add_argument("--methods", default="no-offload,teraio,checkpoint", help="comma list of methods to run")
     p.add_argument("--run-dir", default=None, help="write profile, plan, config and stats here")
