@@ -209,7 +209,8 @@ def clean_stale_subdirs(base: Path) -> list[str]:
     """Remove teraio subdirectories in ``base`` left by dead processes; return the removed names.
 
     A subdirectory is stale when nobody holds its lock (flock is released when a process dies, even
-    by SIGKILL), or, if it has no lock file, when the pid in its name is gone. Only our own names,
+    by SIGKILL), or, if it has no lock file, when the pid in its name is gone. One still being created
+    (``.teraio-new-...``) is stale only when the pid in its name is gone. Only our own names,
     only real directories owned by us, and only our own file names inside are ever removed.
     """
     removed: list[str] = []
@@ -228,7 +229,10 @@ def clean_stale_subdirs(base: Path) -> list[str]:
                 continue
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 continue
-            if _remove_if_stale(base_fd, name, int(match.group(2))):
+            pid = int(match.group(2))
+            if match.re is NEW_SUBDIR_RE and (pid == os.getpid() or _pid_alive(pid)):
+                continue  # still being created: its lock may not be taken yet (Note: [Lock before visible])
+            if _remove_if_stale(base_fd, name, pid):
                 removed.append(name)
     finally:
         os.close(base_fd)
