@@ -265,7 +265,7 @@ def check_output_dir(
             break
         probe = probe.parent
     if not probe.is_dir():
-        raise OutputError(f"{option} '{p}' cannot be created: '{probe}' is not a directory")
+        raise OutputError(f"{option} '{p}' cannot be created: '{probe}' is a file, not a directory")
     parent = p.parent if p.exists() else probe
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{option} '{p}' is not writable (no write permission in '{parent}')")
