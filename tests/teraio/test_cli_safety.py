@@ -13,35 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from teraio.cli import main
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.profile import Profile
 from tests.planner.planner_cases import pyramid, ssd_only
-
-
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _error_line(capsys, *argv) -> str:
-    code, out, err = _run(capsys, *argv)
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
-def _tree(root: Path) -> dict[str, tuple[int, int]]:
-    """Every path under ``root`` with its size and mtime: compared before and after a command."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
-    return out
+from tests.teraio.cli_helpers import error_line as _error_line
+from tests.teraio.cli_helpers import run_cli as _run
+from tests.teraio.cli_helpers import tree as _tree
 
 
 @pytest.fixture
