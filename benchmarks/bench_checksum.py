@@ -60,7 +60,10 @@ def run(model: str = "demo", steps: int = 16, budget: str = "55%", solver: str =
                 step_s, _ = m.step(warmup + 1 + r, cfg)
                 cpu_s[name].append(time.process_time() - c0)
                 m.times.append(step_s)
-        checksum_failures = methods["teraio-crc"].backend.stats().get("checksum_failures", 0)
+        # Straight from the runtime engines: which checksum each really ran, and how many chunks failed.
+        engines = {name: methods[name].backend.engine for name in ("teraio-nocrc", "teraio-crc")}
+        checksum_used = {name: e.config.checksum if e is not None else None for name, e in engines.items()}
+        checksum_failures = sum(e.stats().checksum_failures for e in engines.values() if e is not None)
     finally:
         for m in methods.values():
             m.backend.close()
@@ -91,6 +94,7 @@ def run(model: str = "demo", steps: int = 16, budget: str = "55%", solver: str =
         / statistics.median(cpu_s["teraio-nocrc"])
         - 1.0,
         "checksum_failures": checksum_failures,
+        "checksum_used": checksum_used,
         "losses_equal": all(
             torch.equal(a, b) for a, b in zip(methods["teraio-crc"].losses, methods["teraio-nocrc"].losses)
         ),
