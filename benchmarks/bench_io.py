@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from teraio.planner.safe_io import atomic_writer
 from teraio.runtime import Engine, RuntimeConfig, parse_nbytes
 from teraio.runtime.buffers import aligned_buffer, memmove
 
@@ -68,18 +69,22 @@ def _fio(directory: Path, nbytes: int) -> dict[str, float] | None:
     if shutil.which("fio") is None:
         return None
     out = {}
-    for rw in ("write", "read"):
-        res = subprocess.run(
-            ["fio", "--name=teraio", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--direct=1",
-             "--ioengine=libaio", "--iodepth=16", f"--size={nbytes}", "--output-format=json"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if res.returncode != 0:
-            return None
-        job = json.loads(res.stdout)["jobs"][0][rw]
-        out[f"fio_{rw}_gb_per_s"] = job["bw_bytes"] / 1e9
-    for f in directory.glob("teraio.*"):
-        f.unlink()
+    # fio names its data file after the job ("teraio.0.0", or "teraio" in fio 3.33): run it in a private
+    # directory of our own and remove that directory, whatever fio left in it.
+    with tempfile.TemporaryDirectory(dir=directory, prefix="fio-") as fio_dir:
+        for rw in ("write", "read"):
+            res = subprocess.run(
+                ["fio", "--name=teraio", f"--directory={fio_dir}", f"--rw={rw}", "--bs=1M", "--direct=1",
+                 "--ioengine=libaio", "--iodepth=16", f"--size={nbytes}", "--output-format=json"],
+                capture_output=True, text=True, check=False,
+            )  # fmt: skip
+            if res.returncode != 0:
+                return None
+            try:
+                job = json.loads(res.stdout)["jobs"][0][rw]
+                out[f"fio_{rw}_gb_per_s"] = job["bw_bytes"] / 1e9
+            except (ValueError, KeyError, IndexError, TypeError):
+                return None
     return out
 
 
@@ -220,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_io: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.out:
-        (df.to_json(args.out, orient="records") if args.out.endswith(".json") else df.to_csv(args.out))
+        with atomic_writer(args.out, overwrite=True) as f:
+            (df.to_json(f, orient="records") if args.out.endswith(".json") else df.to_csv(f))
     if args.json:
         print(json.dumps(summary))
         return 0

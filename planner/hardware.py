@@ -9,10 +9,13 @@ steal cycles from the step (measured: about 0.3-0.45 s of step time per GB round
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from teraio.planner.safe_io import write_json
 
 HARDWARE_SCHEMA_VERSION = 1
 TIERS = ("ssd", "host")
@@ -66,6 +69,58 @@ def _default_tiers() -> dict[str, TierModel]:
     }
 
 
+_FLOAT_FIELDS = {  # field -> (minimum, minimum allowed?)
+    "write_bw_bytes_per_s": (0.0, False),
+    "read_bw_bytes_per_s": (0.0, False),
+    "write_latency_s": (0.0, True),
+    "read_latency_s": (0.0, True),
+    "cpu_s_per_byte": (0.0, True),
+}
+
+
+def _number(value: Any, where: str, field_name: str, minimum: float, inclusive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise HardwareError(f"{where}: '{field_name}' is {value!r}, expected a finite number")
+    if value < minimum or (value == minimum and not inclusive):
+        relation = ">=" if inclusive else ">"
+        raise HardwareError(f"{where}: '{field_name}' is {value!r}, expected {relation} {minimum:g}")
+    return float(value)
+
+
+def _tier_from_dict(t: Any, where: str) -> TierModel:
+    """One tier from JSON, every field type- and range-checked."""
+    if not isinstance(t, dict):
+        raise HardwareError(f"{where}: expected an object of tier fields, got {type(t).__name__}")
+    known = {f.name for f in fields(TierModel)}
+    unknown = sorted(set(t) - known)
+    if unknown:
+        raise HardwareError(f"{where}: unknown field '{unknown[0]}' (expected: {', '.join(sorted(known))})")
+    for required in ("write_bw_bytes_per_s", "read_bw_bytes_per_s"):
+        if required not in t:
+            raise HardwareError(f"{where}: lacks '{required}' (bytes per second, > 0)")
+    kwargs: dict[str, Any] = {}
+    for key, (minimum, inclusive) in _FLOAT_FIELDS.items():
+        if key in t:
+            kwargs[key] = _number(t[key], where, key, minimum, inclusive)
+    if "count" in t:
+        count = t["count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise HardwareError(f"{where}: 'count' is {count!r}, expected an integer >= 1")
+        kwargs["count"] = count
+    if "shared_channel" in t:
+        if not isinstance(t["shared_channel"], bool):
+            raise HardwareError(
+                f"{where}: 'shared_channel' is {t['shared_channel']!r}, expected true or false"
+            )
+        kwargs["shared_channel"] = t["shared_channel"]
+    if "capacity_bytes" in t and t["capacity_bytes"] is not None:
+        cap = t["capacity_bytes"]
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+            raise HardwareError(f"{where}: 'capacity_bytes' is {cap!r}, expected null or an integer >= 0")
+        kwargs["capacity_bytes"] = cap
+    return TierModel(**kwargs)
+
+
 @dataclass(frozen=True)
 class HardwareModel:
     """Tiers by name ("ssd", "host"). A tier with ``capacity_bytes == 0`` is unavailable."""
@@ -97,27 +152,43 @@ class HardwareModel:
         }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HardwareModel:
+    def from_dict(cls, d: Any, *, source: str = "hardware model") -> HardwareModel:
+        """Build and validate a model from its JSON form.
+
+        Raises:
+            HardwareError: naming ``source``, the field and the expected value.
+        """
         if not isinstance(d, dict) or "tiers" not in d:
-            raise HardwareError("hardware model JSON must be an object with a 'tiers' key")
-        version = int(d.get("schema_version", HARDWARE_SCHEMA_VERSION))
+            raise HardwareError(f"{source}: expected a JSON object with a 'tiers' key")
+        version = d.get("schema_version", HARDWARE_SCHEMA_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise HardwareError(
+                f"{source}: 'schema_version' is {version!r}, expected {HARDWARE_SCHEMA_VERSION}"
+            )
         if version != HARDWARE_SCHEMA_VERSION:
             raise HardwareError(
-                f"hardware model schema_version {version} is not supported (expected "
-                f"{HARDWARE_SCHEMA_VERSION})"
+                f"{source}: schema_version {version} is not supported (expected {HARDWARE_SCHEMA_VERSION})"
+            )
+        name = d.get("name", "custom")
+        if not isinstance(name, str):
+            raise HardwareError(f"{source}: 'name' is {name!r}, expected a string")
+        if not isinstance(d["tiers"], dict) or not d["tiers"]:
+            raise HardwareError(
+                f"{source}: 'tiers' must be an object of tiers by name ({', '.join(TIERS)}), got "
+                f"{type(d['tiers']).__name__}"
             )
         tiers = {}
-        for name, t in d["tiers"].items():
-            try:
-                tiers[name] = TierModel(**t)
-            except TypeError as e:
-                raise HardwareError(f"hardware model tier '{name}': {e}") from None
-            if tiers[name].write_bw_bytes_per_s <= 0 or tiers[name].read_bw_bytes_per_s <= 0:
-                raise HardwareError(f"hardware model tier '{name}': bandwidths must be positive")
-        return cls(tiers=tiers, name=str(d.get("name", "custom")), schema_version=version)
+        for tier_name, t in d["tiers"].items():
+            if tier_name not in TIERS:
+                raise HardwareError(
+                    f"{source}: tier '{tier_name}' is not a tier (expected {', '.join(TIERS)})"
+                )
+            tiers[tier_name] = _tier_from_dict(t, f"{source}: tier '{tier_name}'")
+        return cls(tiers=tiers, name=name, schema_version=version)
 
-    def save(self, path: str | os.PathLike) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write the model as JSON through the safe writer (``overwrite`` replaces an existing file)."""
+        write_json(path, self.to_dict(), overwrite=overwrite)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> HardwareModel:
@@ -126,6 +197,8 @@ class HardwareModel:
             d = json.loads(p.read_text())
         except FileNotFoundError:
             raise HardwareError(f"hardware model '{p}' does not exist") from None
+        except IsADirectoryError:
+            raise HardwareError(f"hardware model '{p}' is a directory, expected a JSON file") from None
         except (OSError, ValueError) as e:
             raise HardwareError(f"hardware model '{p}' is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(d, source=f"hardware model '{p}'")

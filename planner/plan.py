@@ -26,13 +26,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from teraio.planner.hardware import HardwareModel
+from teraio.planner.hardware import HardwareError, HardwareModel
+from teraio.planner.safe_io import write_text
+
+if TYPE_CHECKING:
+    from teraio.planner.profile import Profile
 
 PLAN_SCHEMA_VERSION = 2
 #: Older versions this code converts on load (see the module docstring).
@@ -157,15 +162,13 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls, d: Any) -> Plan:
-        if not isinstance(d, dict):
-            raise PlanError("plan JSON must be an object")
-        version = d.get("schema_version")
-        if version not in (PLAN_SCHEMA_VERSION, *CONVERTIBLE_VERSIONS):
-            raise PlanError(
-                f"plan schema_version {version!r} is not supported (this teraio reads "
-                f"{PLAN_SCHEMA_VERSION}); re-plan with this version"
-            )
+    def from_dict(cls, d: Any, *, source: str = "plan") -> Plan:
+        """Build a Plan from its JSON form, every field checked first (see :func:`check_plan_dict`).
+
+        Raises:
+            PlanError: naming ``source``, the field and the expected value.
+        """
+        check_plan_dict(d, source)
         try:
             return cls(
                 fingerprint=str(d["fingerprint"]),
@@ -183,31 +186,188 @@ class Plan:
                 schema_version=PLAN_SCHEMA_VERSION,
             )
         except KeyError as e:
-            raise PlanError(f"plan JSON lacks key {e}") from None
+            raise PlanError(f"{source} lacks key {e}") from None
+        except HardwareError as e:
+            raise PlanError(str(e)) from None
         except (TypeError, ValueError) as e:
-            raise PlanError(f"plan JSON is malformed: {e}") from None
+            raise PlanError(f"{source} is malformed: {e}") from None
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write atomically (temp file + rename) so a crash never leaves half a plan."""
-        p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, p)
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write through the safe writer (fresh temp file, fsync, atomic rename).
+
+        Raises:
+            OutputError: ``path`` exists and ``overwrite`` is False.
+        """
+        write_text(path, self.to_json(), overwrite=overwrite)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, expect_fingerprint: str | None = None) -> Plan:
-        """Load a plan; with ``expect_fingerprint``, refuse a plan made for another graph."""
+    def load(
+        cls, path: str | os.PathLike, expect_fingerprint: str | None = None, profile: Profile | None = None
+    ) -> Plan:
+        """Load a plan; with ``expect_fingerprint``, refuse a plan made for another graph; with
+        ``profile``, also check it completely against that profile (:func:`validate_plan`)."""
         p = Path(path)
         try:
-            d = json.loads(p.read_text())
+            d = json.loads(p.read_text(), parse_constant=_reject_constant)
         except FileNotFoundError:
             raise PlanError(f"plan '{p}' does not exist") from None
+        except IsADirectoryError:
+            raise PlanError(f"plan '{p}' is a directory, expected a JSON file") from None
         except (OSError, ValueError) as e:
             raise PlanError(f"plan '{p}' is not valid JSON: {e}") from None
-        plan = cls.from_dict(d)
+        plan = cls.from_dict(d, source=f"plan '{p}'")
+        if profile is not None and expect_fingerprint is None:
+            expect_fingerprint = profile.fingerprint
         if expect_fingerprint is not None and plan.fingerprint != expect_fingerprint:
             raise PlanError(
                 f"plan '{p}' was made for graph {plan.fingerprint[:12]}, not this one "
                 f"({expect_fingerprint[:12]}); re-plan from this graph's profile"
             )
+        if profile is not None:
+            validate_plan(plan, profile, source=f"plan '{p}'")
         return plan
+
+
+# ------------------------------------------------------------------------------------------ checks
+# Sizes and indices beyond these are corrupt files, not plans (and would overflow C integers later).
+_MAX_NBYTES = 1 << 60
+_MAX_IDX = 1 << 40
+_DECISION_INTS = ("nbytes", "offload_after_idx", "wait_before_idx", "prefetch_before_idx", "fetch_before_idx")
+_DECISION_STRS = (
+    "name",
+    "tier",
+    "offload_after_name",
+    "wait_before_name",
+    "prefetch_before_name",
+    "fetch_before_name",
+)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a plan may hold")
+
+
+def _int(value: Any, where: str, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{where} is {value!r}, expected an integer")
+    if not lo <= value <= hi:
+        raise PlanError(f"{where} is {value}, expected {lo}..{hi}")
+    return value
+
+
+def _float(value: Any, where: str, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanError(f"{where} is {value!r}, expected a finite number" + (" or null" if optional else ""))
+    if value < 0 and not optional:
+        raise PlanError(f"{where} is {value!r}, expected >= 0")
+
+
+def check_plan_dict(d: Any, source: str = "plan") -> None:
+    """Check the JSON form of a plan field by field: types, finiteness, signs, sizes, tiers, duplicates.
+
+    Runs before any object is built from the file, so a tampered plan is refused with one line naming
+    the field instead of failing later (or preallocating a size it made up).
+
+    Raises:
+        PlanError: naming ``source``, the field and the expected value.
+    """
+    if not isinstance(d, dict):
+        raise PlanError(f"{source}: expected a JSON object, got {type(d).__name__}")
+    version = d.get("schema_version")
+    if isinstance(version, bool) or version not in (PLAN_SCHEMA_VERSION, *CONVERTIBLE_VERSIONS):
+        raise PlanError(
+            f"{source}: schema_version {version!r} is not supported (this teraio reads "
+            f"{PLAN_SCHEMA_VERSION}); re-plan with this version"
+        )
+    for key in ("fingerprint", "budget_spec"):
+        if not isinstance(d.get(key), str):
+            raise PlanError(f"{source}: '{key}' is {d.get(key)!r}, expected a string")
+    for key in ("budget_bytes", "baseline_peak_bytes", "predicted_peak_bytes"):
+        if key not in d:
+            raise PlanError(f"{source} lacks key '{key}'")
+        _int(d[key], f"{source}: '{key}'", 0, _MAX_NBYTES)
+    for key in ("predicted_step_s", "predicted_stall_s", "compute_s"):
+        if key not in d:
+            raise PlanError(f"{source} lacks key '{key}'")
+        _float(d[key], f"{source}: '{key}'")
+    if not isinstance(d.get("config", {}), dict):
+        raise PlanError(f"{source}: 'config' must be an object")
+    stats = d.get("stats")
+    if not isinstance(stats, dict):
+        raise PlanError(f"{source}: 'stats' is {stats!r}, expected an object")
+    for key in ("solver", "status"):
+        if not isinstance(stats.get(key), str):
+            raise PlanError(f"{source}: 'stats.{key}' is {stats.get(key)!r}, expected a string")
+    for key in ("objective", "bound", "gap", "lower_bound_s"):
+        _float(stats.get(key), f"{source}: 'stats.{key}'", optional=True)
+    _float(stats.get("wall_s", 0.0), f"{source}: 'stats.wall_s'")
+    if not isinstance(stats.get("extra", {}), dict):
+        raise PlanError(f"{source}: 'stats.extra' must be an object")
+    try:
+        hardware = HardwareModel.from_dict(d.get("hardware"), source=f"{source}: 'hardware'")
+    except HardwareError as e:
+        raise PlanError(str(e)) from None
+    decisions = d.get("decisions")
+    if not isinstance(decisions, list):
+        raise PlanError(f"{source}: 'decisions' is {type(decisions).__name__}, expected a list")
+    seen: set[str] = set()
+    for i, x in enumerate(decisions):
+        where = f"{source}: decisions[{i}]"
+        if not isinstance(x, dict):
+            raise PlanError(f"{where} is {type(x).__name__}, expected an object")
+        for key in _DECISION_STRS:
+            if not isinstance(x.get(key), str):
+                raise PlanError(f"{where}.{key} is {x.get(key)!r}, expected a string")
+        if not isinstance(x.get("module", ""), str):
+            raise PlanError(f"{where}.module is {x.get('module')!r}, expected a string")
+        _int(x.get("nbytes"), f"{where}.nbytes", 1, _MAX_NBYTES)
+        for key in _DECISION_INTS[1:]:
+            _int(x.get(key), f"{where}.{key}", 0, _MAX_IDX)
+        for key in ("write_rank", "read_rank"):  # schema 2; -1: plan order
+            _int(x.get(key, -1), f"{where}.{key}", -1, _MAX_IDX)
+        if x["tier"] not in hardware.tiers:
+            raise PlanError(
+                f"{where}.tier is {x['tier']!r}, expected one of the plan's hardware tiers "
+                f"({', '.join(hardware.tiers)})"
+            )
+        if x["name"] in seen:
+            raise PlanError(f"{where}: tensor '{x['name']}' has a second decision; a tensor moves once")
+        seen.add(x["name"])
+
+
+def validate_plan(plan: Plan, profile: Profile, *, source: str = "plan") -> None:
+    """Check ``plan`` completely against the profile it was made for, before anything runs it.
+
+    Every decision must name an offload candidate of ``profile`` with its exact size, on a tier of the
+    plan's hardware model with capacity, at op positions the simulator's rules accept (the same checks
+    ``teraio simulate`` reports); the moved bytes must fit the profile. Call it before allocating or
+    preallocating anything from the plan.
+
+    Raises:
+        PlanError: the first problem, naming ``source`` and the decision.
+    """
+    from teraio.planner.lifetimes import analyse
+    from teraio.planner.simulate import _check_decision
+
+    if plan.fingerprint != profile.fingerprint:
+        raise PlanError(
+            f"{source} was made for graph {plan.fingerprint[:12]}, not this one "
+            f"({profile.fingerprint[:12]}); re-plan from this graph's profile"
+        )
+    names = [dec.name for dec in plan.decisions]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise PlanError(f"{source}: tensor '{dup}' has more than one decision; a tensor moves once")
+    lt = analyse(profile)
+    for dec in plan.decisions:
+        problems, _ = _check_decision(lt, dec, plan.hardware)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise PlanError(f"{source}: {problems[0]}{more}")
+    if plan.moved_bytes > profile.activation_bytes():
+        raise PlanError(
+            f"{source} moves {plan.moved_bytes} bytes but the profile holds only "
+            f"{profile.activation_bytes()} bytes of activations"
+        )

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
+
+from teraio.planner.safe_io import replace_dir
 
 SCHEMA_VERSION = 1
 
@@ -63,6 +64,13 @@ class ProfileError(ValueError):
     """A profile is missing, malformed, or inconsistent. The message names what and where."""
 
 
+def _meta_int(meta: dict[str, Any], key: str) -> int:
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ProfileError(f"profile meta '{key}' is {value!r}, expected an integer")
+    return int(value)
+
+
 def _check_columns(df: pd.DataFrame, table: str, required: dict[str, str], optional: dict[str, str]) -> None:
     for col, kind in {**required, **optional}.items():
         if col not in df.columns:
@@ -92,14 +100,35 @@ class Profile:
         """Check schema and index consistency; raise ProfileError naming the first problem found."""
         _check_columns(self.ops, "ops", OPS_COLUMNS, OPS_OPTIONAL)
         _check_columns(self.tensors, "tensors", TENSORS_COLUMNS, TENSORS_OPTIONAL)
+        if not isinstance(self.meta, dict):
+            raise ProfileError("profile meta must be a JSON object")
         for key in META_REQUIRED:
             if key not in self.meta:
                 raise ProfileError(f"profile meta lacks '{key}'")
-        if int(self.meta["schema_version"]) != SCHEMA_VERSION:
+        version = _meta_int(self.meta, "schema_version")
+        if version != SCHEMA_VERSION:
             raise ProfileError(
-                f"profile schema_version {self.meta['schema_version']} is not supported "
+                f"profile schema_version {version} is not supported "
                 f"(this teraio reads {SCHEMA_VERSION}); re-profile with this version"
             )
+        if not isinstance(self.meta["fingerprint"], str) or not self.meta["fingerprint"]:
+            raise ProfileError("profile meta 'fingerprint' must be a non-empty string")
+        n_ops = len(self.ops)
+        nf_meta = _meta_int(self.meta, "num_fwd_ops")
+        if not 0 <= nf_meta <= n_ops:
+            raise ProfileError(f"profile meta 'num_fwd_ops' is {nf_meta}, expected 0..{n_ops} (the op count)")
+        for table, df, cols in (
+            ("ops", self.ops, ("duration_us", "other_bytes")),
+            ("tensors", self.tensors, ("nbytes",)),
+        ):
+            for col in cols:
+                if col in df.columns and not np.isfinite(df[col].to_numpy(dtype="float64")).all():
+                    raise ProfileError(
+                        f"profile table '{table}' column '{col}' has NaN or infinite values; expected "
+                        f"finite numbers"
+                    )
+        if "other_bytes" in self.ops.columns and (self.ops["other_bytes"] < 0).any():
+            raise ProfileError("profile table 'ops' column 'other_bytes' has negative values")
         n = len(self.ops)
         if list(self.ops["idx"]) != list(range(n)):
             raise ProfileError("profile table 'ops' column 'idx' must be 0..N-1 in execution order")
@@ -156,31 +185,28 @@ class Profile:
         return int(self.tensors.loc[self.tensors["kind"] == "activation", "nbytes"].sum())
 
     # ---------------------------------------------------------------------------------------- file io
-    def save(self, out_dir: str | os.PathLike) -> Path:
-        """Write ``ops.parquet``, ``tensors.parquet`` and ``meta.json`` atomically into ``out_dir``.
+    def save(self, out_dir: str | os.PathLike, *, force: bool = False) -> Path:
+        """Write ``ops.parquet``, ``tensors.parquet`` and ``meta.json`` into ``out_dir``, atomically.
 
-        The files are written to a sibling temporary directory first and moved into place, so an
-        interrupted save never leaves a half-written profile behind.
+        The files are written into a fresh sibling directory that is then renamed into place, so an
+        interrupted save never leaves a half-written profile. An existing ``out_dir`` is replaced only if
+        it is empty or holds a profile (only a profile's files); any other directory needs ``force``
+        and is then moved aside, never deleted (see ``planner.safe_io.replace_dir``).
+
+        Raises:
+            OutputError: ``out_dir`` is not a profile and ``force`` is False.
+            ProfileError: the profile is invalid (nothing is written).
         """
         self.validate()
-        out = Path(out_dir)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-        try:
-            self.ops.to_parquet(tmp / "ops.parquet", index=False)
-            tensors = self.tensors.copy()
-            tensors["shape"] = tensors["shape"].map(lambda s: [int(x) for x in s])
-            tensors.to_parquet(tmp / "tensors.parquet", index=False)
-            (tmp / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True, default=str))
-            if out.exists():
-                if not (out / "meta.json").exists() and any(out.iterdir()):
-                    raise ProfileError(f"refusing to overwrite '{out}': it exists and is not a profile")
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return out
+        return replace_dir(out_dir, "profile", self.write_files, force=force)
+
+    def write_files(self, directory: Path) -> None:
+        """Write the three files into an existing private ``directory`` (used by :meth:`save`)."""
+        self.ops.to_parquet(directory / "ops.parquet", index=False)
+        tensors = self.tensors.copy()
+        tensors["shape"] = tensors["shape"].map(lambda s: [int(x) for x in s])
+        tensors.to_parquet(directory / "tensors.parquet", index=False)
+        (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True, default=str))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
@@ -206,9 +232,14 @@ class Profile:
             tensors = pd.read_parquet(p / "tensors.parquet")
         except Exception as e:  # pyarrow raises several types for corrupt files
             raise ProfileError(f"profile '{p}' has an unreadable parquet table: {e}") from None
-        if "shape" in tensors.columns:
-            tensors["shape"] = tensors["shape"].map(lambda s: tuple(int(x) for x in s))
-        return cls(ops=ops, tensors=tensors, meta=meta).validate()
+        try:
+            if "shape" in tensors.columns:
+                tensors["shape"] = tensors["shape"].map(lambda s: tuple(int(x) for x in s))
+            return cls(ops=ops, tensors=tensors, meta=meta).validate()
+        except ProfileError as e:
+            raise ProfileError(f"profile '{p}': {e}") from None
+        except (TypeError, ValueError) as e:  # a column whose values are not what its dtype promised
+            raise ProfileError(f"profile '{p}' has malformed values: {e}") from None
 
 
 def make_profile(

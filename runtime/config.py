@@ -20,6 +20,29 @@ BACKENDS = ("auto", "posix", "kvikio", "host")
 CHECKSUMS = ("crc32c", "xxhash")
 ENV_BACKEND = "TERAIO_IO_BACKEND"
 ENV_DIRS = "TERAIO_OFFLOAD_DIRS"
+ENV_XDG_CACHE = "XDG_CACHE_HOME"
+
+
+def default_offload_dir() -> Path:
+    """The per-user offload directory used when none is given: ``$XDG_CACHE_HOME/teraio/offload``
+    (``~/.cache/teraio/offload`` by default).
+
+    Stable across runs on purpose: every engine start removes the subdirectories that crashed or
+    killed runs left there (``runtime.space.clean_stale_subdirs``), which a fresh temporary directory
+    per run would never find again. It is on the home disk rather than in the temp dir because /tmp is
+    often tmpfs, where offloading saves no memory. Without a usable home it falls back to a per-user
+    directory in the temp dir (``teraio-<uid>``, created 0700 and ownership-checked like any base).
+    """
+    cache = os.environ.get(ENV_XDG_CACHE, "")
+    if cache and os.path.isabs(cache):
+        return Path(cache) / "teraio" / "offload"
+    home = os.path.expanduser("~")
+    if home and home != "~" and os.path.isabs(home) and os.path.isdir(home):
+        return Path(home) / ".cache" / "teraio" / "offload"
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"teraio-{os.geteuid()}" / "offload"
+
 
 _UNITS = {
     "": 1,
@@ -76,14 +99,19 @@ class RuntimeConfig:
 
     Attributes:
         dirs: offload directories, one per SSD; requests are striped across them. Default: the
-            colon-separated ``TERAIO_OFFLOAD_DIRS``. Not needed for the host backend.
+            colon-separated ``TERAIO_OFFLOAD_DIRS``, else :func:`default_offload_dir` (per user,
+            stable, so leftovers of killed runs are found and removed). Unused by the host backend.
         backend: ``auto|posix|kvikio|host``; None reads ``TERAIO_IO_BACKEND`` (default ``auto``).
         io_threads: I/O worker threads (each runs one chunk at a time).
         chunk_bytes: size of one I/O request and the stripe unit across directories (multiple of 4096).
-        reserve_bytes: bytes to preallocate at start, split over ``dirs``; the engine fails at start if
-            they do not fit (size your planned peak here).
+        reserve_bytes: bytes to preallocate at start, split over ``dirs`` the way requests are striped
+            (each directory reserves its share plus one chunk, the most striping can put on one
+            directory beyond an even share); the engine fails at start if they do not fit (size the
+            planned offloaded bytes here).
         host_capacity_bytes: limit of the host-memory tier; None means unlimited.
-        checksum: False, True (= "crc32c"), "crc32c" or "xxhash": one checksum per chunk, verified on read.
+        checksum: True (default, = "crc32c"), "crc32c", "xxhash", or False to opt out: one checksum per
+            chunk, computed on write and verified on read, so corrupted bytes raise ChecksumError
+            instead of training on them.
         rank: distributed rank, part of the per-process subdirectory name.
         direct_io: None tries O_DIRECT and falls back to buffered I/O + fsync + fadvise(DONTNEED)
             with a logged reason; False forces that fallback; True fails if O_DIRECT is refused.
@@ -99,7 +127,7 @@ class RuntimeConfig:
     chunk_bytes: int | str = 4 << 20
     reserve_bytes: int | str = 0
     host_capacity_bytes: int | str | None = None
-    checksum: bool | str = False
+    checksum: bool | str = True
     rank: int = 0
     direct_io: bool | None = None
     bounce_reads: bool = False
@@ -121,14 +149,14 @@ class RuntimeConfig:
             dirs = [dirs]
         if not dirs and os.environ.get(ENV_DIRS):
             dirs = [d for d in os.environ[ENV_DIRS].split(":") if d]
+        for d in dirs:
+            if not isinstance(d, (str, os.PathLike)) or os.fspath(d) == "":
+                raise ConfigError(f"dirs must be non-empty paths, got {d!r}")
         paths = tuple(Path(os.path.abspath(os.fspath(d))) for d in dirs)
         if len(set(paths)) != len(paths):
             raise ConfigError(f"dirs lists a directory twice: {[str(p) for p in paths]}")
         if backend != "host" and not paths:
-            raise ConfigError(
-                f"backend {backend!r} needs offload directories: pass dirs=[...] (one per SSD) "
-                f"or set {ENV_DIRS}=/nvme0/x:/nvme1/x, or use backend='host'"
-            )
+            paths = (default_offload_dir(),)
         if not isinstance(self.io_threads, int) or isinstance(self.io_threads, bool) or self.io_threads < 1:
             raise ConfigError(f"io_threads must be an int >= 1, got {self.io_threads!r}")
         chunk_nbytes = parse_nbytes(self.chunk_bytes, what="chunk_bytes")

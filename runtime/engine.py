@@ -69,6 +69,8 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
+import signal
 import threading
 import time
 import traceback
@@ -116,12 +118,56 @@ _LIVE_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 @atexit.register
 def _close_live_engines() -> None:
-    """Remove every offload file at interpreter exit, even if the user forgot close()."""
+    """Remove every offload file at interpreter exit, even if the user forgot close().
+
+    Only engines this process created: a forked child inherits the set (and runs atexit hooks when it
+    exits normally) but its parent's files are still in use.
+    """
     for engine in list(_LIVE_ENGINES):
+        if engine._owner_pid != os.getpid():
+            continue
         try:
             engine.close()
         except Exception as exc:  # noqa: BLE001 - best effort at exit
             log.warning("closing a teraio runtime engine at exit failed: %s", exc)
+
+
+_sigterm_installed = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM: clean up like a normal exit, then die of the signal as the default action would.
+
+    A handler the user installed before the first engine is called instead and decides (it may
+    shut down gracefully and let atexit clean up, or keep running; the engines stay usable then).
+    """
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    _close_live_engines()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_previous_sigterm: Any = None
+
+
+def _install_sigterm_handler() -> None:
+    """Chain our SIGTERM cleanup in front of the process's handler, once, from the main thread only."""
+    global _sigterm_installed, _previous_sigterm
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except ValueError:
+        return
+    if previous == signal.SIG_IGN or previous is None:  # ignored on purpose, or set from C: leave it
+        _sigterm_installed = True
+        return
+    _previous_sigterm = previous if callable(previous) else None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_installed = True
 
 
 def _version_of(t: torch.Tensor) -> int | None:
@@ -231,7 +277,9 @@ class Engine:
         self.config: ResolvedConfig = config.resolved()
         cfg = self.config
         self._lock = threading.RLock()
+        self._owner_pid = os.getpid()
         self._keys: dict[str, _Key] = {}
+        self._offloading: set[str] = set()  # keys inside an offload() call right now
         self._by_storage: dict[int, list[_Entry]] = {}
         self._closed = False
         self._stats = StatsCollector()
@@ -261,6 +309,7 @@ class Engine:
         self.default_tier = "host" if self.backend == "host" else "ssd"
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="teraio-io")
         _LIVE_ENGINES.add(self)
+        _install_sigterm_handler()
 
     # -- set-up ---------------------------------------------------------------------------------
     def _choose_backend(self, requested: str) -> str:
@@ -285,11 +334,8 @@ class Engine:
                 OffloadDir(base, rank=cfg.rank, direct_io=cfg.direct_io, fault_injector=cfg.fault_injector)
             )
         if cfg.reserve_nbytes:
-            # Split like the striping does: whole chunks round-robin, so each share is what it holds.
-            nchunks = -(-cfg.reserve_nbytes // cfg.chunk_nbytes)
-            for i, odir in enumerate(self._dirs):
-                share = len(range(i, nchunks, len(self._dirs))) * cfg.chunk_nbytes
-                odir.reserve(share)
+            for odir in self._dirs:
+                odir.reserve(reserve_share(cfg.reserve_nbytes, len(self._dirs), cfg.chunk_nbytes))
         if self.backend == "kvikio":
             from teraio.runtime.tiers.gds import KvikioTier
 
@@ -378,6 +424,21 @@ class Engine:
         """
         self._validate(key, tensor)
         target = self._tier(tier)
+        with self._lock:
+            self._check_open()
+            if key in self._offloading:
+                raise ConfigError(
+                    f"offload({key!r}) while another thread is offloading the same key: one request per "
+                    f"key at a time (use distinct keys, or wait for the first offload to return)"
+                )
+            self._offloading.add(key)
+        try:
+            return self._offload(key, tensor, target)
+        finally:
+            with self._lock:
+                self._offloading.discard(key)
+
+    def _offload(self, key: str, tensor: torch.Tensor, target: Tier) -> Handle:
         t = tensor.detach()
         lo, hi = _span_nbytes(t)
         while True:
@@ -432,10 +493,12 @@ class Engine:
             checksums=[None] * len(placement.chunks),
             keys={key},
         )
+        # The write request exists before the key is visible: a concurrent drop or release of this key
+        # then waits for the write instead of freeing space a chunk is about to fill.
+        self._submit_write(entry, region)
         with self._lock:
             self._by_storage.setdefault(storage_id, []).append(entry)
             self._keys[key] = _Key(entry=entry, tensor=t, **meta)
-        self._submit_write(entry, region)
         return handle
 
     def _find_entry(self, storage, storage_id, version, target, t, lo, hi) -> _Entry | None:
@@ -823,6 +886,19 @@ class Engine:
         return self._stats.snapshot(
             backend=self.backend, io_path=default.io_path, dirs=dirs, read_nbytes=read_nbytes
         )
+
+
+def reserve_share(reserve_nbytes: int, ndirs: int, chunk_nbytes: int) -> int:
+    """Bytes each of ``ndirs`` directories preallocates for a total reservation of ``reserve_nbytes``.
+
+    Requests are striped chunk by chunk onto the least-used directory (``runtime.tiers.posix``), so a
+    directory only grows while it holds no more than an even share; it can then exceed that share by
+    at most one chunk. An even share plus one chunk per directory therefore holds any set of requests
+    totalling ``reserve_nbytes`` without growing a file mid-step.
+    """
+    if ndirs <= 1:
+        return reserve_nbytes
+    return -(-reserve_nbytes // ndirs) + chunk_nbytes
 
 
 def _without_locals(exc: BaseException) -> BaseException:

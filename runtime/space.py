@@ -5,9 +5,18 @@ fallocate so a write never discovers a full disk halfway, and an extent allocato
 ranges of it so a long run does not grow the file step after step. (2) Safety: the bytes are training
 data, so the per-process subdirectory is created 0700 and files 0600 with O_EXCL|O_NOFOLLOW (never
 following a planted symlink, never reusing a planted file), and cleanup only touches teraio's own
-subdirectories. (3) Leftovers: files are removed on close and at interpreter exit, and a process
-that was killed leaves a subdirectory whose lock nobody holds, which the next start removes; a live
-process holds its lock (flock), so its files are never touched.
+subdirectories; the base directory itself must belong to the user (or root) and may be writable by
+others only with the sticky bit, so nobody else can swap our subdirectory under us. (3) Leftovers:
+files are removed on close and at interpreter exit, and a process that was killed leaves a
+subdirectory whose lock nobody holds, which the next start removes; a live process holds its lock
+(flock), so its files are never touched.
+
+Note: [Lock before visible]
+    A subdirectory is created under a name cleanup ignores (``.teraio-new-...``), its lock file is
+    created and locked inside it, and only then is it renamed to its ``teraio-r<rank>-p<pid>-<hex>``
+    name. So cleanup in another process never sees one of our directories without its lock held;
+    otherwise a process starting at the same moment could take the fresh lock first, judge the
+    directory stale and remove it while its owner starts using it.
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from teraio.runtime.errors import (
 log = logging.getLogger(__name__)
 
 SUBDIR_RE = re.compile(r"^teraio-r(\d+)-p(\d+)-([0-9a-f]{8})$")
+#: A subdirectory being created (Note: [Lock before visible]); cleaned up when its creator is gone.
+NEW_SUBDIR_RE = re.compile(r"^\.teraio-new-r(\d+)-p(\d+)-([0-9a-f]{8})$")
 LOCK_NAME = "lock"
 DATA_NAME = "data.bin"
 _OUR_FILES = (DATA_NAME, LOCK_NAME)
@@ -152,20 +163,54 @@ class ExtentAllocator:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists. Any number is accepted: one outside the kernel's pid range
+    (a corrupt or planted name) is no live process."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True
+    except OSError:
+        return False
     return True
+
+
+def check_base_dir(fd: int, path: Path) -> None:
+    """Refuse a base directory someone else controls.
+
+    It must be owned by this user (or root), and if group or others may write in it, it must have the
+    sticky bit (like /tmp), so no other user can rename or remove our subdirectory and plant their own.
+
+    Raises:
+        UnsafePathError: naming the directory, its owner and mode, and what to do.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"offload directory {path} is not a directory")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise UnsafePathError(
+            f"offload directory {path} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); "
+            f"use a directory you own",
+            path=str(path),
+        )
+    writable_by_others = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable_by_others and not st.st_mode & stat.S_ISVTX:
+        raise UnsafePathError(
+            f"offload directory {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}) "
+            f"without the sticky bit; use a directory only you can write, or chmod go-w/+t it",
+            path=str(path),
+        )
 
 
 def clean_stale_subdirs(base: Path) -> list[str]:
     """Remove teraio subdirectories in ``base`` left by dead processes; return the removed names.
 
     A subdirectory is stale when nobody holds its lock (flock is released when a process dies, even
-    by SIGKILL), or, if it has no lock file, when the pid in its name is gone. Only our own names,
+    by SIGKILL), or, if it has no lock file, when the pid in its name is gone. One still being created
+    (``.teraio-new-...``) is stale only when the pid in its name is gone. Only our own names,
     only real directories owned by us, and only our own file names inside are ever removed.
     """
     removed: list[str] = []
@@ -175,7 +220,7 @@ def clean_stale_subdirs(base: Path) -> list[str]:
         return removed
     try:
         for name in os.listdir(base_fd):
-            match = SUBDIR_RE.match(name)
+            match = SUBDIR_RE.match(name) or NEW_SUBDIR_RE.match(name)
             if not match:
                 continue
             try:
@@ -184,7 +229,10 @@ def clean_stale_subdirs(base: Path) -> list[str]:
                 continue
             if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
                 continue
-            if _remove_if_stale(base_fd, name, int(match.group(2))):
+            pid = int(match.group(2))
+            if match.re is NEW_SUBDIR_RE and (pid == os.getpid() or _pid_alive(pid)):
+                continue  # still being created: its lock may not be taken yet (Note: [Lock before visible])
+            if _remove_if_stale(base_fd, name, pid):
                 removed.append(name)
     finally:
         os.close(base_fd)
@@ -207,7 +255,7 @@ def _remove_if_stale(base_fd: int, name: str, pid: int) -> bool:
             return False
         if lock_fd is None:
             if pid == os.getpid() or _pid_alive(pid):
-                return False  # being created right now, or a live process without its lock yet
+                return False  # a live process's directory without a lock yet (being created)
         else:
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -264,6 +312,8 @@ class OffloadDir:
         self._dir_fd = -1
         self._lock_fd = -1
         self.fd = -1
+        # Only the process that created the files removes them (a forked child inherits this object).
+        self._owner_pid = os.getpid()
         self._create_base()
         self.fs_type = filesystem_type(base)
         if self.fs_type in ("tmpfs", "ramfs"):
@@ -286,7 +336,20 @@ class OffloadDir:
     def _create_base(self) -> None:
         try:
             os.makedirs(self.base, mode=0o700, exist_ok=True)
-            self._base_fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY)
+            link = os.lstat(self.base)
+            if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
+                raise UnsafePathError(
+                    f"offload directory {self.base} is a symbolic link owned by uid {link.st_uid}, "
+                    f"not by you; use the real directory",
+                    path=str(self.base),
+                )
+            self._base_fd = os.open(self.base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            check_base_dir(self._base_fd, self.base)
+        except RuntimeIOError:
+            if self._base_fd >= 0:
+                os.close(self._base_fd)
+                self._base_fd = -1
+            raise
         except NotADirectoryError as exc:
             raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
         except FileExistsError as exc:
@@ -298,30 +361,39 @@ class OffloadDir:
 
     def _create_subdir(self, rank: int) -> None:
         for _ in range(8):
-            name = f"teraio-r{rank}-p{os.getpid()}-{secrets.token_hex(4)}"
+            token = f"r{rank}-p{os.getpid()}-{secrets.token_hex(4)}"
+            new_name, name = f".teraio-new-{token}", f"teraio-{token}"
             path = self.base / name
             try:
                 if self._inject:
                     self._inject("create", str(path), 0, 0)
                 # mkdir never follows a symlink at its last component: a planted one gives EEXIST.
-                os.mkdir(name, mode=0o700, dir_fd=self._base_fd)
+                os.mkdir(new_name, mode=0o700, dir_fd=self._base_fd)
             except FileExistsError:
                 continue
             except OSError as exc:
                 raise map_os_error(
                     exc, action="create", path=str(path), directory=str(self.base), needed_nbytes=0
                 ) from exc
+            if os.path.lexists(path):  # (rename would replace an empty directory of that name)
+                os.rmdir(new_name, dir_fd=self._base_fd)
+                continue
             break
         else:
             raise UnsafePathError(f"could not create a fresh subdirectory in {self.base}: names collide")
-        self.path = path
-        self._dir_fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._base_fd)
+        self._dir_fd = os.open(
+            new_name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._base_fd
+        )
+        self.path = self.base / new_name
         st = os.fstat(self._dir_fd)
         if st.st_uid != os.geteuid() or not stat.S_ISDIR(st.st_mode):
             raise UnsafePathError(f"{path} is not a directory owned by this user; refusing to use it")
         os.fchmod(self._dir_fd, 0o700)  # umask may only take bits away; make it exact anyway
         self._lock_fd = self._create_file(LOCK_NAME, 0)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # Note: [Lock before visible]: only now may cleanup in other processes see the directory.
+        os.rename(new_name, name, src_dir_fd=self._base_fd, dst_dir_fd=self._base_fd)
+        self.path = path
 
     def _create_file(self, name: str, extra_flags: int) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra_flags
@@ -451,6 +523,14 @@ class OffloadDir:
             if fd >= 0:
                 os.close(fd)
         self.fd = -1
+        if os.getpid() != self._owner_pid:
+            # A forked child: the files are its parent's, still in use. Close our copies only.
+            for attr in ("_dir_fd", "_lock_fd", "_base_fd"):
+                fd = getattr(self, attr)
+                if fd >= 0:
+                    os.close(fd)
+                    setattr(self, attr, -1)
+            return
         if self._dir_fd >= 0:
             for name in _OUR_FILES:
                 try:

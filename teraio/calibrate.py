@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -98,7 +99,7 @@ def _direct_round_trip(path: Path, nbytes: int, block_nbytes: int) -> tuple[floa
     """Write ``nbytes`` in aligned blocks, then read them back; (write_s, read_s, used O_DIRECT)."""
     buf = mmap.mmap(-1, block_nbytes)  # page-aligned, as O_DIRECT requires
     buf.write(os.urandom(min(block_nbytes, 1 << 20)) * (block_nbytes // min(block_nbytes, 1 << 20)))
-    fd, direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    fd, direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
     try:
         t0 = time.perf_counter()
         for off in range(0, nbytes, block_nbytes):
@@ -109,7 +110,7 @@ def _direct_round_trip(path: Path, nbytes: int, block_nbytes: int) -> tuple[floa
             os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    fd, _ = _open_direct(path, os.O_RDONLY)
+    fd, _ = _open_direct(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         t0 = time.perf_counter()
         for off in range(0, nbytes, block_nbytes):
@@ -125,7 +126,7 @@ def _latency(path: Path, repeats: int = 16) -> tuple[float, float]:
     """Median time of one 4 KiB direct write and one 4 KiB direct read (no fsync: the runtime does none per chunk)."""
     buf = mmap.mmap(-1, PAGE_NBYTES)
     writes, reads = [], []
-    fd, _ = _open_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    fd, _ = _open_direct(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW)
     try:
         for i in range(repeats):
             t0 = time.perf_counter()
@@ -208,7 +209,10 @@ def calibrate(
     fs = filesystem_type(d)
     if fs in RAM_FILESYSTEMS:
         warnings.append(f"'{d}' is on {fs}: offloading there keeps the bytes in RAM and saves no memory")
-    path = d / f".teraio-calibrate-{os.getpid()}"
+    # Scratch lives in a fresh private (0700) directory: never a predictable name in a shared one, where
+    # a planted symlink would turn the test writes into an overwrite of someone else's file.
+    scratch = Path(tempfile.mkdtemp(prefix=".teraio-calibrate-", dir=d))
+    path = scratch / "data"
     samples: dict[str, list[float]] = {"direct_write_s": [], "direct_read_s": []}
     try:
         used_direct = True
@@ -222,6 +226,7 @@ def calibrate(
         lat_w, lat_r = _latency(path)
     finally:
         path.unlink(missing_ok=True)
+        os.rmdir(scratch)
     direct_w = nbytes / statistics.median(samples["direct_write_s"])
     direct_r = nbytes / statistics.median(samples["direct_read_s"])
     method, write_bw, read_bw = "O_DIRECT", direct_w, direct_r

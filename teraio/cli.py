@@ -2,7 +2,9 @@
 
 Each module there defines ``register(subparsers)``, which adds its parser and sets ``func`` (taking the
 parsed args, returning an exit code). Errors the user can fix are raised as exceptions whose message is
-one line; ``main`` prints it and exits with code 2, never a traceback.
+one line; ``main`` prints it and exits with code 2, never a traceback. That covers argument errors,
+the planner's format errors, the runtime's typed errors, unsafe outputs (``planner.safe_io``) and
+``OSError`` from the filesystem (an unwritable output, a full disk).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from teraio.planner.hardware import HardwareError
     from teraio.planner.plan import PlanError
     from teraio.planner.profile import ProfileError
+    from teraio.planner.safe_io import OutputError
 
-    types: list[type[BaseException]] = [TeraioError, ProfileError, PlanError, HardwareError]
+    types: list[type[BaseException]] = [TeraioError, ProfileError, PlanError, HardwareError, OutputError]
     for mod, name in (("teraio.planner.budget", "BudgetError"), ("teraio.runtime.errors", "RuntimeIOError")):
         try:
             types.append(getattr(importlib.import_module(mod), name))
@@ -33,8 +36,23 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors in one line (usage goes to ``--help``); subparsers inherit the class."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, OSError) and not isinstance(e, (RuntimeError, ValueError)) and e.strerror:
+        where = f" '{e.filename}'" if e.filename else ""
+        return f"{e.strerror}{where}"
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="teraio",
         description="Plan and run activation offloading for PyTorch training (NVMe, GPUDirect Storage, host memory).",
     )
@@ -49,12 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a bounce copy (runtime/tiers/posix.py). torch reads it once, at its first CPU allocation.
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed in one line)
+        return e.code if isinstance(e.code, int) else 2
     try:
         code = args.func(args)
-    except _user_error_types() as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"teraio {args.command}: error: {msg}", file=sys.stderr)
+    except (*_user_error_types(), OSError) as e:
+        print(f"teraio {args.command}: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"teraio {args.command}: interrupted", file=sys.stderr)

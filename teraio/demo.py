@@ -15,9 +15,7 @@ memory is measured around one full forward+backward with the torch profiler's me
 from __future__ import annotations
 
 import copy
-import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from teraio.lifecycle import TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models import GPT, build_gpt, synthetic_batch
+from teraio.runtime.config import default_offload_dir
 
 METHODS = ("no-offload", "teraio", "checkpoint")
 
@@ -47,6 +46,7 @@ class DemoConfig:
     seed: int = 0
     profile_steps: int = 4
     lr: float = 1e-4
+    checksum: bool = True  # per-chunk crc32c of offloaded bytes, verified on read (the runtime default)
     on_row: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
 
 
@@ -116,6 +116,7 @@ def _setup(method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None) -> 
             profile_steps=cfg.profile_steps,
             run_dir=f"{cfg.run_dir}/teraio" if cfg.run_dir else None,
             measure_memory=False,
+            checksum=cfg.checksum,
         )
         runnable: torch.nn.Module = model
     else:
@@ -175,8 +176,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     machine's slow and fast periods fall on every method alike.
     """
     base = build_gpt(cfg.model, seed=cfg.seed)
-    own_dir = cfg.offload_dir is None
-    offload_dir = tempfile.mkdtemp(prefix="teraio-demo-") if own_dir else cfg.offload_dir
+    # The runtime's per-user default directory, not a fresh temp dir: the engine removes its own
+    # subdirectory on close, and a later start removes what a killed run left there.
+    offload_dir = cfg.offload_dir if cfg.offload_dir is not None else str(default_offload_dir())
     warmup = cfg.profile_steps + 1  # profiling steps, then the step that plans and compiles
     methods: list[_Method] = []
     torch._dynamo.reset()
@@ -198,8 +200,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     finally:
         for m in methods:
             m.backend.close()
-        if own_dir:
-            shutil.rmtree(offload_dir, ignore_errors=True)
     for row in rows:
         if cfg.on_row is not None:
             cfg.on_row(row)

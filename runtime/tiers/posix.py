@@ -102,27 +102,34 @@ class PosixTier:
 
     # -- placement ------------------------------------------------------------------------------
     def allocate(self, nbytes: int) -> Placement:
-        """Stripe ``nbytes`` chunk by chunk over the directories, one extent per directory."""
+        """Stripe ``nbytes`` chunk by chunk over the directories, one extent per directory.
+
+        Each chunk goes to the directory holding the fewest bytes (ties rotate), so no directory holds
+        more than an even share of the live bytes plus one chunk: what ``Engine`` reserves per
+        directory (``runtime.engine.reserve_share``). Plain round-robin could put every large request on
+        one directory when large and small requests alternate.
+        """
         pieces = split_chunks(nbytes, self.chunk_nbytes)
         ndirs = len(self.dirs)
-        with self._rr_lock:  # rotate the first directory so small requests spread too
-            first = self._next_dir
-            self._next_dir = (first + len(pieces)) % ndirs
         per_dir = [0] * ndirs
         assignment = []
-        for i, (off, length) in enumerate(pieces):
-            d = (first + i) % ndirs
-            assignment.append((off, length, d, per_dir[d]))
-            per_dir[d] += align_up(length)
         extents: list[tuple[int, int, int]] = []
-        try:
-            for d, total in enumerate(per_dir):
-                if total:
-                    extents.append((d, self.dirs[d].allocate(total), total))
-        except BaseException:
-            for d, base, total in extents:
-                self.dirs[d].free(base, total)
-            raise
+        with self._rr_lock:  # one placement at a time, so each sees the others' usage
+            first = self._next_dir
+            self._next_dir = (first + 1) % ndirs
+            used = [d.allocator.used_nbytes for d in self.dirs]
+            for off, length in pieces:
+                d = min(range(ndirs), key=lambda j: (used[j] + per_dir[j], (j - first) % ndirs))
+                assignment.append((off, length, d, per_dir[d]))
+                per_dir[d] += align_up(length)
+            try:
+                for d, total in enumerate(per_dir):
+                    if total:
+                        extents.append((d, self.dirs[d].allocate(total), total))
+            except BaseException:
+                for d, base, total in extents:
+                    self.dirs[d].free(base, total)
+                raise
         base_of = {d: base for d, base, _ in extents}
         chunks = [Chunk(off, length, d, base_of[d] + rel) for off, length, d, rel in assignment]
         return Placement(nbytes=nbytes, chunks=chunks, private=extents)

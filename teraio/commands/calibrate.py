@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import check_output_file
 from teraio.units import format_bytes
 
 
@@ -20,6 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dir", help="directory on the disk you will offload to")
     p.add_argument("--out", "-o", help="hardware model JSON to write (default: print only)")
+    add_force_option(p)
     p.add_argument("--size", default="256MiB", help="bytes per measurement (default 256MiB)")
     p.add_argument("--block", default="4MiB", help="O_DIRECT request size (default 4MiB)")
     p.add_argument("--repeats", type=int, default=3, help="repeats; the model takes medians (default 3)")
@@ -36,14 +38,14 @@ def run(args: argparse.Namespace) -> int:
         nbytes, block = parse_size(args.size), parse_size(args.block)
     except BudgetError as e:
         raise UserInputError(str(e)) from None
-    if args.out and not Path(args.out).parent.exists():
-        raise UserInputError(f"--out '{args.out}': directory '{Path(args.out).parent}' does not exist")
+    if args.out is not None:
+        check_output_file(args.out, overwrite=args.force, option="--out")
     cal = calibrate(
         args.dir, nbytes=nbytes, block_nbytes=block, repeats=args.repeats, use_engine=not args.raw_only
     )
     hw = cal.hardware_model()
-    if args.out:
-        hw.save(args.out)
+    if args.out is not None:
+        hw.save(args.out, overwrite=args.force)
     if args.json:
         print(json.dumps({**cal.to_dict(), "hardware": hw.to_dict(), "out": args.out}, indent=2))
         return 0
@@ -62,6 +64,6 @@ def run(args: argparse.Namespace) -> int:
     )
     for w in cal.warnings:
         print(f"  warning: {w}")
-    if args.out:
+    if args.out is not None:
         print(f"wrote {args.out}")
     return 0

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
+from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import check_output_file, write_json
 from teraio.units import format_bytes
 
 
@@ -31,13 +34,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--offload-dir",
         default=None,
-        help="where offloaded bytes go (default: a fresh directory under the temp dir, removed after)",
+        help="where offloaded bytes go (default: the per-user $XDG_CACHE_HOME/teraio/offload; the run's "
+        "files are removed after it, and a killed run's at the next start)",
     )
     p.add_argument("--methods", default="no-offload,teraio,checkpoint", help="comma list of methods to run")
     p.add_argument("--run-dir", default=None, help="write profile, plan, config and stats here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    add_force_option(p)
     p.set_defaults(func=run)
+
+
+def check_run_dir(path: str) -> None:
+    """A run directory must be a writable directory, or creatable inside one."""
+    if path == "":
+        raise UserInputError("--run-dir is an empty path; give a directory name")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UserInputError(f"--run-dir '{p}' exists and is not a directory")
+    probe = p
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise UserInputError(f"--run-dir '{p}' cannot be written (no writable directory at '{probe}')")
 
 
 def _table(result: dict[str, Any]) -> None:
@@ -104,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError("--steps must be at least 1")
     if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
         raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
+    # Outputs are checked now: a demo run takes minutes and must not be lost to a bad path at the end.
+    if args.out is not None:
+        check_output_file(args.out, overwrite=args.force, option="--out")
+    if args.run_dir is not None:
+        check_run_dir(args.run_dir)
 
     def progress(row: dict[str, Any]) -> None:
         if not args.json:
@@ -126,8 +150,8 @@ def run(args: argparse.Namespace) -> int:
         on_row=progress,
     )
     result = run_demo(cfg)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2))
+    if args.out is not None:
+        write_json(args.out, result, overwrite=args.force)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

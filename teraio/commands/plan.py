@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import check_output_file
 from teraio.units import format_bytes
 
 
@@ -25,7 +26,9 @@ def load_profile_arg(path: str):
     if index.exists():
         try:
             graphs = json.loads(index.read_text()).get("graphs", [])
-        except ValueError:
+        except (OSError, ValueError, AttributeError):
+            graphs = []
+        if not isinstance(graphs, list) or not graphs or not all(isinstance(g, str) for g in graphs):
             graphs = []
         raise UserInputError(
             f"profile '{p}' holds {len(graphs)} graphs ({', '.join(graphs)}); plan each one, e.g. '{p / graphs[0]}'"
@@ -33,6 +36,16 @@ def load_profile_arg(path: str):
             else f"profile '{p}' has an unreadable index.json"
         )
     return Profile.load(p)
+
+
+def add_force_option(p: argparse.ArgumentParser) -> None:
+    """``--force``: the one way to let a command replace an existing output."""
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing output file or directory (a directory that is not teraio's is moved "
+        "aside, never deleted)",
+    )
 
 
 def load_hardware_arg(path: str | None):
@@ -108,6 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="solver worker threads (default 2)")
     p.add_argument("--hardware", help="hardware model JSON (from 'teraio calibrate'); default: built-in")
     p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
+    add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
@@ -119,9 +133,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
     if args.workers < 1:
         raise UserInputError(f"--workers must be at least 1, got {args.workers}")
-    out = Path(args.out)
-    if not out.parent.exists():
-        raise UserInputError(f"--out '{out}': directory '{out.parent}' does not exist")
+    out = check_output_file(args.out, overwrite=args.force, option="--out")
     profile = load_profile_arg(args.profile)
     hardware = load_hardware_arg(args.hardware)
     with progress_callback(f"planning ({args.solver})") as progress:
@@ -134,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             progress=progress,
         )
-    plan.save(out)
+    plan.save(out, overwrite=args.force)
     summary = {**plan_summary(plan), "out": str(out)}
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import check_output_dir, replace_dir
 from teraio.units import format_bytes
+
+#: An existing --out of either kind may be replaced (re-profiling a workload whose graph count changed).
+PROFILE_KINDS = ("profile", "profile-set")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="builtin:tiny | builtin:demo | path/to/file.py:fn (fn() returns (model, batch[, loss_fn]))",
     )
     p.add_argument("--out", "-o", required=True, help="directory to write the profile into")
+    add_force_option(p)
     p.add_argument("--steps", type=int, default=3, help="profiling steps; the first is warm-up (default 3)")
     p.add_argument(
         "--inner",
@@ -39,31 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _check_writable(out: Path) -> None:
-    parent = out.parent if not out.exists() else out
-    probe_dir = parent
-    while not probe_dir.exists():
-        probe_dir = probe_dir.parent
-    if not probe_dir.is_dir():
-        raise UserInputError(f"--out '{out}' cannot be created: '{probe_dir}' is a file, not a directory")
-    if out.exists() and not out.is_dir():
-        raise UserInputError(f"--out '{out}' exists and is not a directory")
-    if (
-        out.exists()
-        and any(out.iterdir())
-        and not (out / "meta.json").exists()
-        and not (out / "index.json").exists()
-    ):
-        raise UserInputError(
-            f"--out '{out}' is a non-empty directory that is not a teraio profile; choose another"
-        )
-    if not os.access(probe_dir, os.W_OK | os.X_OK):
-        raise UserInputError(f"--out '{out}' is not writable (no write permission on '{probe_dir}')")
-
-
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    _check_writable(out)
+    out = check_output_dir(args.out, PROFILE_KINDS, force=args.force)
     if args.steps < 1:
         raise UserInputError("--steps must be at least 1")
     # Heavy imports only now: `teraio --help` stays fast.
@@ -73,25 +53,21 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.target)
     profiles = profile_workload(workload, profile_steps=args.steps, inner=args.inner)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        if len(profiles) == 1:
-            profiles[0].save(tmp / "p")
-            staged = tmp / "p"
-        else:
-            staged = tmp / "p"
-            staged.mkdir()
+    if len(profiles) == 1:
+        profiles[0].validate()
+        replace_dir(out, "profile", profiles[0].write_files, force=args.force, replaceable=PROFILE_KINDS)
+    else:
+
+        def populate(staged: Path) -> None:
             for p in profiles:
-                p.save(staged / f"graph{p.meta['graph_id']}")
-            (staged / "index.json").write_text(
-                json.dumps({"graphs": [f"graph{p.meta['graph_id']}" for p in profiles]})
-            )
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staged, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+                p.validate()
+                sub = staged / f"graph{p.meta['graph_id']}"
+                sub.mkdir()
+                p.write_files(sub)
+            names = [f"graph{p.meta['graph_id']}" for p in profiles]
+            (staged / "index.json").write_text(json.dumps({"graphs": names}))
+
+        replace_dir(out, "profile-set", populate, force=args.force, replaceable=PROFILE_KINDS)
 
     summaries = [summarize(p, top=args.top) for p in profiles]
     if args.json:

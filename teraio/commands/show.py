@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show", help="summarise a plan: predicted figures and moved tensors by layer")
     p.add_argument("plan", help="plan file written by 'teraio plan'")
     p.add_argument(
-        "--profile", help="the plan's profile: checks the fingerprint and fills missing layer labels"
+        "--profile", help="the plan's profile: checks the plan against it and fills missing layer labels"
     )
     p.add_argument("--tensors", action="store_true", help="also list every moved tensor")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     modules: dict[str, str] = {}
     if args.profile:
         profile = load_profile_arg(args.profile)
-        plan = Plan.load(args.plan, expect_fingerprint=profile.fingerprint)
+        plan = Plan.load(args.plan, profile=profile)  # checked completely against its profile
         if "module" in profile.tensors.columns:
             modules = dict(zip(profile.tensors["name"], profile.tensors["module"].fillna("")))
     else:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from teraio.commands.plan import console, load_hardware_arg, load_profile_arg
+from teraio.commands.plan import add_force_option, console, load_hardware_arg, load_profile_arg
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import atomic_writer, check_output_file
 from teraio.units import format_bytes
 
 
@@ -16,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "simulate",
         help="predict a plan's step time, stall, memory peak and I/O (with what-if hardware)",
         description="Replay PLAN on PROFILE in the simulator. What-if options change the plan's hardware "
-        "model (bandwidths per SSD, number of SSDs) or budget without re-planning.",
+        "model (bandwidths per SSD, number of SSDs) or budget without re-planning. Exits 1 when the plan "
+        "violates its budget or ordering rules (listed), 2 on bad input.",
     )
     p.add_argument("profile", help="profile directory the plan was made for")
     p.add_argument("plan", help="plan file written by 'teraio plan'")
@@ -27,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ssds", type=int, help="what-if: number of SSDs striped together")
     p.add_argument("--budget", help="what-if: check against this budget instead of the plan's")
     p.add_argument("--timeline", help="write the I/O timeline as CSV to this file")
+    add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
 
@@ -51,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from teraio.planner.plan import Plan
     from teraio.planner.simulate import simulate
 
+    if args.timeline is not None:
+        check_output_file(args.timeline, overwrite=args.force, option="--timeline")
     profile = load_profile_arg(args.profile)
     plan = Plan.load(args.plan, expect_fingerprint=profile.fingerprint)
     hw = load_hardware_arg(args.hardware) if args.hardware else plan.hardware
@@ -72,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
     if args.budget and budget is None:
         raise UserInputError("--budget auto has no meaning for a simulation; give bytes or a fraction")
     res = simulate(profile, plan, hw, budget_bytes=budget, lifetimes=lt)
-    if args.timeline:
-        res.io_timeline.to_csv(args.timeline, index=False)
+    if args.timeline is not None:
+        with atomic_writer(args.timeline, overwrite=args.force) as f:
+            res.io_timeline.to_csv(f, index=False)
+    # A plan that breaks its budget or ordering rules is a failed check: exit 1 (bad input is 2).
+    code = 1 if res.violations else 0
     if args.json:
         out = {
             **res.summary(),
@@ -83,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             "hardware": hw.to_dict(),
         }
         print(json.dumps(out, indent=2))
-        return 0
+        return code
     from rich.table import Table
 
     t = Table(title=f"simulate {args.plan}", show_header=False)
@@ -110,4 +118,4 @@ def run(args: argparse.Namespace) -> int:
     console().print(t)
     for v in res.violations:
         print(f"violation: {v}")
-    return 0
+    return code

@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from teraio.commands.plan import console, load_hardware_arg, load_profile_arg, progress_callback
+from teraio.commands.plan import (
+    add_force_option,
+    console,
+    load_hardware_arg,
+    load_profile_arg,
+    progress_callback,
+)
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import atomic_writer, check_output_file
 from teraio.units import format_bytes
 
 
@@ -28,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="solver worker threads")
     p.add_argument("--hardware", help="hardware model JSON; default: built-in")
     p.add_argument("--out", help="write the table as CSV here")
+    add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the table as JSON records")
     p.set_defaults(func=run)
 
@@ -39,6 +47,12 @@ def run(args: argparse.Namespace) -> int:
     from teraio.planner.solve import solver_info
     from teraio.planner.sweep import budget_sweep
 
+    if args.out is not None:
+        check_output_file(args.out, overwrite=args.force, option="--out")
+    if not args.time_limit > 0:
+        raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.workers < 1:
+        raise UserInputError(f"--workers must be at least 1, got {args.workers}")
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     solvers = [s.strip() for s in args.solver.split(",") if s.strip()]
     if not budgets or not solvers:
@@ -59,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             progress=progress,
         )
-    if args.out:
-        df.to_csv(args.out, index=False)
+    if args.out is not None:
+        with atomic_writer(args.out, overwrite=args.force) as f:
+            df.to_csv(f, index=False)
     if args.json:
         print(json.dumps(json.loads(df.to_json(orient="records")), indent=2))
         return 0
@@ -104,6 +119,6 @@ def run(args: argparse.Namespace) -> int:
     for r in df.itertuples():
         if r.note:
             print(f"{r.solver} @ {r.budget_spec}: {r.note}")
-    if args.out:
+    if args.out is not None:
         print(f"wrote {args.out}")
     return 0

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
+from teraio.planner.safe_io import check_output_dir
 from teraio.units import format_bytes
 
 
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="matmul throughput in TFLOP/s for op times (default 0.16: this 2-core CPU)",
     )
     p.add_argument("--out", "-o", required=True, help="profile directory to write")
+    add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -58,13 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from teraio.planner.lifetimes import analyse
     from teraio.planner.synth import synth_profile
 
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserInputError(f"--out '{out}' exists and is not a directory")
-    if out.exists() and any(out.iterdir()) and not (out / "meta.json").exists():
-        raise UserInputError(
-            f"--out '{out}' is a non-empty directory that is not a teraio profile; choose another"
-        )
+    out = check_output_dir(args.out, ("profile",), force=args.force)
     extra = {}
     if args.tflops is not None:
         if not args.tflops > 0:
@@ -81,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         attention=args.attention,
         **extra,
     )
-    profile.save(out)
+    profile.save(out, force=args.force)
     lt = analyse(profile)
     summary = {
         "out": str(out),

@@ -219,8 +219,11 @@ def test_config_errors_name_the_option(tmp_path, monkeypatch):
     assert RuntimeConfig().resolved().backend == "host"
     monkeypatch.delenv("TERAIO_IO_BACKEND")
     monkeypatch.delenv("TERAIO_OFFLOAD_DIRS", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    # No directory given: the stable per-user default (safety tests cover its cleanup).
+    assert RuntimeConfig(backend="posix").resolved().dirs == (tmp_path / "cache" / "teraio" / "offload",)
     with pytest.raises(ConfigError, match="dirs"):
-        RuntimeConfig(backend="posix").resolved()
+        RuntimeConfig(backend="posix", dirs=[""]).resolved()
     with pytest.raises(ConfigError, match="chunk_bytes"):
         RuntimeConfig(dirs=[tmp_path], chunk_bytes=1000).resolved()
     with pytest.raises(ConfigError, match="reserve_bytes"):

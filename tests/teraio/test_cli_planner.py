@@ -14,6 +14,8 @@ from teraio.cli import main
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from tests.planner.planner_cases import MB, pyramid, ssd_only
+from tests.teraio.cli_helpers import error_line as _error_line
+from tests.teraio.cli_helpers import run_cli as _run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,20 +27,6 @@ def files(tmp_path):
     hw = tmp_path / "hw.json"
     ssd_only(write_bw=1e9, read_bw=0.5e9).save(hw)
     return tmp_path, prof, hw
-
-
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def _error_line(capsys, *argv) -> str:
-    code, out, err = _run(capsys, *argv)
-    assert code == 2, (out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err
-    return lines[0]
 
 
 def test_plan_json_then_simulate_show_roundtrip(files, capsys):

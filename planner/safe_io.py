@@ -1,0 +1,393 @@
+"""The one way teraio writes files: never through a planted link, never half a file, never over what it
+did not write.
+
+Every file teraio writes (profiles, plans, hardware models, run-directory files, CLI outputs) goes
+through this module:
+
+- :func:`atomic_writer` / :func:`write_bytes` / :func:`write_text` / :func:`write_json`: the bytes go to
+  a fresh temporary file in the target's directory (``O_CREAT|O_EXCL|O_NOFOLLOW``, a random name, so a
+  symlink or file planted at a predictable name is never followed or reused), are fsynced, and are
+  renamed over the target in one step: a reader sees the old file or the new one, never a mix, and a
+  crash leaves at most a hidden temporary file. An existing target is replaced only with
+  ``overwrite=True`` (the CLI's ``--force``); the rename replaces a symlink at the target itself, never
+  the file it points to.
+- :func:`replace_dir`: output directories (profiles) are built in a fresh sibling directory and renamed
+  into place. An existing directory is replaced only when it is empty or a teraio artefact of the same
+  kind (holding only the files such an artefact holds); anything else needs ``force`` and is then moved
+  aside (never deleted), so teraio never removes a file it did not write.
+- :func:`check_output_file` / :func:`check_output_dir`: the CLI checks its outputs before long work.
+- :func:`append_line`: append-only logs (``stats.jsonl``) open with ``O_APPEND|O_NOFOLLOW``.
+
+Errors are :class:`OutputError` (a ``ValueError`` with a one-line message naming the path and what to
+do); OSErrors from the filesystem keep their type (the CLI reports both in one line).
+
+This module is pure Python (no torch, no runtime): the planner writes its formats with it and teraio
+imports it. The runtime keeps its own private-directory code (``runtime.space``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, Literal
+
+#: Files (and, with a trailing "/", subdirectories of the same layout) an artefact directory may hold.
+ARTIFACT_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "profile": ("ops.parquet", "tensors.parquet", "meta.json"),
+    # A multi-graph profile: index.json plus one profile directory per captured graph.
+    "profile-set": ("index.json", "graph*/"),
+}
+
+_TMP_PREFIX = ".teraio-tmp-"
+_FILE_MODE = 0o644
+
+
+class OutputError(ValueError):
+    """An output cannot be written safely: it exists (and overwriting was not asked for), it is not what
+    teraio would replace, or its directory is missing. The message names the path and what to do."""
+
+
+def _tmp_name(target_name: str) -> str:
+    return f"{_TMP_PREFIX}{target_name[:40]}.{secrets.token_hex(6)}"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on directories: the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+def check_output_file(path: str | os.PathLike, *, overwrite: bool = False, option: str = "output") -> Path:
+    """Check now, before long work, that ``path`` can be written by :func:`atomic_writer`.
+
+    Raises:
+        OutputError: the path is empty, a directory, exists without ``overwrite``, or its directory
+            is missing or not writable.
+    """
+    if os.fspath(path) == "":
+        raise OutputError(f"{option} is an empty path; give a file name")
+    p = Path(path)
+    if p.name in ("", ".", ".."):
+        raise OutputError(f"{option} '{p}' names a directory, not a file")
+    parent = p.parent
+    if not parent.is_dir():
+        raise OutputError(f"{option} '{p}': directory '{parent}' does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} '{p}': no write permission in directory '{parent}'")
+    if os.path.lexists(p):
+        if p.is_dir() and not p.is_symlink():
+            raise OutputError(f"{option} '{p}' is a directory; give a file name")
+        if not overwrite:
+            raise OutputError(f"{option} '{p}' exists; pass --force to replace it, or choose another name")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_writer(
+    path: str | os.PathLike, *, overwrite: bool = False, binary: bool = False, mode: int = _FILE_MODE
+) -> Iterator[IO[Any]]:
+    """Open a fresh temporary file next to ``path``; on success fsync it and rename it over ``path``.
+
+    The temporary file is created with ``O_CREAT|O_EXCL|O_NOFOLLOW`` under a random name, so nothing
+    planted in the directory is followed or reused. If the body raises, the temporary file is removed
+    and ``path`` is untouched.
+
+    Args:
+        path: the file to write.
+        overwrite: replace an existing ``path`` (a symlink there is replaced itself, not followed).
+        binary: yield a binary file object instead of a text one (UTF-8).
+        mode: permission bits of the new file (before umask).
+
+    Raises:
+        OutputError: ``path`` exists and ``overwrite`` is False, or it is a directory.
+        OSError: the filesystem refused (permission, space, missing directory).
+    """
+    target = check_output_file(path, overwrite=overwrite)
+    parent = target.parent
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = parent / _tmp_name(target.name)
+        try:
+            fd = os.open(tmp, flags, mode)
+            break
+        except FileExistsError:
+            continue
+    else:  # pragma: no cover - 16 collisions of 48 random bits
+        raise OutputError(f"could not create a temporary file in '{parent}'")
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if not overwrite:
+            # link() fails if the name appeared meanwhile: never replace a file created since the check.
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                raise OutputError(
+                    f"'{target}' appeared while it was being written; pass --force to replace it"
+                ) from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
+                # A filesystem without hard links: rename, after checking once more.
+                if os.path.lexists(target):
+                    raise OutputError(
+                        f"'{target}' appeared while it was being written; pass --force to replace it"
+                    ) from None
+                os.rename(tmp, target)
+            else:
+                os.unlink(tmp)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, *, overwrite: bool = False) -> Path:
+    """Write ``data`` to ``path`` atomically (see :func:`atomic_writer`); return the path."""
+    with atomic_writer(path, overwrite=overwrite, binary=True) as f:
+        f.write(data)
+    return Path(path)
+
+
+def write_text(path: str | os.PathLike, text: str, *, overwrite: bool = False) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_writer`); return the path."""
+    with atomic_writer(path, overwrite=overwrite) as f:
+        f.write(text)
+    return Path(path)
+
+
+def write_json(path: str | os.PathLike, obj: Any, *, overwrite: bool = False, indent: int | None = 2) -> Path:
+    """Serialise ``obj`` as JSON (``default=str``) and write it atomically; return the path.
+
+    The JSON is built before the file is created, so an unserialisable object writes nothing.
+    """
+    return write_text(path, json.dumps(obj, indent=indent, default=str), overwrite=overwrite)
+
+
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append one line to a log file (``O_APPEND|O_NOFOLLOW``: a symlink planted there is refused)."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, _FILE_MODE)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OutputError(f"'{path}' is not a regular file; refusing to append to it")
+        data = (line.rstrip("\n") + "\n").encode()
+        while data:
+            data = data[os.write(fd, data) :]
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------------------------- directories
+def _matches_layout(directory: Path, kind: str, depth: int = 0) -> bool:
+    """True if ``directory`` holds only files of the artefact layout ``kind`` (a real directory, no links)."""
+    layout = ARTIFACT_LAYOUTS[kind]
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return False
+    for e in entries:
+        if e.is_symlink():
+            return False
+        if e.is_dir(follow_symlinks=False):
+            if depth > 0 or not any(pat.endswith("/") and _glob1(e.name, pat[:-1]) for pat in layout):
+                return False
+            if not _matches_layout(Path(e.path), "profile", depth + 1):
+                return False
+        elif e.name not in layout:
+            return False
+    return True
+
+
+def _glob1(name: str, pattern: str) -> bool:
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def artifact_kind(directory: str | os.PathLike) -> str | None:
+    """The artefact kind of ``directory`` ("profile", "profile-set") if it holds only such files, else None.
+
+    An empty directory is None; a directory with any file teraio would not have written is None.
+    """
+    d = Path(directory)
+    if not d.is_dir() or d.is_symlink():
+        return None
+    if not any(d.iterdir()):
+        return None
+    for kind in ARTIFACT_LAYOUTS:
+        if _matches_layout(d, kind):
+            return kind
+    return None
+
+
+def check_output_dir(
+    path: str | os.PathLike, kinds: tuple[str, ...], *, force: bool = False, option: str = "--out"
+) -> Path:
+    """Check now, before long work, that :func:`replace_dir` may write ``path``.
+
+    Allowed: a missing path whose nearest existing ancestor is a writable directory, an empty
+    directory, a teraio artefact of one of ``kinds``, or (with ``force``) any directory, which will be
+    moved aside, not deleted.
+
+    Raises:
+        OutputError: naming the path and the remedy.
+    """
+    if os.fspath(path) == "":
+        raise OutputError(f"{option} is an empty path; give a directory name")
+    p = Path(path)
+    if p.is_symlink():
+        raise OutputError(f"{option} '{p}' is a symbolic link; give the real directory")
+    if p.exists() and not p.is_dir():
+        raise OutputError(f"{option} '{p}' exists and is not a directory; choose another name")
+    probe = p if p.exists() else p.parent
+    while not probe.exists():
+        if probe == probe.parent:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise OutputError(f"{option} '{p}' cannot be created: '{probe}' is a file, not a directory")
+    parent = p.parent if p.exists() else probe
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} '{p}' is not writable (no write permission in '{parent}')")
+    if p.exists() and any(p.iterdir()) and artifact_kind(p) not in kinds and not force:
+        raise OutputError(
+            f"{option} '{p}' is a non-empty directory that is not a teraio {' or '.join(kinds)}; choose "
+            f"another directory, or pass --force to replace it (the old one is moved aside, not deleted)"
+        )
+    return p
+
+
+def _remove_artifact(directory: Path, kind: str) -> bool:
+    """Remove an artefact directory file by file (only layout names; never rmtree). True if it is gone."""
+    if not _matches_layout(directory, kind):
+        return False
+    try:
+        for e in os.scandir(directory):
+            if e.is_dir(follow_symlinks=False):
+                if not _remove_artifact(Path(e.path), "profile"):
+                    return False
+            else:
+                os.unlink(e.path)
+        os.rmdir(directory)
+    except OSError:
+        return False
+    return True
+
+
+def replace_dir(
+    path: str | os.PathLike,
+    kind: Literal["profile", "profile-set"],
+    populate: Callable[[Path], None],
+    *,
+    force: bool = False,
+    option: str = "--out",
+    replaceable: tuple[str, ...] | None = None,
+) -> Path:
+    """Build an artefact directory of ``kind`` with ``populate(tmp_dir)`` and rename it to ``path``.
+
+    ``populate`` writes into a fresh private sibling directory (nothing else sees it half-written).
+    An existing ``path`` is then replaced: an empty one or a teraio artefact of the same kind is
+    removed file by file after the swap; any other directory needs ``force`` and is moved aside to
+    ``<path>.replaced-<time>`` (logged, never deleted). ``replaceable`` lists the artefact kinds that
+    may be replaced without ``force`` (default: ``kind`` only).
+
+    Raises:
+        OutputError: see :func:`check_output_dir`; also when populate writes an unexpected layout.
+        OSError: the filesystem refused.
+    """
+    kinds = replaceable if replaceable is not None else (kind,)
+    out = check_output_dir(path, kinds, force=force, option=option)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name[:40]}.", dir=out.parent))
+    created_tmp = tmp
+    try:
+        populate(tmp)
+        if not _matches_layout(tmp, kind):  # a bug in populate, not user input
+            raise OutputError(f"internal: '{out}' would not be a valid {kind} layout")
+        aside: Path | None = None
+        if os.path.lexists(out):
+            aside = out.parent / f".{out.name[:40]}.old-{secrets.token_hex(4)}"
+            os.rename(out, aside)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, out)
+            raise
+        created_tmp = None
+        _fsync_dir(out.parent)
+        old_kind = artifact_kind(aside) if aside is not None else None
+        if aside is not None and not (old_kind in kinds and _remove_artifact(aside, old_kind)):
+            try:
+                empty = not any(aside.iterdir())
+            except OSError:
+                empty = False
+            if empty:
+                os.rmdir(aside)
+            else:
+                # Not ours (the user passed --force): keep it, visibly, next to the new one.
+                kept = out.parent / f"{out.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+                while os.path.lexists(kept):
+                    kept = kept.with_name(kept.name + "-" + secrets.token_hex(2))
+                os.rename(aside, kept)
+                import logging
+
+                logging.getLogger(__name__).warning("moved the previous '%s' aside to '%s'", out, kept)
+    finally:
+        if created_tmp is not None and created_tmp.exists():
+            _remove_tree_we_created(created_tmp)
+    return out
+
+
+def _remove_tree_we_created(directory: Path) -> None:
+    """Remove a temporary directory this process created with mkdtemp (nobody else can write in it: 0700)."""
+    for root, dirs, files in os.walk(directory, topdown=False):
+        for name in files:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(root, name))
+        for name in dirs:
+            p = os.path.join(root, name)
+            with contextlib.suppress(OSError):
+                if os.path.islink(p):
+                    os.unlink(p)
+                else:
+                    os.rmdir(p)
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
+__all__ = [
+    "ARTIFACT_LAYOUTS",
+    "OutputError",
+    "append_line",
+    "artifact_kind",
+    "atomic_writer",
+    "check_output_dir",
+    "check_output_file",
+    "replace_dir",
+    "write_bytes",
+    "write_json",
+    "write_text",
+]

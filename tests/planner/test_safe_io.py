@@ -1,0 +1,168 @@
+"""The one safe writer: planted symlinks are never followed, existing files need overwrite, directories
+that are not teraio's are never removed, and a failed write leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.safe_io import (
+    OutputError,
+    append_line,
+    artifact_kind,
+    atomic_writer,
+    check_output_dir,
+    replace_dir,
+    write_json,
+    write_text,
+)
+from tests.planner.planner_cases import pyramid
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> Path:
+    """A world-writable directory without the sticky bit: anyone could plant links in it."""
+    d = tmp_path / "shared"
+    d.mkdir()
+    d.chmod(0o777)
+    return d
+
+
+@pytest.fixture
+def victim(tmp_path: Path) -> Path:
+    v = tmp_path / "victim.txt"
+    v.write_text("precious")
+    return v
+
+
+def test_planted_symlinks_at_old_temp_names_are_not_followed(shared_dir, victim):
+    """The old writers used fixed temp names ('.plan.json.tmp'): a link there overwrote its target."""
+    for name in (".plan.json.tmp", ".hw.json.tmp", f".teraio-calibrate-{os.getpid()}"):
+        (shared_dir / name).symlink_to(victim)
+    write_text(shared_dir / "plan.json", "{}")
+    HardwareModel().save(shared_dir / "hw.json")
+    assert victim.read_text() == "precious"
+    assert json.loads((shared_dir / "plan.json").read_text()) == {}
+    assert HardwareModel.load(shared_dir / "hw.json") == HardwareModel()
+    # Only the outputs and the planted links: no temporary file left.
+    assert sorted(p.name for p in shared_dir.iterdir()) == sorted(
+        [".plan.json.tmp", ".hw.json.tmp", f".teraio-calibrate-{os.getpid()}", "plan.json", "hw.json"]
+    )
+
+
+def test_symlink_at_the_target_is_replaced_not_followed(shared_dir, victim):
+    link = shared_dir / "out.json"
+    link.symlink_to(victim)
+    with pytest.raises(OutputError, match="exists; pass --force"):
+        write_json(link, {"a": 1})
+    write_json(link, {"a": 1}, overwrite=True)
+    assert victim.read_text() == "precious"
+    assert not link.is_symlink() and json.loads(link.read_text()) == {"a": 1}
+
+
+def test_existing_file_needs_overwrite_and_failed_write_leaves_nothing(tmp_path):
+    target = tmp_path / "f.txt"
+    target.write_text("old")
+    with pytest.raises(OutputError, match="--force"):
+        write_text(target, "new")
+    assert target.read_text() == "old"
+    with pytest.raises(RuntimeError, match="boom"), atomic_writer(target, overwrite=True) as f:
+        f.write("half")
+        raise RuntimeError("boom")
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+    loop: dict = {}
+    loop["self"] = loop
+    with pytest.raises(ValueError, match="Circular"):  # unserialisable: fails before any file exists
+        write_json(tmp_path / "g.json", loop)
+    assert [p.name for p in tmp_path.iterdir()] == ["f.txt"]
+
+
+@pytest.mark.parametrize(
+    ("path", "fragment"),
+    [("", "empty path"), ("nodir/x.json", "does not exist"), (".", "names a directory")],
+)
+def test_bad_output_paths(tmp_path, monkeypatch, path, fragment):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OutputError, match=fragment):
+        write_text(path, "x")
+
+
+def test_append_line_refuses_a_planted_link(shared_dir, victim):
+    (shared_dir / "stats.jsonl").symlink_to(victim)
+    with pytest.raises(OSError):
+        append_line(shared_dir / "stats.jsonl", "{}")
+    assert victim.read_text() == "precious"
+    append_line(shared_dir / "ok.jsonl", '{"a": 1}')
+    append_line(shared_dir / "ok.jsonl", '{"a": 2}')
+    assert (shared_dir / "ok.jsonl").read_text() == '{"a": 1}\n{"a": 2}\n'
+
+
+# ------------------------------------------------------------------------------------- directories
+def test_profile_save_refuses_a_project_directory_and_removes_nothing(tmp_path):
+    """The old save rmtree'd any directory holding a meta.json: a project lost its sources."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "main.py").write_text("print('hi')")
+    (project / "meta.json").write_text("{}")
+    with pytest.raises(OutputError, match="not a teraio profile.*--force"):
+        pyramid().save(project)
+    assert (project / "src" / "main.py").read_text() == "print('hi')"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["project"]
+
+
+def test_profile_save_force_moves_a_foreign_directory_aside(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "notes.txt").write_text("mine")
+    pyramid().save(project, force=True)
+    assert artifact_kind(project) == "profile"
+    kept = [p for p in tmp_path.iterdir() if p.name.startswith("project.replaced-")]
+    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "mine"
+
+
+def test_profile_save_replaces_a_profile_and_leaves_no_temporaries(tmp_path):
+    out = tmp_path / "prof"
+    pyramid().save(out)
+    pyramid(fingerprint="second").save(out)
+    from teraio.planner.profile import Profile
+
+    assert Profile.load(out).fingerprint == "second"
+    assert [p.name for p in tmp_path.iterdir()] == ["prof"]
+    # An empty directory is fine too.
+    (tmp_path / "empty").mkdir()
+    pyramid().save(tmp_path / "empty")
+    assert artifact_kind(tmp_path / "empty") == "profile"
+
+
+def test_a_profile_with_an_extra_file_is_not_a_profile(tmp_path):
+    out = pyramid().save(tmp_path / "prof")
+    (out / "README").write_text("notes")
+    assert artifact_kind(out) is None
+    with pytest.raises(OutputError):
+        check_output_dir(out, ("profile",))
+
+
+def test_replace_dir_failure_keeps_the_old_directory(tmp_path):
+    out = pyramid().save(tmp_path / "prof")
+    before = sorted(p.name for p in out.iterdir())
+
+    def populate(d: Path) -> None:
+        (d / "ops.parquet").write_text("x")
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        replace_dir(out, "profile", populate)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert [p.name for p in tmp_path.iterdir()] == ["prof"]
+
+
+def test_output_dir_that_is_a_file_or_symlink(tmp_path, victim):
+    with pytest.raises(OutputError, match="not a directory"):
+        check_output_dir(victim, ("profile",))
+    (tmp_path / "link").symlink_to(tmp_path)
+    with pytest.raises(OutputError, match="symbolic link"):
+        pyramid().save(tmp_path / "link")

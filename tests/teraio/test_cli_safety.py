@@ -1,0 +1,175 @@
+"""The CLI never destroys what it did not write, and every bad input or output is one line, exit 2.
+
+Each case was reproduced before the fix: a project directory reduced to three profile files, a planted
+symlink overwritten by calibrate, `plan -o existing.json` replacing an unrelated file, tracebacks for
+unwritable outputs (after minutes of work for calibrate and demo), `simulate` exiting 0 on violations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from teraio.planner.hardware import HardwareModel
+from teraio.planner.profile import Profile
+from tests.planner.planner_cases import pyramid, ssd_only
+from tests.teraio.cli_helpers import error_line as _error_line
+from tests.teraio.cli_helpers import run_cli as _run
+from tests.teraio.cli_helpers import tree as _tree
+
+
+@pytest.fixture
+def files(tmp_path):
+    prof = pyramid(duration_us=150_000.0).save(tmp_path / "prof")
+    hw = tmp_path / "hw.json"
+    ssd_only(write_bw=1e9, read_bw=0.5e9).save(hw)
+    return tmp_path, prof, hw
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A user's project directory that happens to hold a meta.json (and index.json)."""
+    p = tmp_path / "project"
+    (p / "src").mkdir(parents=True)
+    (p / "src" / "train.py").write_text("print('train')\n")
+    (p / "meta.json").write_text("{}")
+    (p / "index.json").write_text("{}")
+    return p
+
+
+# ------------------------------------------------------------------------------- output directories
+@pytest.mark.parametrize("command", ["synth", "profile"])
+def test_profile_outputs_refuse_a_project_directory(capsys, project, command):
+    before = _tree(project.parent)
+    args = (
+        ["synth", "--layers", "1", "--out", project]
+        if command == "synth"
+        else ["profile", "builtin:tiny", "--out", project]
+    )
+    line = _error_line(capsys, *args)
+    assert "not a teraio profile" in line and "--force" in line
+    assert _tree(project.parent) == before
+
+
+def test_synth_force_moves_the_project_aside_never_deletes_it(capsys, project):
+    code, _, err = _run(capsys, "synth", "--layers", "1", "--out", project, "--force")
+    assert code == 0, err
+    assert Profile.load(project).num_fwd_ops > 0
+    (kept,) = [p for p in project.parent.iterdir() if p.name.startswith("project.replaced-")]
+    assert (kept / "src" / "train.py").read_text() == "print('train')\n"
+    # Re-running into a profile replaces it without --force, leaving nothing else behind.
+    assert _run(capsys, "synth", "--layers", "2", "--out", project)[0] == 0
+    assert sorted(p.name for p in project.parent.iterdir()) == sorted(["project", kept.name])
+
+
+def test_synth_out_that_is_a_file(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert "not a directory" in _error_line(capsys, "synth", "--out", tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "x"
+
+
+# ------------------------------------------------------------------------------------ output files
+def test_plan_out_existing_file_needs_force(capsys, files):
+    tmp, prof, hw = files
+    other = tmp / "notes.json"
+    other.write_text("my notes")
+    line = _error_line(capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", other)
+    assert "exists; pass --force" in line and other.read_text() == "my notes"
+    code, _, err = _run(
+        capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", other, "--force"
+    )
+    assert code == 0, err
+    assert json.loads(other.read_text())["schema_version"] == 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["plan", "{prof}", "--budget", "50%", "-o", ""], "empty path"),
+        (["plan", "{prof}", "--budget", "50%", "-o", "{tmp}"], "is a directory"),
+        (["plan", "{prof}", "--budget", "50%", "-o", "{tmp}/no/such/p.json"], "does not exist"),
+        (["simulate", "{prof}", "{tmp}/p.json", "--timeline", "{tmp}"], "is a directory"),
+        (["simulate", "{prof}", "{tmp}/p.json", "--timeline", ""], "empty path"),
+        (["sweep", "{prof}", "--budgets", "50%", "--out", "{tmp}/no/x.csv"], "does not exist"),
+        (["sweep", "{prof}", "--budgets", "50%", "--out", "{hw}"], "exists; pass --force"),
+        (["synth", "--out", ""], "empty path"),
+        (["calibrate", "{tmp}", "--out", ""], "empty path"),
+        (["calibrate", "{tmp}", "--out", "{hw}"], "exists; pass --force"),
+        (["demo", "--out", ""], "empty path"),
+        (["demo", "--out", "{tmp}/no/such/r.json"], "does not exist"),
+        (["demo", "--run-dir", "{hw}"], "not a directory"),
+        (["profile", "--out", ""], "empty path"),
+    ],
+)
+def test_bad_outputs_fail_in_one_line_before_any_work(capsys, files, monkeypatch, argv, fragment):
+    tmp, prof, hw = files
+    assert _run(capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", tmp / "p.json")[0] == 0
+
+    def no_work(*a, **k):
+        raise AssertionError("the long work started before the output was checked")
+
+    import teraio.calibrate
+    import teraio.demo
+    import teraio.planner.simulate
+    import teraio.profile_run
+
+    for mod, name in (
+        (teraio.demo, "run_demo"),
+        (teraio.calibrate, "calibrate"),
+        (teraio.planner.simulate, "simulate"),
+        (teraio.profile_run, "profile_workload"),
+    ):
+        monkeypatch.setattr(mod, name, no_work)
+    before = _tree(tmp)
+    line = _error_line(capsys, *[a.format(tmp=tmp, prof=prof, hw=hw) for a in argv])
+    assert fragment in line
+    assert _tree(tmp) == before
+
+
+def test_os_error_on_an_output_is_one_line(capsys, files):
+    """A filesystem that refuses the write (here /proc) is reported in one line, exit 2."""
+    tmp, prof, hw = files
+    assert _run(capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", tmp / "p.json")[0] == 0
+    line = _error_line(capsys, "simulate", prof, tmp / "p.json", "--timeline", "/proc/version", "--force")
+    assert "/proc" in line
+
+
+def test_simulate_exits_1_on_violations(capsys, files):
+    tmp, prof, hw = files
+    assert _run(capsys, "plan", prof, "--budget", "200MB", "--solver", "greedy", "-o", tmp / "p.json")[0] == 0
+    code, out, _ = _run(capsys, "simulate", prof, tmp / "p.json", "--budget", "100MB")
+    assert code == 1 and "violation:" in out and "exceeds the budget" in out
+    code, out, _ = _run(capsys, "simulate", prof, tmp / "p.json", "--budget", "100MB", "--json")
+    assert code == 1 and json.loads(out)["violations"]
+    assert _run(capsys, "simulate", prof, tmp / "p.json")[0] == 0
+
+
+def test_argument_errors_are_one_line(capsys, files):
+    tmp, prof, hw = files
+    assert "invalid choice" in _error_line(capsys, "nonsense")
+    assert "required" in _error_line(capsys, "plan", prof)
+    assert "invalid int value" in _error_line(
+        capsys, "plan", prof, "--budget", "1", "--workers", "x", "-o", "p"
+    )
+
+
+# ------------------------------------------------------------------------------------------ calibrate
+def test_calibrate_never_follows_a_planted_link(capsys, tmp_path):
+    """calibrate wrote '.teraio-calibrate-<pid>' with O_TRUNC and no O_NOFOLLOW in the user's directory."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (shared / f".teraio-calibrate-{os.getpid()}").symlink_to(victim)
+    code, _, err = _run(
+        capsys, "calibrate", shared, "--size", "1MiB", "--block", "512KiB", "--repeats", "1", "--raw-only",
+        "-o", tmp_path / "hw.json",
+    )  # fmt: skip
+    assert code == 0, err
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in shared.iterdir()) == [f".teraio-calibrate-{os.getpid()}"]
+    assert HardwareModel.load(tmp_path / "hw.json").tier("ssd").write_bw_bytes_per_s > 0
