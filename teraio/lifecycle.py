@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from teraio.capture import CapturedStep
+from teraio.capture import CapturedStep, analyse_saved
 from teraio.compilers import compile_graph
 from teraio.config import BackendConfig
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
 from teraio.profiler import StepProfiler
-from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan
+from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
 from teraio.steps import InvocationEnd, StepRecord, StepTracker
 
 log = logging.getLogger("teraio")
@@ -215,8 +215,12 @@ class GraphRunner:
         def on_partition(step: CapturedStep) -> CapturedStep | None:
             if plan is None:
                 return None
+            analysis = analyse_saved(step)
+            check_plan(analysis, plan)  # completely, before the engine reserves a byte for it
             engine_id = self.backend.engine_id_for(plan)
-            self.rewrite = apply_plan(step, plan, engine_id, key_prefix=f"g{self.graph_id}")
+            self.rewrite = apply_plan(
+                step, plan, engine_id, key_prefix=f"g{self.graph_id}", analysis=analysis
+            )
             return self.rewrite.step
 
         identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
@@ -335,7 +339,6 @@ class TeraioBackend:
         self.runners: list[GraphRunner] = []
         self.engine: Any = None
         self._engine_id: int | None = None
-        self._tmp_offload_dir: str | None = None
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile(options=...), for inner="inductor"
         self.tracker = StepTracker(on_step_end=self._on_step_end)
@@ -351,9 +354,11 @@ class TeraioBackend:
         self._told_profile_only = False
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         if self.run_dir is not None:
+            from teraio.planner.safe_io import write_json
+
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg = {k: v for k, v in asdict(self.cfg).items() if k != "runtime_options"}
-            (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+            write_json(self.run_dir / "config.json", json.loads(json.dumps(cfg, default=str)), overwrite=True)
         if self.cfg.plan is not None:
             self.plans_from_file = load_plans(self.cfg.plan)
 
@@ -597,15 +602,12 @@ class TeraioBackend:
     def engine_id_for(self, plan: Plan) -> int:
         """The runtime engine the graphs' ops call; started (and space reserved) on first use."""
         if self.engine is None:
-            import tempfile
-
             from teraio.ops import register_engine
             from teraio.runtime import Engine, RuntimeConfig
 
-            dirs = self.cfg.offload_dirs
-            if not dirs:
-                self._tmp_offload_dir = tempfile.mkdtemp(prefix="teraio-offload-")
-                dirs = [self._tmp_offload_dir]
+            # None: TERAIO_OFFLOAD_DIRS, else the runtime's per-user directory, where a killed run's
+            # leftovers are found and removed by the next start.
+            dirs = self.cfg.offload_dirs or ()
             io_backend = self.cfg.io_backend
             if set(self.cfg.tiers) == {"host"}:
                 io_backend = "host"
@@ -637,11 +639,6 @@ class TeraioBackend:
             self.engine.close()
             unregister_engine(self._engine_id)
             self.engine = None
-        if self._tmp_offload_dir is not None:
-            import shutil
-
-            shutil.rmtree(self._tmp_offload_dir, ignore_errors=True)
-            self._tmp_offload_dir = None
 
     # ------------------------------------------------------------------------------------- results
     @property
@@ -661,7 +658,7 @@ class TeraioBackend:
             return
         d = self.run_dir / f"graph{runner.graph_id}"
         d.mkdir(parents=True, exist_ok=True)
-        runner.plan.save(d / "plan.json")
+        runner.plan.save(d / "plan.json", overwrite=True)
         write_trace(runner.profile, runner.plan, d / "trace.json")
 
     def _append_stats(self, step: StepRecord) -> None:
@@ -801,7 +798,9 @@ def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
         "displayTimeUnit": "ms",
         "otherData": {"predicted_step_s": sim.step_s, "peak_bytes": sim.peak_bytes},
     }
-    path.write_text(json.dumps(trace))
+    from teraio.planner.safe_io import write_json
+
+    write_json(path, trace, overwrite=True, indent=None)
 
 
 def load_plans(path: str) -> list[Plan]:

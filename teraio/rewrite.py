@@ -216,6 +216,31 @@ def check_decision(d: Decision, g: SavedGroup, num_fwd_ops: int, num_ops: int) -
         raise PlanMismatchError(f"plan decision for '{d.name}' is invalid: {'; '.join(problems)}")
 
 
+def check_plan(a: StepAnalysis, plan: Plan) -> None:
+    """Everything a plan must agree on with the captured graph, checked before anything runs it.
+
+    Raises:
+        PlanMismatchError: another graph's plan, a tensor this graph does not save, a size that is not
+            the tensor's, or a position the tensor's uses do not allow.
+    """
+    if a.fingerprint != plan.fingerprint:
+        raise PlanMismatchError(
+            f"plan is for graph {plan.fingerprint[:12]} but this graph is {a.fingerprint[:12]}; "
+            "re-profile and re-plan (or pass on_plan_mismatch='reprofile')"
+        )
+    groups = {g.name: g for g in a.groups}
+    num_ops = len(a.fw_ops) + len(a.bw_ops)
+    for d in plan.decisions:
+        g = groups.get(d.name)
+        if g is None:
+            raise PlanMismatchError(f"plan moves '{d.name}', which this graph does not save; re-plan")
+        if d.nbytes != g.nbytes:
+            raise PlanMismatchError(
+                f"plan decision for '{d.name}' says {d.nbytes} bytes but the tensor has {g.nbytes}; re-plan"
+            )
+        check_decision(d, g, a.num_fwd_ops, num_ops)
+
+
 def apply_plan(
     step: CapturedStep,
     plan: Plan,
@@ -225,13 +250,8 @@ def apply_plan(
 ) -> RewriteResult:
     """Insert the plan's migration ops into ``step``'s graphs (in place) and return them."""
     a = analysis or analyse_saved(step)
-    if a.fingerprint != plan.fingerprint:
-        raise PlanMismatchError(
-            f"plan is for graph {plan.fingerprint[:12]} but this graph is {a.fingerprint[:12]}; "
-            "re-profile and re-plan (or pass on_plan_mismatch='reprofile')"
-        )
+    check_plan(a, plan)
     groups = {g.name: (i, g) for i, g in enumerate(a.groups)}
-    num_ops = len(a.fw_ops) + len(a.bw_ops)
     nf = a.num_fwd_ops
     fw_graph, bw_graph = step.fw_gm.graph, step.bw_gm.graph
     fw_mode, bw_mode = _fake_mode(step.fw_gm), _fake_mode(step.bw_gm)
@@ -242,11 +262,6 @@ def apply_plan(
     ops_teraio = torch.ops.teraio
     moved_bytes = 0
     fw_anchor, bw_anchor = _AnchorIndex.of(step.fw_gm, a.fw_ops), _AnchorIndex.of(step.bw_gm, a.bw_ops)
-
-    for d in plan.decisions:
-        if d.name not in groups:
-            raise PlanMismatchError(f"plan moves '{d.name}', which this graph does not save; re-plan")
-        check_decision(d, groups[d.name][1], nf, num_ops)
 
     # Note: [Queue orders] Each channel runs its transfers FIFO in issue order, and the plan says that
     # order (``write_rank``/``read_rank``). Offloads issued after the same op are chained one after the
