@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from teraio.planner.hardware import HardwareModel
+from teraio.planner.plan import PLAN_SCHEMA_VERSION
 from teraio.planner.profile import Profile
 from tests.planner.planner_cases import pyramid, ssd_only
 from tests.teraio.cli_helpers import error_line as _error_line
@@ -82,7 +83,7 @@ def test_plan_out_existing_file_needs_force(capsys, files):
         capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", other, "--force"
     )
     assert code == 0, err
-    assert json.loads(other.read_text())["schema_version"] == 1
+    assert json.loads(other.read_text())["schema_version"] == PLAN_SCHEMA_VERSION
 
 
 @pytest.mark.parametrize(

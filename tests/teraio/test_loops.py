@@ -66,10 +66,12 @@ def _backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) ->
     )
 
 
-def _check(case_name: str, pattern: str, inner: str, tmp_path) -> tuple[Trace, TeraioBackend]:
+def _check(
+    case_name: str, pattern: str, inner: str, tmp_path, budget: str | None = None
+) -> tuple[Trace, TeraioBackend]:
     case = CASES[case_name]
     steps = STEPS + 2 * (len(case.sizes) - 1) if pattern == "changing-shapes" else STEPS
-    budget = BUDGETS_BY_PATTERN.get((case_name, pattern), BUDGETS.get(case_name, BUDGET))
+    budget = budget or BUDGETS_BY_PATTERN.get((case_name, pattern), BUDGETS.get(case_name, BUDGET))
     ref_be = _backend(False, inner, budget)
     try:
         reference = run(case, pattern, ref_be, steps)
@@ -100,6 +102,8 @@ def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
 
 
 INDUCTOR_MATRIX = ["gpt", "hf-gpt2", "hf-bert", "convnet"]  # every one with dropout
+# Inductor's graphs (its decompositions and joint passes) have their own floors: 57% and 77% here.
+INDUCTOR_BUDGETS = {"gpt": "65%", "convnet": "85%"}
 
 
 @pytest.fixture
@@ -116,7 +120,7 @@ def deterministic_inductor():
 @pytest.mark.parametrize("case_name", INDUCTOR_MATRIX)
 def test_inductor_matrix(case_name: str, deterministic_inductor, tmp_path) -> None:
     """Inductor's own passes (random-op replacement for dropout included) with and without the plan."""
-    _check(case_name, "plain", "inductor", tmp_path)
+    _check(case_name, "plain", "inductor", tmp_path, INDUCTOR_BUDGETS.get(case_name))
 
 
 def test_graph_break_has_one_budget_for_the_step(tmp_path) -> None:
