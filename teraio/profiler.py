@@ -118,10 +118,15 @@ def classify_inputs(args: list[Any]) -> list[str]:
 
 
 def _run_uninstrumented(gm: fx.GraphModule, args_list: list[Any]) -> tuple[Any, float]:
-    args = list(args_list)
-    args_list.clear()
+    """Run the graph's own generated code, as the FX-only compile does: boxed, so each input is freed
+    after its last use (holding every saved tensor to the end made the step ~30% slower)."""
+    if not getattr(gm, "_teraio_boxed", False):
+        from teraio.compilers import fx_only_compiler
+
+        fx_only_compiler(gm, [])
+        gm._teraio_boxed = True  # type: ignore[attr-defined]
     t0 = time.perf_counter()
-    out = gm(*args)
+    out = gm(args_list)
     return out, time.perf_counter() - t0
 
 
