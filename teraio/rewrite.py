@@ -109,7 +109,10 @@ def _materialized(gm: fx.GraphModule) -> set[fx.Node]:
     Note: [Anchors must not change fusion] An anchor is an input of a custom op, and a custom op's
     inputs must be real buffers: anchoring on a value Inductor would have fused away (a pointwise
     intermediate) forces it to be written out, which changes the kernels and, in bf16, the rounding.
-    So anchors are chosen only among values that are buffers anyway. And an anchor creates a path
+    So in backward, where the fetched tensors feed compute, anchors are chosen only among values that
+    are buffers anyway. In forward, a wait between pointwise ops would then have no anchor after its
+    offload and be hoisted next to it (tested); forward anchors stay on the nearest computed values,
+    since the forward already fuses differently around offloads (the known gap below). An anchor creates a path
     anchor -> migration op -> consumer: if the anchor did not already precede the consumer, two kernels
     on either side of that new path could no longer fuse. In backward, where the fetched tensor feeds
     compute, anchors are therefore chosen among the consumer's ancestors. Known gap: Inductor still
@@ -131,18 +134,21 @@ class _AnchorIndex:
     """What anchor choice needs of one graph: its ops, which allocate, their depths and last uses."""
 
     ops: list[fx.Node]
-    allocating: set[fx.Node]
+    allocating: set[fx.Node]  # the ops anchors may be chosen from
     depth: dict[fx.Node, int]
     last_use: dict[fx.Node, int]  # index in ``ops`` of the last op reading the node (len(ops): output)
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, ops: list[fx.Node]) -> _AnchorIndex:
+    def of(cls, gm: fx.GraphModule, ops: list[fx.Node], materialized_only: bool = False) -> _AnchorIndex:
         depth: dict[fx.Node, int] = {}
         for n in gm.graph.nodes:
             depth[n] = 1 + max((depth[i] for i in n.all_input_nodes), default=-1)
         index = {n: i for i, n in enumerate(ops)}
         last_use = {n: max((index.get(u, len(ops)) for u in n.users), default=-1) for n in ops}
-        return cls(ops, _allocating_ops(gm) & _materialized(gm), depth, last_use)
+        allocating = _allocating_ops(gm)
+        if materialized_only:
+            allocating &= _materialized(gm)
+        return cls(ops, allocating, depth, last_use)
 
     def ancestors(self, node: fx.Node) -> set[fx.Node]:
         """Every node ``node`` depends on, transitively."""
@@ -261,7 +267,9 @@ def apply_plan(
     bw_placeholders = step.bw_saved_placeholders
     ops_teraio = torch.ops.teraio
     moved_bytes = 0
-    fw_anchor, bw_anchor = _AnchorIndex.of(step.fw_gm, a.fw_ops), _AnchorIndex.of(step.bw_gm, a.bw_ops)
+    # Note: [Anchors must not change fusion]: in backward, where fetched tensors feed compute.
+    fw_anchor = _AnchorIndex.of(step.fw_gm, a.fw_ops)
+    bw_anchor = _AnchorIndex.of(step.bw_gm, a.bw_ops, materialized_only=True)
 
     # Note: [Queue orders] Each channel runs its transfers FIFO in issue order, and the plan says that
     # order (``write_rank``/``read_rank``). Offloads issued after the same op are chained one after the
