@@ -185,8 +185,14 @@ def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
     fw_code = next(c for c in codes if "teraio.offload" in c)
     lines = fw_code.splitlines()
     pos = {(op, k): ln for op, k, ln in _teraio_calls(fw_code)}
+    # Anchors are only values Inductor keeps as buffers anyway (Note: [Anchors must not change fusion]):
+    # a wait is pinned after its offload only where the rewritten graph anchors it on a later value.
+    fw_nodes = list(runner.rewrite.step.fw_gm.graph.nodes)
+    order = {n: i for i, n in enumerate(fw_nodes)}
+    nodes = {n.name: n for n in fw_nodes}
     for d in plan.decisions:
-        if d.wait_before_idx - d.offload_after_idx < 3:
+        wait, off = nodes.get(f"teraio_wait_{d.name}"), nodes.get(f"teraio_offload_{d.name}")
+        if wait is None or off is None or not any(order[a] > order[off] for a in wait.args[2]):
             continue
         between = lines[pos[("offload", f"g0/{d.name}")] + 1 : pos[("wait_write", f"g0/{d.name}")]]
         kernels = [ln for ln in between if re.search(r"(cpp_fused|extern_kernels|aten\.)", ln)]
