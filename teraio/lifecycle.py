@@ -268,7 +268,7 @@ class GraphRunner:
             log.info(
                 "%s: %d forwards and no backward; running it without a plan", self.name, self.invocations
             )
-            prof._pending.clear()
+            prof.discard_pending()
             self.phase = Phase.PLANNING
 
 

@@ -185,9 +185,9 @@ class StepProfiler:
         if rec is not None and not abandoned:
             self._pending[invocation] = rec
 
-    def forget(self, invocation: int) -> None:
-        """The invocation's graph was freed without a backward: its forward record pairs with nothing."""
-        self._pending.pop(invocation, None)
+    def discard_pending(self) -> None:
+        """Drop the forward records still waiting for their backward (profiling is given up)."""
+        self._pending.clear()
 
     def run_bwd(self, args_list: list[Any], invocation: int | None = None) -> Any:
         """Boxed, like ``run_fwd``: saved tensors are freed after their last use, as in compiled code.
