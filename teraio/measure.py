@@ -32,12 +32,59 @@ class MemoryMeasurement:
     method: str  # "torch.profiler" | "cuda"
 
 
-def _cpu_memory_events(prof: torch.profiler.profile) -> list[tuple[int, int]]:
-    # prof.events() drops most [memory] events (docs/measured_facts.md): read kineto's raw results instead.
-    events = prof.profiler.kineto_results.events()
-    out = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"]
-    out.sort(key=lambda x: x[0])
+@dataclass(frozen=True)
+class AllocationEvent:
+    """One allocation (``nbytes`` > 0) or free (``nbytes`` < 0) the profiler saw."""
+
+    ts_ns: int
+    ptr: int
+    nbytes: int
+
+
+def _device_type(device: str) -> str:
+    return torch.device(device).type
+
+
+def _is_allocation(node: Any) -> bool:
+    return node.tag == torch._C._profiler._EventType.Allocation
+
+
+def _allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
+    """Every allocation event in the subtrees of ``nodes`` on ``device``'s type, in time order."""
+    kind = _device_type(device)
+    out: list[AllocationEvent] = []
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if _is_allocation(n):
+            ef = n.extra_fields
+            if ef.device.type == kind:
+                out.append(AllocationEvent(int(n.start_time_ns), int(ef.ptr), int(ef.alloc_size)))
+        stack.extend(n.children)
+    out.sort(key=lambda e: e.ts_ns)
     return out
+
+
+def own_peak_bytes(events: list[AllocationEvent], end_ns: int | None = None) -> tuple[int, int]:
+    """Peak and final bytes of the allocations made among ``events`` (up to ``end_ns``).
+
+    Note: [Only the region's own allocations] A free counts only when the allocation it returns was made
+    in the region: the garbage collector freeing an earlier step's tensors, or memory that existed before
+    the region, must not lower the running sum (it made measured peaks, and op transients taken as
+    peak minus end, depend on when the collector ran).
+    """
+    live: dict[int, int] = {}
+    running = peak = 0
+    for e in events:
+        if end_ns is not None and e.ts_ns > end_ns:
+            break
+        if e.nbytes > 0:
+            live[e.ptr] = live.get(e.ptr, 0) + e.nbytes
+            running += e.nbytes
+            peak = max(peak, running)
+        elif e.ptr in live:
+            running -= live.pop(e.ptr)
+    return peak, running
 
 
 _END_MARK = "teraio::measure_end"
@@ -126,7 +173,7 @@ class MemoryRecorder:
         self.device = device
         self._quiet: _QuietStderr | None = None
         self._prof: torch.profiler.profile | None = None
-        self.events: list[Any] = []  # the session's raw profiler events, after stop (CPU path)
+        self.events: list[Any] = []  # the session's event tree (root per thread), after stop (CPU path)
         self._start_bytes = 0
         self._t0 = 0.0
         self._wall_s: float | None = None
@@ -184,14 +231,9 @@ class MemoryRecorder:
                 self._quiet.__exit__(None, None, None)
                 self._quiet = None
             release_profiler(self)
-        events = self.events = list(self._prof.profiler.kineto_results.events())
-        end_ns = min((e.start_ns() for e in events if e.name() == _END_MARK), default=None)
-        running = peak = 0
-        for ts, nbytes in _cpu_memory_events(self._prof):
-            if end_ns is not None and ts > end_ns:
-                break
-            running += nbytes
-            peak = max(peak, running)
+        roots = self.events = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        end_ns = _first_start_ns(roots, _END_MARK)
+        peak, running = own_peak_bytes(_allocations_under(roots, self.device), end_ns)
         self._prof = None
         return MemoryMeasurement(peak_bytes=peak, end_bytes=running, wall_s=wall, method="torch.profiler")
 
@@ -222,33 +264,33 @@ def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryM
     return result, rec.stop()
 
 
-def op_transient_bytes(events: list[Any], marker_prefix: str, num_ops: int) -> list[int]:
-    """Per op marked ``<marker_prefix><i>`` (a ``record_function``): bytes the op allocated and freed
-    again inside itself, above what was live when it returned (scratch buffers, masks, workspaces).
+def _first_start_ns(roots: list[Any], name: str) -> int | None:
+    found: int | None = None
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name == name and (found is None or n.start_time_ns < found):
+            found = int(n.start_time_ns)
+        stack.extend(n.children)
+    return found
 
-    A census between ops cannot see these; the profiler's allocation events can.
+
+def op_transient_bytes(roots: list[Any], marker_prefix: str, num_ops: int, device: str = "cpu") -> list[int]:
+    """Per op marked ``<marker_prefix><i>`` (a ``record_function``): bytes the op allocated and freed
+    again inside itself, above what it left alive when it returned (scratch buffers, masks, workspaces).
+
+    A census between ops cannot see these; the profiler's allocation events can. Only allocations made
+    under the op's own mark, on its thread, count (Note: [Only the region's own allocations]).
     """
-    spans: dict[int, tuple[int, int]] = {}
-    mem: list[tuple[int, int]] = []
-    for e in events:
-        name = e.name()
-        if name == "[memory]":
-            mem.append((e.start_ns(), e.nbytes()))
-        elif name.startswith(marker_prefix):
-            spans[int(name[len(marker_prefix) :])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    mem.sort()
     out = [0] * num_ops
-    j, running = 0, 0
-    for i in sorted(spans):
-        start, end = spans[i]
-        while j < len(mem) and mem[j][0] < start:
-            running += mem[j][1]
-            j += 1
-        peak = running
-        while j < len(mem) and mem[j][0] <= end:
-            running += mem[j][1]
-            peak = max(peak, running)
-            j += 1
-        if 0 <= i < num_ops:
-            out[i] = max(0, peak - running)
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name.startswith(marker_prefix):
+            i = int(n.name[len(marker_prefix) :])
+            if 0 <= i < num_ops:
+                peak, end = own_peak_bytes(_allocations_under(list(n.children), device))
+                out[i] = max(0, peak - end)
+            continue
+        stack.extend(n.children)
     return out

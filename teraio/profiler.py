@@ -44,10 +44,13 @@ _OP_MARK = "teraio::op"
 class TimingInterpreter(fx.Interpreter):
     """Runs a GraphModule op by op, recording each op's duration and the bytes live while it ran."""
 
-    def __init__(self, gm: fx.GraphModule, excluded: set[StorageWeakRef], census: bool = True) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, excluded: set[StorageWeakRef], census: bool = True, device: str = "cpu"
+    ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.excluded = excluded
         self.census = census
+        self.device = device
         self.record = GraphRun()
 
     def _live_bytes(self, extra: Any) -> int:
@@ -85,7 +88,7 @@ class TimingInterpreter(fx.Interpreter):
             n = len(self.record.live_bytes)
             if rec is not None:
                 rec.stop()
-                self.record.transient_bytes = op_transient_bytes(rec.events, _OP_MARK, n)
+                self.record.transient_bytes = op_transient_bytes(rec.events, _OP_MARK, n, self.device)
             else:
                 self.record.transient_bytes = [0] * n
 
@@ -172,7 +175,7 @@ class StepProfiler:
             out, wall_s = _run_uninstrumented(self.step.fw_gm, args_list)
             self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True)
             return out
-        interp = TimingInterpreter(self.step.fw_gm, self._input_refs, census=not self.fwd_runs)
+        interp = TimingInterpreter(self.step.fw_gm, self._input_refs, not self.fwd_runs, self.device)
         t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
         interp.record.wall_s = time.perf_counter() - t0
@@ -202,7 +205,7 @@ class StepProfiler:
             self.calibration, self.calibration_bwd = fwd, GraphRun(wall_s=wall_s, uninstrumented=True)
             return out
         census = fwd is not None and not self.bwd_runs
-        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census=census)
+        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device)
         t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
         interp.record.wall_s = time.perf_counter() - t0
