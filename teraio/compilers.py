@@ -41,7 +41,7 @@ OnPartition = Callable[[CapturedStep], CapturedStep | None]
 #: Compiles one partitioned graph: (graph, example inputs, is_backward) -> boxed callable.
 GraphCompiler = Callable[[fx.GraphModule, list[Any], bool], Callable[..., Any]]
 
-_REWRITE_SOURCES = ("capture.py", "rewrite.py", "ops.py", "compilers.py", "steps.py")
+_REWRITE_SOURCES = ("capture.py", "rewrite.py", "ops.py", "compilers.py", "steps.py", "segments.py")
 
 
 def source_digest() -> str:
@@ -144,6 +144,12 @@ def compile_graph(
 
     uuid = hashlib.sha256(f"{identity}:{source_digest()}".encode()).hexdigest()
     patches: dict[str, Any] = {
+        # Note: [Inductor keeps the profiled order] Inductor may reorder a graph's nodes to lower its
+        # peak memory. teraio plans memory on the order it profiled, and a plan changes the lifetimes
+        # Inductor's estimate sees, so the reorder would move kernels across migration ops and fuse
+        # differently with a plan than without. teraio's plan is the memory schedule; a user's explicit
+        # option still wins.
+        "reorder_for_peak_memory": False,
         **(inductor_options or {}),
         "custom_partitioner_fn": _inductor_partitioner(on_partition, uuid),
     }

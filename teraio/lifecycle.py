@@ -45,6 +45,7 @@ from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
 from teraio.profiler import StepProfiler
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
+from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.steps import InvocationEnd, StepRecord, StepTracker
 
 log = logging.getLogger("teraio")
@@ -149,8 +150,14 @@ class GraphRunner:
     # ----------------------------------------------------------------------------------- compiling
     def _on_profiling_partition(self, step: CapturedStep) -> None:
         self._training = True
-        self.profiler = StepProfiler(step, graph_id=self.graph_id, device=_device_of(self.example_inputs))
+        self.profiler = StepProfiler(
+            step,
+            graph_id=self.graph_id,
+            device=_device_of(self.example_inputs),
+            granularity=granularity_for(self.cfg.inner),
+        )
         a = self.profiler.analysis
+        fingerprint = plan_fingerprint(a, self.profiler.segmentation.granularity)
         saved_bytes = sum(g.nbytes for g in a.groups if g.producer is not None)
         log.info(
             "profiling %s: %d forward and %d backward ops, %d saved tensors (%s of activations)",
@@ -162,7 +169,7 @@ class GraphRunner:
         )
         plans = self.backend.plans_from_file
         if plans:
-            plan = next((p for p in plans if p.fingerprint == a.fingerprint), None)
+            plan = next((p for p in plans if p.fingerprint == fingerprint), None)
             if plan is not None:
                 self.plan = plan
                 self.phase = Phase.PLANNING  # the plan says what to do: no profiling
@@ -170,7 +177,7 @@ class GraphRunner:
                 have = ", ".join(p.fingerprint[:12] for p in plans)
                 self._pending_error = PlanMismatchError(
                     f"plan '{self.cfg.plan}' was made for graph(s) {have}, not {self.name} "
-                    f"({a.fingerprint[:12]}); re-profile and re-plan, or pass on_plan_mismatch='reprofile'"
+                    f"({fingerprint[:12]}); re-profile and re-plan, or pass on_plan_mismatch='reprofile'"
                 )
             else:
                 log.warning("%s: no plan in %s matches; profiling it", self.name, self.cfg.plan)
@@ -216,10 +223,19 @@ class GraphRunner:
             if plan is None:
                 return None
             analysis = analyse_saved(step)
-            check_plan(analysis, plan)  # completely, before the engine reserves a byte for it
+            # Note: [Migration ops sit between kernels] in teraio.segments
+            segmentation = Segmentation.of(analysis, granularity_for(self.cfg.inner))
+            check_plan(
+                coarsen(analysis, segmentation, step.saved_nodes), plan
+            )  # completely, before a byte is reserved
             engine_id = self.backend.engine_id_for(plan)
             self.rewrite = apply_plan(
-                step, plan, engine_id, key_prefix=f"g{self.graph_id}", analysis=analysis
+                step,
+                plan,
+                engine_id,
+                key_prefix=f"g{self.graph_id}",
+                analysis=analysis,
+                segmentation=segmentation,
             )
             return self.rewrite.step
 

@@ -9,6 +9,7 @@ Memory that existed before the region (parameters, optimizer state, the batch) i
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 import sys
@@ -279,18 +280,24 @@ def op_transient_bytes(roots: list[Any], marker_prefix: str, num_ops: int, devic
     """Per op marked ``<marker_prefix><i>`` (a ``record_function``): bytes the op allocated and freed
     again inside itself, above what it left alive when it returned (scratch buffers, masks, workspaces).
 
-    A census between ops cannot see these; the profiler's allocation events can. Only allocations made
-    under the op's own mark, on its thread, count (Note: [Only the region's own allocations]).
+    A census between ops cannot see these; the profiler's allocation events can. An op's allocations
+    are those of any thread during its span (intra-op worker threads allocate scratch too), and a free
+    counts only for memory allocated in that span (Note: [Only the region's own allocations]).
     """
-    out = [0] * num_ops
+    spans: dict[int, tuple[int, int]] = {}
     stack = list(roots)
     while stack:
         n = stack.pop()
         if n.name.startswith(marker_prefix):
             i = int(n.name[len(marker_prefix) :])
             if 0 <= i < num_ops:
-                peak, end = own_peak_bytes(_allocations_under(list(n.children), device))
-                out[i] = max(0, peak - end)
-            continue
+                spans[i] = (int(n.start_time_ns), int(n.end_time_ns))
         stack.extend(n.children)
+    events = _allocations_under(roots, device)
+    times = [e.ts_ns for e in events]
+    out = [0] * num_ops
+    for i, (start, end) in spans.items():
+        lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
+        peak, kept = own_peak_bytes(events[lo:hi])
+        out[i] = max(0, peak - kept)
     return out

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
 from teraio.planner.profile import Profile, make_profile
+from teraio.segments import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
 
 
 @dataclass
@@ -148,9 +149,13 @@ class StepProfiler:
     and the forward's and backward's op durations are scaled so their sums equal those wall times.
     """
 
-    def __init__(self, step: CapturedStep, graph_id: int = 0, device: str = "cpu") -> None:
+    def __init__(
+        self, step: CapturedStep, graph_id: int = 0, device: str = "cpu", granularity: Granularity = "op"
+    ) -> None:
         self.step = step
         self.analysis: StepAnalysis = analyse_saved(step)
+        # Note: [Migration ops sit between kernels] in teraio.segments
+        self.segmentation = Segmentation.of(self.analysis, granularity)
         self.graph_id = graph_id
         self.device = device
         self.fwd_runs: list[GraphRun] = []  # complete pairs only, aligned with ``bwd_runs``
@@ -229,7 +234,6 @@ class StepProfiler:
             raise RuntimeError("no complete forward+backward step was recorded")
         a = self.analysis
         fwd, bwd = self._measured(self.fwd_runs), self._measured(self.bwd_runs)
-        ops_nodes = [("fwd", n) for n in a.fw_ops] + [("bwd", n) for n in a.bw_ops]
         fwd_us = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
         bwd_us = [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
         scales = {"fwd": 1.0, "bwd": 1.0}
@@ -240,6 +244,7 @@ class StepProfiler:
             fwd_us = [d * scales["fwd"] for d in fwd_us]
             bwd_us = [d * scales["bwd"] for d in bwd_us]
         durations = fwd_us + bwd_us
+        ops_of = [*a.fw_ops, *a.bw_ops]
         # Memory is deterministic: the census of the first step is the step's memory timeline, each op
         # with what it allocates and frees inside itself on top.
         live = [
@@ -247,6 +252,16 @@ class StepProfiler:
             for run in (self.fwd_runs[0], self.bwd_runs[0])
             for b, t in zip(run.live_bytes, run.transient_bytes or [0] * len(run.live_bytes))
         ]
+        # Rows per segment (one op each on the FX-only path): durations add up, memory is the segment's
+        # highest, and every index counts segments.
+        seg = self.segmentation
+        at = seg.segment_of
+        num_fwd = seg.num_fwd
+        ops_nodes = [
+            ("fwd" if i < num_fwd else "bwd", ops_of[seg.members(i)[-1]]) for i in range(seg.num_total)
+        ]
+        seg_duration = [sum(durations[j] for j in seg.members(i)) for i in range(seg.num_total)]
+        seg_live = [max(live[j] for j in seg.members(i)) for i in range(seg.num_total)]
 
         kinds = self.input_kinds or []
         fw_placeholders = [n for n in self.step.fw_gm.graph.nodes if n.op == "placeholder"]
@@ -259,6 +274,9 @@ class StepProfiler:
             else:
                 kind = "activation"
             offloadable = kind == "activation" and g.nbytes > 0 and g.owner_covers_storage
+            # Note: [Saved views of fused values] in teraio.segments
+            ready = offload_ready_idx(a, self.step.saved_nodes, g, seg.granularity)
+            producer, last_use = at(ready), at(g.last_use_idx)
             tensor_rows.append(
                 {
                     "name": g.name,
@@ -267,16 +285,16 @@ class StepProfiler:
                     "shape": g.shape,
                     "kind": kind,
                     "offloadable": offloadable,
-                    "producer_idx": g.producer_idx,
-                    "last_fwd_use_idx": g.last_fwd_use_idx,
-                    "first_bwd_use_idx": g.first_bwd_use_idx,
-                    "last_use_idx": g.last_use_idx,
+                    "producer_idx": producer,
+                    "last_fwd_use_idx": at(g.last_fwd_use_idx),
+                    "first_bwd_use_idx": at(g.first_bwd_use_idx),
+                    "last_use_idx": last_use,
                     "module": g.module,
                     "aliases": len(g.members),
                 }
             )
             if kind == "activation":
-                for i in range(max(g.producer_idx, 0), g.last_use_idx + 1):
+                for i in range(max(producer, 0), last_use + 1):
                     activation_alive[i] += g.nbytes
         ops_rows = [
             {
@@ -284,9 +302,9 @@ class StepProfiler:
                 "name": n.name,
                 "target": str(n.target),
                 "phase": phase,
-                "duration_us": float(durations[i]),
+                "duration_us": float(seg_duration[i]),
                 "module": node_module(n),
-                "other_bytes": max(0, int(live[i]) - activation_alive[i]),
+                "other_bytes": max(0, int(seg_live[i]) - activation_alive[i]),
             }
             for i, (phase, n) in enumerate(ops_nodes)
         ]
@@ -295,9 +313,11 @@ class StepProfiler:
         if self.calibration is not None and self.calibration_bwd is not None:
             fwd_s, bwd_s = self.calibration.wall_s, self.calibration_bwd.wall_s
         meta = {
-            "fingerprint": a.fingerprint,
+            "fingerprint": plan_fingerprint(a, seg.granularity),
+            "graph_fingerprint": a.fingerprint,
+            "granularity": seg.granularity,
             "graph_id": self.graph_id,
-            "num_fwd_ops": a.num_fwd_ops,
+            "num_fwd_ops": num_fwd,
             "num_saved_outputs": len(self.step.saved_nodes),
             "torch_version": torch.__version__,
             "device": self.device,

@@ -33,6 +33,7 @@ import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
 from teraio.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
 from teraio.errors import TeraioError
 from teraio.planner.plan import Decision, Plan, queue_order
+from teraio.segments import Segmentation, is_extern, offload_source
 
 
 class PlanMismatchError(TeraioError):
@@ -86,46 +87,26 @@ def _allocating_ops(gm: fx.GraphModule) -> set[fx.Node]:
     return out
 
 
-# Ops whose results every compiler materialises as buffers of their own (Inductor runs them as extern
-# kernels or templates, never fused into a neighbour): anchoring on them costs nothing.
-_EXTERN_TARGETS = frozenset(
-    str(t)
-    for t in (
-        torch.ops.aten.mm.default,
-        torch.ops.aten.addmm.default,
-        torch.ops.aten.bmm.default,
-        torch.ops.aten.baddbmm.default,
-        torch.ops.aten.convolution.default,
-        torch.ops.aten.convolution_backward.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    )
-)
-
-
 def _materialized(gm: fx.GraphModule) -> set[fx.Node]:
-    """Values that exist as buffers whatever the compiler fuses: graph outputs and extern-kernel results.
+    """Values that exist as buffers whatever the compiler fuses: extern-kernel results and teraio's own.
 
     Note: [Anchors must not change fusion] An anchor is an input of a custom op, and a custom op's
     inputs must be real buffers: anchoring on a value Inductor would have fused away (a pointwise
-    intermediate) forces it to be written out, which changes the kernels and, in bf16, the rounding.
-    So anchors are chosen only among values that are buffers anyway: anchoring on a fused intermediate
-    also keeps a buffer alive that the plan never counted (seen: Inductor steps 9-28% over budget). The
-    price: a wait whose interval holds only fused pointwise ops has no anchor after its offload and may
-    run right after it (its I/O then overlaps less). An anchor also creates a path
-    anchor -> migration op -> consumer: if the anchor did not already precede the consumer, two kernels
-    on either side of that new path could no longer fuse. In backward, where the fetched tensor feeds
-    compute, anchors are therefore chosen among the consumer's ancestors. Known gap: Inductor still
-    fuses differently around an offloaded forward tensor (seen on the built-in GPT: the embedding, its
-    add and the first layer norm stop being one kernel), which anchors alone do not explain;
-    ``test_migration_ops_leave_inductors_kernels_unchanged`` records it.
+    intermediate) forces it to be written out, which changes the kernels and, in bf16, the rounding,
+    and keeps a buffer alive that the plan never counted (seen: Inductor steps 9-28% over budget).
+    Graph outputs are buffers too, but not safe anchors: a gradient (a backward output) is often a
+    reduction Inductor fuses with the ops that follow it, and a migration op between the two splits
+    that kernel. Extern results are computed by a call of their own, so nothing fuses across them. The
+    price: a migration op whose interval holds no extern call has no anchor there and may run earlier
+    (its I/O then overlaps less). An anchor also creates a path anchor -> migration op -> consumer: if
+    the anchor did not already precede the consumer, two kernels on either side of that new path could
+    no longer fuse. In backward, where the fetched tensor feeds compute, anchors are therefore chosen
+    among the consumer's ancestors. Where the ops go is Note: [Migration ops sit between kernels] in
+    ``teraio.segments``; ``test_migration_ops_leave_inductors_kernels_unchanged`` checks both.
     """
-    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
-    outputs: set[fx.Node] = set()
-    fx.node.map_arg(out.args, lambda n: outputs.add(n) or n)
     teraio_ops = {str(t) for t in (torch.ops.teraio.offload.default, torch.ops.teraio.wait_write.default)}
-    return outputs | {
-        n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in _EXTERN_TARGETS | teraio_ops
+    return {
+        n for n in gm.graph.nodes if n.op == "call_function" and (is_extern(n) or str(n.target) in teraio_ops)
     }
 
 
@@ -139,12 +120,27 @@ class _AnchorIndex:
     last_use: dict[fx.Node, int]  # index in ``ops`` of the last op reading the node (len(ops): output)
 
     @classmethod
-    def of(cls, gm: fx.GraphModule, ops: list[fx.Node], materialized_only: bool = False) -> _AnchorIndex:
+    def of(
+        cls,
+        gm: fx.GraphModule,
+        ops: list[fx.Node],
+        materialized_only: bool = False,
+        moved: frozenset[StorageWeakRef] = frozenset(),
+    ) -> _AnchorIndex:
+        """``moved``: storages the plan takes out of the graph's outputs. Their output use does not
+        count as a use: anchoring a later op on one would keep it in memory after its wait."""
         depth: dict[fx.Node, int] = {}
         for n in gm.graph.nodes:
             depth[n] = 1 + max((depth[i] for i in n.all_input_nodes), default=-1)
         index = {n: i for i, n in enumerate(ops)}
-        last_use = {n: max((index.get(u, len(ops)) for u in n.users), default=-1) for n in ops}
+
+        def uses(n: fx.Node) -> list[fx.Node]:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and StorageWeakRef(v.untyped_storage()) in moved:
+                return [u for u in n.users if u.op != "output"]
+            return list(n.users)
+
+        last_use = {n: max((index.get(u, len(ops)) for u in uses(n)), default=-1) for n in ops}
         allocating = _allocating_ops(gm)
         if materialized_only:
             allocating &= _materialized(gm)
@@ -185,6 +181,44 @@ class _AnchorIndex:
         deepest = max(reversed(cands), key=lambda n: self.depth[n])
         nearest = cands[-1]
         return [nearest] if deepest is nearest else [nearest, deepest]
+
+
+def _realize_where_computed(step: CapturedStep, moved: list[SavedGroup]) -> None:
+    """Note: [Outputs are realised where they are computed]
+
+    Inductor writes every graph output out as a buffer where it is computed, with the output's strides
+    (channels-last for a 4-d value next to convolutions when it optimises layouts), and the ops after
+    it read that buffer; a value that is not an output stays inlined into its consumers until one of
+    them needs a buffer. The saved outputs a plan moves stop being graph outputs (the token takes their
+    place), so they are marked to be realised where they are computed still, with the strides Inductor
+    would have given them. An extern kernel's result (or a view of it) is a buffer from the start.
+    Call on the forward graph as partitioned, before its outputs change.
+    """
+    from types import SimpleNamespace
+
+    from torch._inductor.graph import GraphLowering
+    from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+    fw_gm = step.fw_gm
+    channels_last: set[fx.Node] = set()
+    if GraphLowering.decide_layout_opt(fw_gm, is_inference=False):
+        channels_last = set(GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=fw_gm)))
+    for g in moved:
+        if g.producer is None or is_extern(g.producer):
+            continue
+        for pos in g.members:
+            node = step.saved_nodes[pos]
+            v = node.meta.get("val")
+            if (
+                node in channels_last
+                and isinstance(v, torch.Tensor)
+                and v.dim() == 4
+                and is_non_overlapping_and_dense_or_false(v)
+            ):
+                # Realised channels-last by the convolution that reads it next, as before; the mark
+                # would realise it with the graph's (contiguous) strides and add a copy.
+                continue
+            node.meta["inductor_realize_to_strides"] = True
 
 
 def _insert(graph: fx.Graph, mode, before: fx.Node, target: Any, args: tuple, name: str) -> fx.Node:
@@ -253,12 +287,21 @@ def apply_plan(
     engine_id: int,
     key_prefix: str,
     analysis: StepAnalysis | None = None,
+    segmentation: Segmentation | None = None,
 ) -> RewriteResult:
-    """Insert the plan's migration ops into ``step``'s graphs (in place) and return them."""
+    """Insert the plan's migration ops into ``step``'s graphs (in place) and return them.
+
+    ``segmentation`` says what the plan's op indices count (Note: [Migration ops sit between kernels]
+    in ``teraio.segments``); by default single ops.
+    """
+    from teraio.segments import coarsen
+
     a = analysis or analyse_saved(step)
-    check_plan(a, plan)
+    seg = segmentation or Segmentation.of(a, "op")
+    check_plan(coarsen(a, seg, step.saved_nodes), plan)
     groups = {g.name: (i, g) for i, g in enumerate(a.groups)}
-    nf = a.num_fwd_ops
+    nf = seg.num_fwd  # the plan's forward indices are below this
+    fused = seg.granularity != "op"
     fw_graph, bw_graph = step.fw_gm.graph, step.bw_gm.graph
     fw_mode, bw_mode = _fake_mode(step.fw_gm), _fake_mode(step.bw_gm)
     fw_out = next(n for n in reversed(fw_graph.nodes) if n.op == "output")
@@ -268,7 +311,10 @@ def apply_plan(
     ops_teraio = torch.ops.teraio
     moved_bytes = 0
     # Note: [Anchors must not change fusion]
-    fw_anchor = _AnchorIndex.of(step.fw_gm, a.fw_ops, materialized_only=True)
+    moved_storages = frozenset(
+        StorageWeakRef(groups[d.name][1].producer.meta["val"].untyped_storage()) for d in plan.decisions
+    )
+    fw_anchor = _AnchorIndex.of(step.fw_gm, a.fw_ops, materialized_only=True, moved=moved_storages)
     bw_anchor = _AnchorIndex.of(step.bw_gm, a.bw_ops, materialized_only=True)
 
     # Note: [Queue orders] Each channel runs its transfers FIFO in issue order, and the plan says that
@@ -280,26 +326,29 @@ def apply_plan(
     for k in queue_order(plan.decisions, "write"):
         d = plan.decisions[k]
         g = groups[d.name][1]
-        owner = g.producer
+        owner = offload_source(step.saved_nodes, g, seg.granularity)
         key = f"{key_prefix}/{g.name}"
 
-        # Forward: offload right after its start op, wait before the op that needs the memory gone.
+        # Forward: offload right after its start segment, wait before the segment that needs the memory
+        # gone (segments are single ops on the FX-only path).
         owner_stride = [int(x) for x in owner.meta["val"].stride()]
+        off_fx = seg.fw_last[d.offload_after_idx]
         # Anchored on the op it follows, so the write is issued where the plan (and the FIFO order of
         # the simulator) has it, not as soon as the tensor exists.
-        offload_anchors = fw_anchor.before(d.offload_after_idx + 1)
-        if d.offload_after_idx in last_offload_at:  # chained: a compiler may not swap tied offloads
-            offload_anchors = [*offload_anchors, last_offload_at[d.offload_after_idx]]
+        offload_anchors = fw_anchor.before(off_fx + 1)
+        if off_fx in last_offload_at:  # chained: a compiler may not swap tied offloads
+            offload_anchors = [*offload_anchors, last_offload_at[off_fx]]
         offload_args = (owner, offload_anchors, key, engine_id, owner_stride)
-        after = last_offload_at.get(d.offload_after_idx, a.fw_ops[d.offload_after_idx])
+        after = last_offload_at.get(off_fx, a.fw_ops[off_fx])
         with fw_graph.inserting_after(after):
             h = fw_graph.create_node(
                 "call_function", ops_teraio.offload.default, offload_args, name=f"teraio_offload_{g.name}"
             )
         h.meta["val"] = _fake_val(fw_mode, ops_teraio.offload.default, offload_args)
-        last_offload_at[d.offload_after_idx] = h
-        wait_at = a.fw_ops[d.wait_before_idx] if d.wait_before_idx < nf else fw_out
-        anchors = fw_anchor.before(d.wait_before_idx)
+        last_offload_at[off_fx] = h
+        wait_fx = seg.fw_first[d.wait_before_idx] if d.wait_before_idx < nf else len(a.fw_ops)
+        wait_at = a.fw_ops[wait_fx] if wait_fx < len(a.fw_ops) else fw_out
+        anchors = fw_anchor.before(wait_fx)
         tok = _insert(
             fw_graph,
             fw_mode,
@@ -326,14 +375,16 @@ def apply_plan(
             moved_bytes += g.nbytes
             continue
         bw_ops = a.bw_ops
-        p_at = bw_ops[d.prefetch_before_idx - nf]
-        f_at = bw_ops[d.fetch_before_idx - nf]
+        pf_fx = seg.bw_first[d.prefetch_before_idx - nf]
+        fetch_fx = seg.bw_first[d.fetch_before_idx - nf]
+        p_at = bw_ops[pf_fx]
+        f_at = bw_ops[fetch_fx]
         # Note: [Anchors must not change fusion]: anchors every consumer of the tensor already follows.
         consumers = {u for pos in g.members for u in bw_placeholders[pos].users if u.op == "call_function"}
         precede = set.intersection(*(bw_anchor.ancestors(u) for u in consumers)) if consumers else set()
-        pf_anchors = bw_anchor.before(d.prefetch_before_idx - nf, precede)
-        if d.prefetch_before_idx in last_prefetch_at:  # chained in read order, like tied offloads
-            pf_anchors = [*pf_anchors, last_prefetch_at[d.prefetch_before_idx]]
+        pf_anchors = bw_anchor.before(pf_fx, precede)
+        if pf_fx in last_prefetch_at:  # chained in read order, like tied offloads
+            pf_anchors = [*pf_anchors, last_prefetch_at[pf_fx]]
         pf = _insert(
             bw_graph,
             bw_mode,
@@ -342,10 +393,10 @@ def apply_plan(
             (ph, pf_anchors, key, engine_id),
             f"teraio_prefetch_{g.name}",
         )
-        last_prefetch_at[d.prefetch_before_idx] = pf
+        last_prefetch_at[pf_fx] = pf
         numel = g.nbytes // old_vals[g.members[0]].element_size()
         dtype, device = old_vals[g.members[0]].dtype, old_vals[g.members[0]].device
-        f_anchor = bw_anchor.before(d.fetch_before_idx - nf, precede)
+        f_anchor = bw_anchor.before(fetch_fx, precede)
         flat = _insert(
             bw_graph,
             bw_mode,
@@ -371,11 +422,14 @@ def apply_plan(
             )
         moved_bytes += g.nbytes
 
+    if fused:
+        _realize_where_computed(step, [groups[d.name][1] for d in plan.decisions])
     fw_out.update_arg(0, tuple(outputs))
     for gm in (step.fw_gm, step.bw_gm):
         gm.graph.lint()
         gm.recompile()
     _ensure_nothing_moved_is_saved(step, a, plan)
+    _ensure_moved_die_at_their_wait(step.fw_gm, moved_storages)
     return RewriteResult(step=step, moved_groups=len(plan.decisions), moved_bytes=moved_bytes)
 
 
@@ -391,3 +445,25 @@ def _ensure_nothing_moved_is_saved(step: CapturedStep, a: StepAnalysis, plan: Pl
             raise TeraioError(
                 f"rewrite left saved output {node.name} of moved tensor {a.groups[gi].name} in memory"
             )
+
+
+def _ensure_moved_die_at_their_wait(fw_gm: fx.GraphModule, moved: frozenset[StorageWeakRef]) -> None:
+    """No node reads a moved storage after the wait that lets it go (an anchor would keep it alive)."""
+    nodes = list(fw_gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    wait = torch.ops.teraio.wait_write.default
+    last_wait: dict[StorageWeakRef, int] = {}
+    for n in nodes:
+        if n.target is wait:
+            ref = StorageWeakRef(n.args[1].meta["val"].untyped_storage())
+            last_wait[ref] = max(last_wait.get(ref, -1), order[n])
+    for n in nodes:
+        v = n.meta.get("val")
+        if not isinstance(v, torch.Tensor) or n.op == "placeholder":
+            continue
+        ref = StorageWeakRef(v.untyped_storage())
+        if ref not in moved:
+            continue
+        late = [u.name for u in n.users if u.op != "output" and order[u] > last_wait.get(ref, len(nodes))]
+        if late:
+            raise TeraioError(f"rewrite: {', '.join(late)} read(s) moved {n.name} after its wait")

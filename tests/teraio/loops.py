@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -268,6 +269,25 @@ def assert_bit_identical(a: Trace, b: Trace) -> None:
     assert a.params.keys() == b.params.keys()
     for name in a.params:
         assert torch.equal(a.params[name], b.params[name]), f"{name} differs after training"
+
+
+KERNEL_SOURCE = re.compile(r"(cpp_fused\w*) = async_compile\.cpp_pybinding\((.*?)'''\)", re.DOTALL)
+
+
+def kernels(codes: list[str]) -> list[str]:
+    """Every generated C++ kernel's source, its name left out (numbering may differ between compiles)."""
+    return sorted(src for code in codes for _name, src in KERNEL_SOURCE.findall(code))
+
+
+@contextlib.contextmanager
+def capture_inductor_code(codes: list[str]):
+    """Collect the output code of every graph Inductor compiles (its own run_and_get_code resets Dynamo)."""
+    from unittest import mock
+
+    from torch._inductor.graph import GraphLowering
+
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+        yield codes
 
 
 def fresh(case: Case) -> nn.Module:

@@ -16,7 +16,17 @@ import torch
 
 from teraio.lifecycle import Phase, TeraioBackend
 
-from .loops import CASES, Case, ConvNet, GPTLoss, Trace, assert_bit_identical, run
+from .loops import (
+    CASES,
+    Case,
+    ConvNet,
+    GPTLoss,
+    Trace,
+    assert_bit_identical,
+    capture_inductor_code,
+    kernels,
+    run,
+)
 
 STEPS = 4  # 1 profiled step, then the plan runs for 3
 BUDGET = "50%"
@@ -54,11 +64,11 @@ FX_MATRIX = [
 
 
 def _backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) -> TeraioBackend:
+    kw.setdefault("solver", "greedy")
     return TeraioBackend(
         memory_budget=budget,
         enabled=enabled,
         inner=inner,
-        solver="greedy",
         profile_steps=1,
         measure_memory=False,  # the test measures the step itself
         io_backend="posix",
@@ -67,20 +77,35 @@ def _backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) ->
 
 
 def _check(
-    case_name: str, pattern: str, inner: str, tmp_path, budget: str | None = None
+    case_name: str,
+    pattern: str,
+    inner: str,
+    tmp_path,
+    budget: str | None = None,
+    same_kernels: bool = True,
+    within_budget: bool = True,
+    **options,
 ) -> tuple[Trace, TeraioBackend]:
     case = CASES[case_name]
     steps = STEPS + 2 * (len(case.sizes) - 1) if pattern == "changing-shapes" else STEPS
     budget = budget or BUDGETS_BY_PATTERN.get((case_name, pattern), BUDGETS.get(case_name, BUDGET))
-    ref_be = _backend(False, inner, budget)
+    ref_be = _backend(False, inner, budget, **options)
+    ref_codes: list[str] = []
+    codes: list[str] = []
     try:
-        reference = run(case, pattern, ref_be, steps)
+        with capture_inductor_code(ref_codes):
+            reference = run(case, pattern, ref_be, steps)
     finally:
         ref_be.close()
-    be = _backend(True, inner, budget, offload_dirs=[str(tmp_path)])
+    be = _backend(True, inner, budget, offload_dirs=[str(tmp_path)], **options)
     try:
-        trace = run(case, pattern, be, steps)
+        with capture_inductor_code(codes):
+            trace = run(case, pattern, be, steps)
         assert_bit_identical(trace, reference)
+        if inner == "inductor" and same_kernels:
+            # Notes: [Migration ops sit between kernels], [Outputs are realised where they are computed]
+            assert any("teraio.offload" in c for c in codes)
+            assert kernels(codes) == kernels(ref_codes), "the plan changed Inductor's kernels"
         training = [r for r in be.runners if r.is_training and r.plan is not None]
         assert training, "no training graph was planned"
         assert any(r.plan.decisions for r in training), "the plan moved nothing: the test would prove nothing"
@@ -89,11 +114,9 @@ def _check(
         gc.collect()
         assert be.engine.keys() == [], f"runtime still holds {be.engine.keys()}"
         over = trace.last_step_peak_bytes > PEAK_SLACK * budget
-        if over and inner == "inductor":
-            # Open defect (issue #9): the plan models aten-level memory; Inductor's fused kernels keep
-            # some buffers alive differently (seen: the GPT 7.8% over). Exactness is asserted above.
-            pytest.xfail(f"Inductor step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}")
-        assert not over, f"measured step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}"
+        assert not (over and within_budget), (
+            f"measured step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}"
+        )
     finally:
         be.close()
     return trace, be
@@ -105,8 +128,9 @@ def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
 
 
 INDUCTOR_MATRIX = ["gpt", "hf-gpt2", "hf-bert", "convnet"]  # every one with dropout
-# Inductor's graphs (its decompositions and joint passes) have their own floors: 57% and 77% here.
-INDUCTOR_BUDGETS = {"gpt": "65%", "convnet": "85%"}
+# Inductor's graphs (its decompositions and joint passes, planned per kernel group) have their own
+# floors: the convnet's is about 90% of its step.
+INDUCTOR_BUDGETS = {"gpt": "65%", "convnet": "95%"}
 
 
 @pytest.fixture
@@ -122,8 +146,31 @@ def deterministic_inductor():
 @pytest.mark.slow
 @pytest.mark.parametrize("case_name", INDUCTOR_MATRIX)
 def test_inductor_matrix(case_name: str, deterministic_inductor, tmp_path) -> None:
-    """Inductor's own passes (random-op replacement for dropout included) with and without the plan."""
-    _check(case_name, "plain", "inductor", tmp_path, INDUCTOR_BUDGETS.get(case_name))
+    """Inductor's own passes (random-op replacement for dropout included) with and without the plan:
+    exact, within budget, and the same kernels (the convnet's are the open case below)."""
+    budget = INDUCTOR_BUDGETS.get(case_name)
+    _check(case_name, "plain", "inductor", tmp_path, budget, same_kernels=case_name != "convnet")
+
+
+@pytest.mark.slow
+def test_inductor_bf16_autocast_moving_every_tensor_keeps_the_kernels(
+    deterministic_inductor, tmp_path
+) -> None:
+    """In bf16 a kernel split changes rounding: with every saved tensor moved (the plan that inserts
+    the most migration ops), the kernels are still Inductor's own and the run is exact."""
+    # "all" is the baseline that moves everything and fetches it back at once: over any budget.
+    _check("gpt", "autocast", "inductor", tmp_path, "70%", within_budget=False, solver="all")
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: with Inductor's channels-last layout optimisation (convolutions on CPU), a moved 4-d "
+    "output is realised at the next convolution instead of where it is computed, and is fetched back "
+    "in the graph's layout, so two kernels order or vectorise their loops differently",
+)
+def test_inductor_convnet_kernels_with_every_tensor_moved(deterministic_inductor, tmp_path) -> None:
+    _check("convnet", "plain", "inductor", tmp_path, "95%", within_budget=False, solver="all")
 
 
 def test_graph_break_has_one_budget_for_the_step(tmp_path) -> None:
