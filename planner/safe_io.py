@@ -204,8 +204,9 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 PROFILE_META_KEYS: tuple[str, ...] = ("schema_version", "fingerprint", "num_fwd_ops")
 
 
-def _read_json_object(path: str) -> dict[str, Any] | None:
-    """The JSON object in the regular file ``path`` (not followed if a link), or None."""
+def read_json_object(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The JSON object in the regular file ``path``, or None if it is missing, a link (not followed),
+    not a regular file, not JSON, or not an object: to recognise files teraio wrote without trusting them."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -227,7 +228,7 @@ def _read_json_object(path: str) -> dict[str, Any] | None:
 
 
 def _is_teraio_meta(path: str) -> bool:
-    meta = _read_json_object(path)
+    meta = read_json_object(path)
     if meta is None or not all(k in meta for k in PROFILE_META_KEYS):
         return False
     version, fingerprint = meta["schema_version"], meta["fingerprint"]
@@ -275,7 +276,7 @@ def _is_profile_set(directory: Path) -> bool:
         _glob1(n, "graph*") and e.is_dir(follow_symlinks=False) for n, e in graphs.items()
     ):
         return False
-    index = _read_json_object(entries["index.json"].path)
+    index = read_json_object(entries["index.json"].path)
     names = index.get("graphs") if index is not None else None
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or set(names) != set(graphs):
         return False
@@ -461,6 +462,7 @@ __all__ = [
     "atomic_writer",
     "check_output_dir",
     "check_output_file",
+    "read_json_object",
     "replace_dir",
     "write_bytes",
     "write_json",

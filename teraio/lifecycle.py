@@ -352,6 +352,7 @@ class TeraioBackend:
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
+        self.cfg.check_run_dir()  # before anything is written: never replace another program's files
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         if self.run_dir is not None:
             from teraio.planner.safe_io import write_json

@@ -12,6 +12,7 @@ from typing import Any
 from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file, write_json
+from teraio.run_dir import refuse_foreign_run_dir
 from teraio.units import format_bytes
 
 
@@ -46,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def check_run_dir(path: str) -> None:
-    """A run directory must be a writable directory, or creatable inside one."""
+    """A run directory must be a writable directory, or creatable inside one, and its ``teraio/``
+    subdirectory (the backend's run_dir) empty, new, or one a teraio backend wrote."""
     if path == "":
         raise UserInputError("--run-dir is an empty path; give a directory name")
     p = Path(path)
@@ -57,6 +59,8 @@ def check_run_dir(path: str) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise UserInputError(f"--run-dir '{p}' cannot be written (no writable directory at '{probe}')")
+    # The demo's backend writes into RUN_DIR/teraio: refuse a foreign one now, not after the first method.
+    refuse_foreign_run_dir(p / "teraio", option="--run-dir")
 
 
 def _table(result: dict[str, Any]) -> None:
