@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -125,6 +126,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError(f"--methods: unknown {bad or methods}; choose from {', '.join(METHODS)}")
     if args.steps < 1:
         raise UserInputError("--steps must be at least 1")
+    # The budget and solver are used only after the first method has run and teraio's has profiled:
+    # a typo must fail now, not minutes in. (The unplanned peak a fraction refers to is not known yet,
+    # so this only checks that the budget parses and is positive.)
+    from teraio.planner.budget import resolve_budget
+    from teraio.planner.solve import solver_info
+
+    resolve_budget(args.budget, 1)
+    solver_info(args.solver)
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise UserInputError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
         raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
     # Outputs are checked now: a demo run takes minutes and must not be lost to a bad path at the end.
