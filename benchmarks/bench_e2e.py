@@ -19,6 +19,8 @@ from typing import Any
 
 import pandas as pd
 
+from teraio.planner.safe_io import OutputError, atomic_writer, check_output_file
+
 # Page-aligned torch allocations (O_DIRECT reads without a bounce copy); torch reads it at first use.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
@@ -72,8 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--offload-dir", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--out", default=None, help="write the rows as CSV")
+    p.add_argument("--out", default=None, help="write the rows as CSV (replaced if it exists)")
     args = p.parse_args(argv)
+    if args.out is not None:
+        # Checked now: the run takes minutes and must not be lost to a bad path at the end.
+        try:
+            check_output_file(args.out, overwrite=True, option="--out")
+        except OutputError as exc:
+            print(f"bench_e2e: {exc}", file=sys.stderr)
+            return 2
     info = machine_info()
     if not args.json:
         print(json.dumps(info), file=sys.stderr)
@@ -81,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         args.model, args.budget, args.solver, args.steps, args.inner, args.time_limit, args.offload_dir
     )
     if args.out:
-        df.to_csv(args.out, index=False)
+        # The safe writer: a fresh temp file renamed over the target, so a planted link is not followed.
+        with atomic_writer(args.out, overwrite=True) as f:
+            df.to_csv(f, index=False)
     if args.json:
         print(json.dumps({"machine": info, **result}, indent=2, default=str))
     else:

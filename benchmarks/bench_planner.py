@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from teraio.planner.safe_io import OutputError, atomic_writer, check_output_file
+
 SOLVERS = ("greedy", "pipeline", "ilp")
 #: The two hardware models of the benchmark: the default (this project's machine, compute-bound for these
 #: profiles) and a slow SSD where I/O is the bottleneck.
@@ -174,8 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--split", type=int, default=1, help="split every synthetic op into this many (default 1)")
     p.add_argument("--profile", action="append", default=[], help="also plan this profile directory")
     p.add_argument("--json", action="store_true", help="print rows as JSON instead of a table")
-    p.add_argument("--out", help="also write the rows to this CSV file")
+    p.add_argument("--out", help="also write the rows to this CSV file (replaced if it exists)")
     args = p.parse_args(argv)
+    if args.out is not None:
+        try:  # before the solvers run, not after
+            check_output_file(args.out, overwrite=True, option="--out")
+        except OutputError as exc:
+            print(f"bench_planner: {exc}", file=sys.stderr)
+            return 2
     info = machine_info()
     df = run(
         layers=tuple(args.layers),
@@ -188,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         split=args.split,
     )
     if args.out:
-        df.to_csv(args.out, index=False)
+        # The safe writer: a fresh temp file renamed over the target, so a planted link is not followed.
+        with atomic_writer(args.out, overwrite=True) as f:
+            df.to_csv(f, index=False)
     if args.json:
         print(json.dumps({"machine": info, "rows": json.loads(df.to_json(orient="records"))}, indent=2))
     else:

@@ -12,9 +12,10 @@ through this module:
   ``overwrite=True`` (the CLI's ``--force``); the rename replaces a symlink at the target itself, never
   the file it points to.
 - :func:`replace_dir`: output directories (profiles) are built in a fresh sibling directory and renamed
-  into place. An existing directory is replaced only when it is empty or a teraio artefact of the same
-  kind (holding only the files such an artefact holds); anything else needs ``force`` and is then moved
-  aside (never deleted), so teraio never removes a file it did not write.
+  into place. An existing directory is replaced only when it is empty or a complete teraio artefact of
+  the same kind (every file of its layout and nothing else, its meta.json / index.json carrying teraio's
+  own keys); anything else needs ``force`` and is then moved aside (never deleted), so teraio never
+  removes a file it did not write.
 - :func:`check_output_file` / :func:`check_output_dir`: the CLI checks its outputs before long work.
 - :func:`append_line`: append-only logs (``stats.jsonl``) open with ``O_APPEND|O_NOFOLLOW``.
 
@@ -198,24 +199,99 @@ def append_line(path: str | os.PathLike, line: str) -> None:
 
 
 # ------------------------------------------------------------------------------------- directories
-def _matches_layout(directory: Path, kind: str, depth: int = 0) -> bool:
-    """True if ``directory`` holds only files of the artefact layout ``kind`` (a real directory, no links)."""
-    layout = ARTIFACT_LAYOUTS[kind]
+#: The meta.json keys every teraio profile carries (``planner.profile.META_REQUIRED``; a test keeps the two
+#: equal). A meta.json without them was not written by teraio, whatever the directory's file names.
+PROFILE_META_KEYS: tuple[str, ...] = ("schema_version", "fingerprint", "num_fwd_ops")
+
+
+def read_json_object(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The JSON object in the regular file ``path``, or None if it is missing, a link (not followed),
+    not a regular file, not JSON, or not an object: to recognise files teraio wrote without trusting them."""
     try:
-        entries = list(os.scandir(directory))
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        # teraio's meta.json and index.json are a few kB: a huge file is not one of them.
+        if not stat.S_ISREG(st.st_mode) or st.st_size > (16 << 20):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            obj = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return obj if isinstance(obj, dict) else None
+
+
+def _is_teraio_meta(path: str) -> bool:
+    meta = read_json_object(path)
+    if meta is None or not all(k in meta for k in PROFILE_META_KEYS):
         return False
-    for e in entries:
-        if e.is_symlink():
-            return False
-        if e.is_dir(follow_symlinks=False):
-            if depth > 0 or not any(pat.endswith("/") and _glob1(e.name, pat[:-1]) for pat in layout):
-                return False
-            if not _matches_layout(Path(e.path), "profile", depth + 1):
-                return False
-        elif e.name not in layout:
-            return False
-    return True
+    version, fingerprint = meta["schema_version"], meta["fingerprint"]
+    return (
+        isinstance(version, int)
+        and not isinstance(version, bool)
+        and isinstance(fingerprint, str)
+        and bool(fingerprint)
+    )
+
+
+def _real_entries(directory: Path) -> dict[str, os.DirEntry] | None:
+    """The entries of a real directory by name, or None if it is unreadable or holds a symlink."""
+    try:
+        entries = {e.name: e for e in os.scandir(directory)}
+    except OSError:
+        return None
+    if any(e.is_symlink() for e in entries.values()):
+        return None
+    return entries
+
+
+def _is_profile(directory: Path) -> bool:
+    """Exactly the three profile files, as regular files, with a meta.json teraio wrote."""
+    entries = _real_entries(directory)
+    layout = ARTIFACT_LAYOUTS["profile"]
+    if entries is None or set(entries) != set(layout):
+        return False
+    if not all(e.is_file(follow_symlinks=False) for e in entries.values()):
+        return False
+    return _is_teraio_meta(entries["meta.json"].path)
+
+
+def _is_profile_set(directory: Path) -> bool:
+    """index.json naming exactly the graph*/ subdirectories there are (at least one), each a profile."""
+    entries = _real_entries(directory)
+    if (
+        entries is None
+        or "index.json" not in entries
+        or not entries["index.json"].is_file(follow_symlinks=False)
+    ):
+        return False
+    graphs = {n: e for n, e in entries.items() if n != "index.json"}
+    if not graphs or not all(
+        _glob1(n, "graph*") and e.is_dir(follow_symlinks=False) for n, e in graphs.items()
+    ):
+        return False
+    index = read_json_object(entries["index.json"].path)
+    names = index.get("graphs") if index is not None else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or set(names) != set(graphs):
+        return False
+    return all(_is_profile(Path(e.path)) for e in graphs.values())
+
+
+def _matches_layout(directory: Path, kind: str) -> bool:
+    """True if ``directory`` is a complete artefact of ``kind`` that teraio wrote: every file of the layout
+    and nothing else (no links), and JSON content with teraio's own keys. A directory that merely holds
+    files with teraio's names (a user's meta.json) is not one: replacing it would lose the user's data."""
+    if kind == "profile":
+        return _is_profile(directory)
+    if kind == "profile-set":
+        return _is_profile_set(directory)
+    raise ValueError(f"unknown artefact kind {kind!r}")
 
 
 def _glob1(name: str, pattern: str) -> bool:
@@ -225,14 +301,13 @@ def _glob1(name: str, pattern: str) -> bool:
 
 
 def artifact_kind(directory: str | os.PathLike) -> str | None:
-    """The artefact kind of ``directory`` ("profile", "profile-set") if it holds only such files, else None.
+    """The artefact kind of ``directory`` ("profile", "profile-set") if it is a complete one teraio wrote.
 
-    An empty directory is None; a directory with any file teraio would not have written is None.
+    None for an empty directory, an incomplete layout, any file teraio would not have written, or a
+    meta.json / index.json whose content is not teraio's.
     """
     d = Path(directory)
     if not d.is_dir() or d.is_symlink():
-        return None
-    if not any(d.iterdir()):
         return None
     for kind in ARTIFACT_LAYOUTS:
         if _matches_layout(d, kind):
@@ -381,11 +456,13 @@ def _remove_tree_we_created(directory: Path) -> None:
 __all__ = [
     "ARTIFACT_LAYOUTS",
     "OutputError",
+    "PROFILE_META_KEYS",
     "append_line",
     "artifact_kind",
     "atomic_writer",
     "check_output_dir",
     "check_output_file",
+    "read_json_object",
     "replace_dir",
     "write_bytes",
     "write_json",

@@ -31,7 +31,9 @@ def default_offload_dir() -> Path:
     killed runs left there (``runtime.space.clean_stale_subdirs``), which a fresh temporary directory
     per run would never find again. It is on the home disk rather than in the temp dir because /tmp is
     often tmpfs, where offloading saves no memory. Without a usable home it falls back to a per-user
-    directory in the temp dir (``teraio-<uid>``, created 0700 and ownership-checked like any base).
+    directory in the temp dir (``teraio-<uid>/offload``): the engine creates both levels 0700 and
+    refuses them unless they are this user's and writable by nobody else (``runtime.space.make_base_dirs``),
+    since whoever owns ``teraio-<uid>`` controls what is inside it.
     """
     cache = os.environ.get(ENV_XDG_CACHE, "")
     if cache and os.path.isabs(cache):

@@ -22,6 +22,7 @@ Note: [Lock before visible]
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -205,6 +206,75 @@ def check_base_dir(fd: int, path: Path) -> None:
         )
 
 
+def _trusted(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _is_shared_dir(st: os.stat_result) -> bool:
+    """A directory everyone may write in, made safe by the sticky bit and a trusted owner (like /tmp)."""
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and st.st_mode & stat.S_ISVTX) and _trusted(
+        st.st_uid
+    )
+
+
+def make_base_dirs(base: Path) -> None:
+    """Create ``base``'s missing directories one at a time, each 0700, checking the path from the top.
+
+    Every directory between the nearest shared directory above ``base`` (world- or group-writable with
+    the sticky bit and owned by root or this user, like /tmp) and ``base`` must be owned by this user
+    (or root) and writable by nobody else (one with the sticky bit counts as a shared directory itself,
+    as for :func:`check_base_dir`), whether teraio creates it or finds it: the owner of
+    ``/tmp/teraio-<uid>`` may rename anything inside it, so another user who created it first could
+    swap the offload directory for one of theirs. Symbolic links there must be ours too. The path is
+    walked top-down and nothing is created below a directory that fails, so a refused path is left as
+    it was. ``base`` itself is checked by :func:`check_base_dir` once opened. (``os.makedirs`` would
+    give the parents it creates the umask's mode, 0777 under ``umask 0``.)
+
+    Raises:
+        UnsafePathError: naming the directory, its owner or mode, and what to do.
+        OSError: a component is not a directory, or the filesystem refused.
+    """
+    base = Path(os.path.abspath(base))
+    shared: Path | None = None
+    for d in [*reversed(base.parents), base]:
+        try:
+            link = os.lstat(d)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):  # created meanwhile: checked below like any other
+                os.mkdir(d, 0o700)
+            link = os.lstat(d)
+        if d == base:
+            if not os.path.isdir(d):  # a file, or a dangling link: as os.makedirs reported it
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(d))
+            return
+        st = os.stat(d) if stat.S_ISLNK(link.st_mode) else link
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
+        if _is_shared_dir(st):
+            shared = d  # a new shared root: what lies below it is checked against it
+            continue
+        if shared is None:
+            continue
+        where = f"offload directory {base}: {d} (in the shared directory {shared})"
+        if stat.S_ISLNK(link.st_mode) and not _trusted(link.st_uid):
+            raise UnsafePathError(
+                f"{where} is a symbolic link owned by uid {link.st_uid}, not by you; use another directory",
+                path=str(d),
+            )
+        if not _trusted(st.st_uid):
+            raise UnsafePathError(
+                f"{where} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); another user "
+                f"created it: use another directory",
+                path=str(d),
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UnsafePathError(
+                f"{where} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it, "
+                f"or use another directory",
+                path=str(d),
+            )
+
+
 def clean_stale_subdirs(base: Path) -> list[str]:
     """Remove teraio subdirectories in ``base`` left by dead processes; return the removed names.
 
@@ -335,7 +405,7 @@ class OffloadDir:
     # -- creation -------------------------------------------------------------------------------
     def _create_base(self) -> None:
         try:
-            os.makedirs(self.base, mode=0o700, exist_ok=True)
+            make_base_dirs(self.base)
             link = os.lstat(self.base)
             if stat.S_ISLNK(link.st_mode) and link.st_uid not in (os.geteuid(), 0):
                 raise UnsafePathError(

@@ -233,7 +233,9 @@ def load_cuda_driver_standin(build_dir: str | os.PathLike[str] | None = None) ->
     """Build (with gcc) and load, RTLD_GLOBAL, a fake ``libcuda.so.1`` so kvikio's POSIX path runs on CPU.
 
     Test-only: never call this where a real CUDA driver is present (it would shadow it). Must run
-    before kvikio performs its first I/O. Idempotent within a process.
+    before kvikio performs its first I/O. Idempotent within a process. The source and library are
+    written into a fresh private (0700) directory, made inside ``build_dir`` when one is given (the
+    temp dir otherwise), never at a fixed name in a directory others may write.
 
     Raises:
         RuntimeError: gcc is missing or the build failed.
@@ -242,7 +244,7 @@ def load_cuda_driver_standin(build_dir: str | os.PathLike[str] | None = None) ->
     with _standin_lock:
         if _standin_handle is not None:
             return _standin_handle
-        out_dir = Path(build_dir) if build_dir else Path(tempfile.mkdtemp(prefix="teraio-cuda-standin-"))
+        out_dir = Path(tempfile.mkdtemp(prefix="teraio-cuda-standin-", dir=build_dir or None))
         src = out_dir / "standin.c"
         lib = out_dir / "libcuda.so.1"
         src.write_text(_STANDIN_SOURCE)

@@ -36,19 +36,26 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
+def _visible(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\n``, ``\\x85``, ``\\x1b``): arguments and
+    file names may hold line breaks or terminal escapes, and an error must stay one plain line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with errors in one line (usage goes to ``--help``); subparsers inherit the class."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(2, f"{self.prog}: error: {_visible(message)} (see '{self.prog} --help')\n")
 
 
 def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and not isinstance(e, (RuntimeError, ValueError)) and e.strerror:
         where = f" '{e.filename}'" if e.filename else ""
-        return f"{e.strerror}{where}"
+        return _visible(f"{e.strerror}{where}")
+    # Escaped, not cut at the first line break: the break may be inside a path the user gave.
     text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return _visible(text) if text else type(e).__name__
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ from typing import Any, Literal, get_args
 
 from teraio.compilers import InnerCompiler
 from teraio.errors import UserInputError
+from teraio.run_dir import refuse_foreign_run_dir
 
 OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
@@ -41,6 +42,11 @@ class BackendConfig:
     measure_memory: bool = True  # measure one running step's peak with the torch profiler
     max_shapes: int = 8  # per dynamic graph: shapes profiled and planned; later shapes run unplanned
     runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
+
+    def check_run_dir(self) -> None:
+        """Refuse, in one line, a ``run_dir`` that is a non-empty directory teraio did not write (the
+        backend would replace its config.json): see :mod:`teraio.run_dir`."""
+        refuse_foreign_run_dir(self.run_dir)
 
     def __post_init__(self) -> None:
         _check_choice("inner", self.inner, InnerCompiler)

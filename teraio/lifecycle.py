@@ -368,6 +368,7 @@ class TeraioBackend:
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
+        self.cfg.check_run_dir()  # before anything is written: never replace another program's files
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         if self.run_dir is not None:
             from teraio.planner.safe_io import write_json
@@ -680,10 +681,19 @@ class TeraioBackend:
     def _append_stats(self, step: StepRecord) -> None:
         if self.run_dir is None:
             return
-        with open(self.run_dir / "stats.jsonl", "a") as f:
-            f.write(
-                json.dumps({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()}) + "\n"
-            )
+        from teraio.planner.safe_io import OutputError, append_line
+
+        path = self.run_dir / "stats.jsonl"
+        line = json.dumps({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()})
+        try:
+            # O_APPEND|O_NOFOLLOW: a stats.jsonl planted as a link in a shared run_dir is never followed.
+            append_line(path, line)
+        except (OSError, OutputError) as exc:
+            # This runs in a backward hook or a finalizer, where raising would break the user's step (or be
+            # lost), and the log is a by-product: say so once and keep training.
+            if not getattr(self, "_stats_log_warned", False):
+                self._stats_log_warned = True
+                log.warning("not logging step statistics: cannot append to '%s' (%s)", path, exc)
 
     def _io_stats(self) -> dict[str, Any]:
         if self.engine is None:

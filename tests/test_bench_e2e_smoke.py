@@ -4,11 +4,35 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_e2e
 
 
-def test_bench_e2e_tiny(capsys) -> None:
-    assert bench_e2e.main(["--model", "tiny", "--steps", "2", "--solver", "greedy", "--json"]) == 0
+def test_bench_e2e_tiny(capsys, tmp_path) -> None:
+    # --out in a world-writable directory where another user planted rows.csv -> a victim file: the safe
+    # writer replaces the link itself (plain to_csv followed it and overwrote the victim).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (shared / "rows.csv").symlink_to(victim)
+    argv = [
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--solver",
+        "greedy",
+        "--json",
+        "--out",
+        str(shared / "rows.csv"),
+    ]
+    assert bench_e2e.main(argv) == 0
+    assert victim.read_text() == "precious\n"
+    assert not (shared / "rows.csv").is_symlink() and (shared / "rows.csv").read_text().startswith("method,")
+    assert sorted(p.name for p in shared.iterdir()) == ["rows.csv"]
     out = json.loads(capsys.readouterr().out)
     rows = {r["method"]: r for r in out["rows"]}
     assert set(rows) == {"no-offload", "teraio", "checkpoint"}
@@ -19,3 +43,12 @@ def test_bench_e2e_tiny(capsys) -> None:
     # off in about one run in six while I/O threads freed buffers unseen by the profiler: fixed).
     assert abs(t["peak_bytes"] - t["predicted_peak_bytes"]) <= 0.10 * t["predicted_peak_bytes"]
     assert "torch" in out["machine"]
+
+
+def test_bench_e2e_bad_out_is_one_line_before_the_run(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(
+        bench_e2e, "run", lambda *a, **kw: pytest.fail("the run started before --out was checked")
+    )
+    assert bench_e2e.main(["--model", "tiny", "--out", str(tmp_path / "missing" / "rows.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_planner
 
 
@@ -32,7 +34,15 @@ def test_run_tiny():
 
 
 def test_cli_json(capsys, tmp_path):
-    out = tmp_path / "rows.csv"
+    # --out in a world-writable directory where another user planted rows.csv -> a victim file: the safe
+    # writer replaces the link itself (plain to_csv followed it and overwrote the victim).
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    out = shared / "rows.csv"
+    out.symlink_to(victim)
     args = [
         "--layers",
         "1",
@@ -51,4 +61,15 @@ def test_cli_json(capsys, tmp_path):
     assert bench_planner.main(args) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["machine"]["cpus"] >= 1 and doc["rows"][0]["solver"] == "greedy"
-    assert out.read_text().startswith("profile,")
+    assert out.read_text().startswith("profile,") and not out.is_symlink()
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in shared.iterdir()) == ["rows.csv"]  # no temporary file left
+
+
+def test_cli_bad_out_is_one_line_before_any_solver_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        bench_planner, "run", lambda **kw: pytest.fail("the solvers ran before --out was checked")
+    )
+    assert bench_planner.main(["--layers", "1", "--out", str(tmp_path / "missing" / "rows.csv")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not exist" in err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file, write_json
+from teraio.run_dir import refuse_foreign_run_dir
 from teraio.units import format_bytes
 
 
@@ -46,7 +48,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def check_run_dir(path: str) -> None:
-    """A run directory must be a writable directory, or creatable inside one."""
+    """A run directory must be a writable directory, or creatable inside one, and its ``teraio/``
+    subdirectory (the backend's run_dir) empty, new, or one a teraio backend wrote."""
     if path == "":
         raise UserInputError("--run-dir is an empty path; give a directory name")
     p = Path(path)
@@ -57,6 +60,8 @@ def check_run_dir(path: str) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise UserInputError(f"--run-dir '{p}' cannot be written (no writable directory at '{probe}')")
+    # The demo's backend writes into RUN_DIR/teraio: refuse a foreign one now, not after the first method.
+    refuse_foreign_run_dir(p / "teraio", option="--run-dir")
 
 
 def _table(result: dict[str, Any]) -> None:
@@ -121,6 +126,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError(f"--methods: unknown {bad or methods}; choose from {', '.join(METHODS)}")
     if args.steps < 1:
         raise UserInputError("--steps must be at least 1")
+    # The budget and solver are used only after the first method has run and teraio's has profiled:
+    # a typo must fail now, not minutes in. (The unplanned peak a fraction refers to is not known yet,
+    # so this only checks that the budget parses and is positive.)
+    from teraio.planner.budget import resolve_budget
+    from teraio.planner.solve import solver_info
+
+    resolve_budget(args.budget, 1)
+    solver_info(args.solver)
+    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
+        raise UserInputError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
     if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
         raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
     # Outputs are checked now: a demo run takes minutes and must not be lost to a bad path at the end.

@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, PROFILE_KINDS, force=args.force)
     if args.steps < 1:
         raise UserInputError("--steps must be at least 1")
+    if args.top < 0:
+        raise UserInputError(f"--top must be at least 0, got {args.top}")
     # Heavy imports only now: `teraio --help` stays fast.
     from teraio.profile_run import profile_workload, summarize
     from teraio.workload import load_workload

@@ -146,6 +146,83 @@ def test_a_profile_with_an_extra_file_is_not_a_profile(tmp_path):
         check_output_dir(out, ("profile",))
 
 
+def _profile_set(out: Path) -> Path:
+    """A two-graph profile set as ``teraio profile`` writes it (index.json plus graphN/ profiles)."""
+
+    def populate(d: Path) -> None:
+        for g in ("graph0", "graph1"):
+            (d / g).mkdir()
+            pyramid(fingerprint=g).write_files(d / g)
+        (d / "index.json").write_text(json.dumps({"graphs": ["graph0", "graph1"]}))
+
+    return replace_dir(out, "profile-set", populate)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"meta.json": '{"my": "settings"}'},  # only a user's meta.json: was taken for a profile
+        {"index.json": '{"x": 1}'},  # only an index.json: was taken for a profile set
+        {"index.json": '{"graphs": []}'},
+        {"meta.json": "{}", "ops.parquet": "x", "tensors.parquet": "y"},  # all the names, not teraio's meta
+        {"meta.json": "[1, 2]", "ops.parquet": "x", "tensors.parquet": "y"},
+        {"meta.json": "not json", "ops.parquet": "x", "tensors.parquet": "y"},
+        {
+            "meta.json": '{"schema_version": "1", "fingerprint": "f", "num_fwd_ops": 1}',
+            "ops.parquet": "x",
+            "tensors.parquet": "y",
+        },
+    ],
+)
+def test_files_with_teraio_names_are_not_an_artefact(tmp_path, files):
+    """Before, a directory was teraio's when every file had a teraio name: a lone meta.json was replaced."""
+    d = tmp_path / "mine"
+    d.mkdir()
+    for name, text in files.items():
+        (d / name).write_text(text)
+    assert artifact_kind(d) is None
+    for kinds in (("profile",), ("profile", "profile-set")):
+        with pytest.raises(OutputError, match="not a teraio profile"):
+            check_output_dir(d, kinds)
+    with pytest.raises(OutputError, match="--force"):
+        pyramid().save(d)
+    assert {p.name: p.read_text() for p in d.iterdir()} == files
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+
+
+def test_an_incomplete_profile_is_not_a_profile(tmp_path):
+    out = pyramid().save(tmp_path / "prof")
+    (out / "tensors.parquet").unlink()  # teraio's meta.json, but a file missing
+    assert artifact_kind(out) is None
+    (tmp_path / "only_meta").mkdir()
+    (tmp_path / "only_meta" / "meta.json").write_bytes((out / "meta.json").read_bytes())
+    assert artifact_kind(tmp_path / "only_meta") is None
+
+
+def test_profile_set_needs_its_index_and_graph_profiles(tmp_path):
+    out = _profile_set(tmp_path / "set")
+    assert artifact_kind(out) == "profile-set"
+    _profile_set(out)  # replaces a profile set without force, leaving nothing else
+    assert [p.name for p in tmp_path.iterdir()] == ["set"]
+    index = (out / "index.json").read_text()
+    (out / "index.json").write_text(json.dumps({"graphs": ["graph0"]}))  # does not name graph1
+    assert artifact_kind(out) is None
+    (out / "index.json").write_text(index)
+    (out / "graph1" / "meta.json").write_text("{}")  # a graph that is not a teraio profile
+    assert artifact_kind(out) is None
+    only_index = tmp_path / "only_index"
+    only_index.mkdir()
+    (only_index / "index.json").write_text(index)  # teraio's index, but no graph profiles
+    assert artifact_kind(only_index) is None
+
+
+def test_profile_meta_keys_are_the_ones_profiles_require():
+    from teraio.planner.profile import META_REQUIRED
+    from teraio.planner.safe_io import PROFILE_META_KEYS
+
+    assert tuple(PROFILE_META_KEYS) == tuple(META_REQUIRED)
+
+
 def test_replace_dir_failure_keeps_the_old_directory(tmp_path):
     out = pyramid().save(tmp_path / "prof")
     before = sorted(p.name for p in out.iterdir())

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -243,3 +247,26 @@ def test_kvikio_gds_file_without_stream_api_is_reopened_in_auto_mode(tmp_path, c
     off, auto = int(kvikio.CompatMode.OFF), int(kvikio.CompatMode.AUTO)
     assert [mode for _, mode in opened] == [off, auto, off, auto]
     assert sum("synchronise the default CUDA stream" in r.getMessage() for r in caplog.records) == 2
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="the driver stand-in is built with gcc")
+def test_driver_standin_build_never_follows_links_planted_in_its_build_dir(tmp_path):
+    """It wrote standin.c (and gcc wrote libcuda.so.1) at fixed names in ``build_dir``: links planted
+    there were followed. Now it builds in a fresh private directory inside it. In a subprocess: the
+    stand-in is loaded once per process, RTLD_GLOBAL."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    for name in ("standin.c", "libcuda.so.1"):
+        (shared / name).symlink_to(victim)
+    code = "import sys; from teraio.runtime.testing import load_cuda_driver_standin as f; f(build_dir=sys.argv[1])"
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(shared)], capture_output=True, text=True, timeout=120
+    )
+    assert victim.read_text() == "precious\n"
+    assert out.returncode == 0, out.stderr
+    (private,) = [p for p in shared.iterdir() if not p.is_symlink()]
+    assert private.name.startswith("teraio-cuda-standin-") and stat.S_IMODE(private.stat().st_mode) == 0o700
+    assert (private / "libcuda.so.1").is_file()

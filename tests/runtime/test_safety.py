@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.config import default_offload_dir
 from teraio.runtime.errors import ChecksumError, ConfigError, UnsafePathError
 from teraio.runtime.space import OffloadDir
 
@@ -179,6 +180,7 @@ def test_cleanup_in_another_process_never_removes_a_directory_being_created(tmp_
 _STARTER = """
 import os, sys, time, torch
 from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.config import default_offload_dir
 base, go, k = sys.argv[1], sys.argv[2], float(sys.argv[3])
 print("ready", flush=True)
 while not os.path.exists(go):
@@ -220,6 +222,7 @@ def test_pid_of_any_size_in_a_directory_name(tmp_path):
 _FORK = """
 import os, sys, torch
 from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.config import default_offload_dir
 eng = Engine(RuntimeConfig(dirs=[sys.argv[1]], backend="posix"))
 x = torch.arange(1000.0)
 eng.offload("x", x).wait(); eng.release("x")
@@ -245,6 +248,7 @@ def test_forked_child_exit_leaves_the_parents_files(tmp_path):
 _SIGTERM = """
 import os, signal, sys, time, torch
 from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.config import default_offload_dir
 if sys.argv[2] == "user-handler":
     def handler(signum, frame):
         open(sys.argv[1] + ".handled", "w").close()
@@ -275,6 +279,7 @@ def test_sigterm_cleans_up_and_chains_the_users_handler(tmp_path, mode):
 _KILLED = """
 import sys, time, torch
 from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.config import default_offload_dir
 eng = Engine(RuntimeConfig(backend="posix"))
 eng.offload("x", torch.ones(1 << 16)).wait()
 print(eng.offload_paths[0], flush=True)
@@ -335,6 +340,68 @@ def test_base_owned_by_another_user_or_their_symlink_is_refused(tmp_path):
     with pytest.raises(UnsafePathError, match="symbolic link owned by uid 4242"):
         Engine(RuntimeConfig(dirs=[their_link], backend="posix"))
     assert os.listdir(other) == [] and os.listdir(mine) == []
+
+
+@pytest.fixture
+def no_home(tmp_path, monkeypatch) -> Path:
+    """No usable home or cache: the default offload directory falls back to a temp dir that the test
+    controls (made like /tmp: world-writable with the sticky bit). Returns teraio-<uid> in it."""
+    import tempfile
+
+    shared_tmp = tmp_path / "tmp"
+    shared_tmp.mkdir()
+    shared_tmp.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("TERAIO_OFFLOAD_DIRS", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "no-such-home"))
+    per_user = shared_tmp / f"teraio-{os.geteuid()}"
+    assert default_offload_dir() == per_user / "offload"
+    return per_user
+
+
+def test_temp_dir_fallback_creates_every_level_private_whatever_the_umask(no_home):
+    old = os.umask(0)  # os.makedirs gave the parents it created mode 0777 & ~umask
+    try:
+        with Engine(RuntimeConfig(backend="posix")) as eng:
+            eng.offload("x", torch.ones(4)).wait()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(no_home).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(no_home / "offload").st_mode) == 0o700
+
+
+def _refused(per_user: Path, match: str) -> None:
+    before = sorted(os.listdir(per_user)) if per_user.is_dir() else None
+    with pytest.raises(UnsafePathError, match=match) as info:
+        Engine(RuntimeConfig(backend="posix"))
+    assert str(per_user) in str(info.value) and len(str(info.value).splitlines()) == 1
+    if before is not None:
+        assert sorted(os.listdir(per_user)) == before, "something was created in a refused directory"
+
+
+def test_temp_dir_fallback_refuses_a_per_user_dir_others_can_write(no_home):
+    """Only the leaf (offload/) was checked: a teraio-<uid> made world-writable by someone else was used."""
+    no_home.mkdir(mode=0o700)
+    # (With the sticky bit it would be accepted, as /tmp is: nobody else could rename offload/ then.)
+    for mode in (0o777, 0o770, 0o702):
+        no_home.chmod(mode)
+        _refused(no_home, f"writable by other users \\(mode {mode:o}\\)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a directory owned by another user")
+def test_temp_dir_fallback_refuses_a_per_user_dir_of_another_user(no_home, tmp_path):
+    """Another user created /tmp/teraio-<uid> first (private to them): they could swap offload/ at will."""
+    no_home.mkdir(mode=0o700)
+    os.chown(no_home, 12345, 12345)
+    _refused(no_home, "belongs to uid 12345")
+    no_home.rmdir()
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    no_home.symlink_to(mine)  # their link to a directory of ours
+    os.lchown(no_home, 12345, 12345)
+    _refused(no_home, "symbolic link owned by uid 12345")
+    assert os.listdir(mine) == []
 
 
 # --------------------------------------------------------------------------------------------- space

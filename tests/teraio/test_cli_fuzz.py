@@ -1,10 +1,18 @@
 """Fuzzing the CLI and the three file formats with hypothesis.
 
-Random argument lists and random mutations of a valid profile, plan and hardware model go through
-``teraio.cli.main`` in-process. Whatever the input: no exception escapes (no traceback), a refused input
-exits 2 with one line on stderr and writes nothing, and nothing outside the named output is created,
-changed or removed. Where the library's own loader rejects a mutated file, the CLI must exit 2.
-Example counts stay small so the suite stays fast.
+Random argument lists (words of the CLI's own vocabulary mixed with random text) and random mutations of
+a valid profile, plan and hardware model go through ``teraio.cli.main`` in-process. Whatever the input:
+no exception escapes (no traceback), a refused input exits 2 with one line on stderr and writes nothing,
+and nothing outside the named output is created, changed or removed. Where the library's own loader
+rejects a mutated file, the CLI must exit 2.
+
+The commands that do long work (``profile`` trains, ``calibrate`` writes gigabytes, ``demo`` trains three
+ways) get only argument lists that must be refused before that work starts: each holds at least one bad
+argument, placed last so no later one overrides it, and the work itself is replaced by a stand-in that
+fails the test if it is ever reached. Every example runs in its own directory as the working directory,
+so a random relative path can only land there.
+
+Example counts stay small so the suite stays fast (``TERAIO_FUZZ_EXAMPLES`` raises them).
 """
 
 from __future__ import annotations
@@ -69,6 +77,43 @@ def _check(code: int, err: str, before: dict, after: dict, outputs: set[str]) ->
         assert stray == set(), f"changed outside the outputs: {stray}"
 
 
+class WorkStarted(BaseException):
+    """Raised by the stand-ins for long work: a BaseException, so no handler in the CLI can swallow it."""
+
+
+@pytest.fixture
+def no_long_work(monkeypatch):
+    """Replace the first step of each long job (right after its argument checks) with WorkStarted."""
+    import teraio.calibrate
+    import teraio.demo
+    import teraio.profile_run
+
+    def started(*args, **kwargs):
+        raise WorkStarted("an argument list that must be refused started the real work")
+
+    monkeypatch.setattr(teraio.profile_run, "profile_workload", started)
+    monkeypatch.setattr(teraio.calibrate, "filesystem_type", started)  # before its scratch directory
+    monkeypatch.setattr(teraio.demo, "run_demo", started)
+
+
+# Random text as a command line could carry it: no NUL (argv entries are C strings), no surrogates.
+# Never an option (a leading '-' could abbreviate --help, which exits 0, or --force); never a path with
+# '/' or only dots: relative names resolve inside the example's own working directory.
+_TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00/"), max_size=12
+).filter(lambda t: not t.startswith("-") and t.strip(".") != "")
+
+
+@contextlib.contextmanager
+def _inside(work: Path):
+    old = os.getcwd()
+    os.chdir(work)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
 # -------------------------------------------------------------------------------------- argument lists
 _TOKENS = [
     "plan", "simulate", "show", "sweep", "synth",
@@ -82,7 +127,7 @@ _TOKENS = [
 
 
 @FUZZ
-@given(tokens=st.lists(st.sampled_from(_TOKENS), min_size=0, max_size=10))
+@given(tokens=st.lists(st.one_of(st.sampled_from(_TOKENS), _TEXT), min_size=0, max_size=10))
 def test_random_argument_lists(valid, tokens):
     work = Path(tempfile.mkdtemp(prefix="fuzz-args-"))
     try:
@@ -104,7 +149,8 @@ def test_random_argument_lists(valid, tokens):
         if argv and argv[0] == "synth":
             argv += ["--layers", "1", "--hidden", "64", "--seq", "16", "--batch", "1", "--vocab", "8"]
         before = _tree(work)
-        code, err = _cli(argv)
+        with _inside(work):
+            code, err = _cli(argv)
         outputs = (
             {"out.json", "outdir", "plan.json", "hw.json", "prof"}
             if "--force" in argv
@@ -115,6 +161,189 @@ def test_random_argument_lists(valid, tokens):
         _check(code, err, before, _tree(work), outputs | {n.split("/")[0] for n in new})
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _refused_before_work(work: Path, argv: list[str]) -> None:
+    """Run ``argv`` inside ``work``: exit 2, one line, no traceback, nothing in ``work`` changed."""
+    before = _tree(work)
+    try:
+        with _inside(work):
+            code, err = _cli(argv)
+    except WorkStarted:
+        raise AssertionError(f"{argv} started the real work") from None  # an Exception: hypothesis shrinks it
+    assert code == 2, (argv, err)
+    _check(code, err, before, _tree(work), set())
+
+
+def _fill(pieces: list[list[str]], subs: dict[str, str]) -> list[str]:
+    return [subs.get(t, t) for piece in pieces for t in piece]
+
+
+def _pieces(valid: list[list[str]], bad: list[list[str]]) -> st.SearchStrategy[list[list[str]]]:
+    """Random options (valid, bad or random text), then one bad option last (so it is not overridden)."""
+    anything = st.one_of(st.sampled_from(valid), st.sampled_from(bad), _TEXT.map(lambda t: [t]))
+    return st.tuples(st.lists(anything, max_size=5), st.sampled_from(bad)).map(lambda p: [*p[0], p[1]])
+
+
+_TARGET_FILE = """
+import torch
+raises = lambda: 1 / 0
+not_tuple = lambda: torch.nn.Linear(2, 2)
+not_module = lambda: ("model", torch.zeros(1))
+no_tensors = lambda: (torch.nn.Linear(2, 2), [1, 2])
+bad_loss = lambda: (torch.nn.Linear(2, 2), torch.zeros(1, 2), "loss")
+not_callable = 3
+"""
+_BAD_TARGETS = [
+    "builtin:nope", "builtin:", "builtin:TINY", "nope", ":fn", "t.py:", "missing.py:make", "t.py:missing",
+    "t.py:raises", "t.py:not_tuple", "t.py:not_module", "t.py:no_tensors", "t.py:bad_loss",
+    "t.py:not_callable", "broken.py:make", "notes.txt:make", "{work}/t.py:raises", "{work}:make",
+]  # fmt: skip
+_PROFILE_VALID = [["--steps", "2"], ["--inner", "eager"], ["--top", "3"], ["--json"], ["--out", "{work}/p2"]]  # fmt: skip
+_PROFILE_BAD = [
+    ["--steps", "0"], ["--steps", "-1"], ["--steps", "x"], ["--inner", "tvm"], ["--top", "-1"], ["--top", "y"],
+    ["--out", "notes.txt/p"], ["--out", "notes.txt"], ["--out", "settings"], ["--out", ""], ["--out"],
+]  # fmt: skip
+_ANY_TARGET = st.one_of(
+    st.sampled_from(_BAD_TARGETS), _TEXT.filter(lambda t: t not in ("builtin:tiny", "builtin:demo"))
+)
+
+
+@FUZZ
+@given(
+    # A bad target with any options, or the good one with a bad option last.
+    case=st.one_of(
+        st.tuples(
+            _ANY_TARGET,
+            st.lists(
+                st.one_of(st.sampled_from(_PROFILE_VALID + _PROFILE_BAD), _TEXT.map(lambda t: [t])),
+                max_size=5,
+            ),
+        ),
+        st.tuples(st.just("builtin:tiny"), _pieces(_PROFILE_VALID, _PROFILE_BAD)),
+    )
+)
+def test_profile_refuses_bad_targets_and_options_before_profiling(no_long_work, case):
+    target, pieces = case
+    work = Path(tempfile.mkdtemp(prefix="fuzz-profile-"))
+    try:
+        (work / "t.py").write_text(_TARGET_FILE)
+        (work / "broken.py").write_text("def make(:\n")
+        (work / "notes.txt").write_text("not python")
+        (work / "settings").mkdir()
+        (work / "settings" / "meta.json").write_text('{"lr": 0.1}')  # a user's directory, not a profile
+        subs = {t: t.replace("{work}", str(work)) for t in _BAD_TARGETS if "{work}" in t}
+        subs.update(
+            {p: p.replace("{work}", str(work)) for piece in _PROFILE_VALID + _PROFILE_BAD for p in piece}
+        )
+        # The target comes first, so it is the positional whatever follows.
+        argv = ["profile", subs.get(target, target), "--out", str(work / "p"), *_fill(pieces, subs)]
+        _refused_before_work(work, argv)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_CALIBRATE_VALID = [["--size", "8KiB"], ["--block", "4KiB"], ["--repeats", "1"], ["--raw-only"], ["--json"], ["--out", "{work}/hw.json"]]  # fmt: skip
+_CALIBRATE_BAD = [
+    ["--size", "0"], ["--size", "-1"], ["--size", "lots"], ["--size", "1e400"], ["--size", "nan"],
+    ["--size", "4097"], ["--size", "6KiB", "--block", "4KiB"], ["--block", "0"], ["--block", "1000"],
+    ["--block", "4MiB", "--size", "1MiB"], ["--repeats", "0"], ["--repeats", "-2"], ["--repeats", "x"],
+    ["--out", "{work}/missing/hw.json"], ["--out", "{existing}"], ["--out", ""], ["--out", "{work}"],
+]  # fmt: skip
+_CALIBRATE_DIRS = ["{work}/disk", "{work}/missing", "{existing}", "", "disk", "{work}/missing/deeper"]
+
+
+@FUZZ
+@given(directory=st.one_of(st.sampled_from(_CALIBRATE_DIRS), _TEXT), data=st.data())
+def test_calibrate_refuses_bad_dirs_and_sizes_before_measuring(no_long_work, directory, data):
+    work = Path(tempfile.mkdtemp(prefix="fuzz-calibrate-"))
+    try:
+        (work / "disk").mkdir()
+        (work / "existing.json").write_text("{}")
+        subs = {"{work}": str(work), "{existing}": str(work / "existing.json")}
+        subs.update(
+            {
+                p: p.replace("{work}", str(work))
+                for piece in _CALIBRATE_VALID + _CALIBRATE_BAD
+                for p in piece
+                if "{work}" in p
+            }
+        )
+        subs.update({d: d.replace("{work}", str(work)) for d in _CALIBRATE_DIRS if "{work}" in d})
+        pieces = data.draw(_pieces(_CALIBRATE_VALID, _CALIBRATE_BAD))
+        _refused_before_work(work, ["calibrate", subs.get(directory, directory), *_fill(pieces, subs)])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_DEMO_VALID = [
+    ["--model", "tiny"], ["--steps", "1"], ["--budget", "50%"], ["--budget", "auto"], ["--solver", "greedy"],
+    ["--inner", "eager"], ["--json"], ["--methods", "teraio"], ["--offload-dir", "{work}"],
+    ["--out", "{work}/demo.json"], ["--run-dir", "{work}/run"], ["--time-limit", "5"],
+]  # fmt: skip
+_DEMO_BAD = [
+    ["--model", "gpt"], ["--steps", "0"], ["--steps", "-1"], ["--steps", "x"], ["--budget", "lots"],
+    ["--budget", "0"], ["--budget", "0%"], ["--budget", "1e400"], ["--solver", "magic"], ["--solver", ""],
+    ["--time-limit", "0"], ["--time-limit", "nan"], ["--time-limit", "-1"], ["--time-limit", "inf"],
+    ["--inner", "tvm"], ["--offload-dir", "{work}/missing"], ["--offload-dir", "{existing}"],
+    ["--methods", "magic"], ["--methods", ","], ["--methods", "teraio,magic"], ["--out", "{existing}"],
+    ["--out", "{work}/missing/x.json"], ["--out", ""], ["--out", "{work}"], ["--run-dir", "{existing}"],
+    ["--run-dir", "{work}/foreign"], ["--run-dir", ""],
+]  # fmt: skip
+
+
+@FUZZ
+@given(data=st.data())
+def test_demo_refuses_bad_arguments_before_training(no_long_work, data):
+    work = Path(tempfile.mkdtemp(prefix="fuzz-demo-"))
+    try:
+        (work / "existing.json").write_text("{}")
+        (work / "foreign" / "teraio").mkdir(parents=True)
+        (work / "foreign" / "teraio" / "config.json").write_text('{"theme": "dark"}')
+        subs = {"{work}": str(work), "{existing}": str(work / "existing.json")}
+        subs.update(
+            {
+                p: p.replace("{work}", str(work))
+                for piece in _DEMO_VALID + _DEMO_BAD
+                for p in piece
+                if "{work}" in p
+            }
+        )
+        pieces = data.draw(_pieces(_DEMO_VALID, _DEMO_BAD))
+        _refused_before_work(work, ["demo", *_fill(pieces, subs)])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # Found by these tests: each was accepted and failed only after the work (or never).
+        ["demo", "--model", "tiny", "--budget", "lots"],
+        ["demo", "--model", "tiny", "--solver", "magic"],
+        ["demo", "--model", "tiny", "--time-limit", "nan"],
+        ["profile", "builtin:tiny", "--out", "p", "--top", "-1"],
+        # A line break in an argument made argparse's error two lines.
+        ["calibrate", "disk", "--size", "1\n2"],
+        ["profile", "builtin:tiny", "--out", "p", "extra\x85argument"],
+    ],
+)
+def test_found_by_fuzzing(no_long_work, tmp_path, argv):
+    (tmp_path / "disk").mkdir()
+    _refused_before_work(tmp_path, argv)
+
+
+def test_the_work_stand_ins_are_reached_by_valid_arguments(no_long_work, tmp_path):
+    """The fuzz tests prove something only if valid arguments do reach the stand-ins."""
+    (tmp_path / "disk").mkdir()
+    for argv in (
+        ["profile", "builtin:tiny", "--out", str(tmp_path / "p")],
+        ["calibrate", str(tmp_path / "disk"), "--size", "8KiB", "--block", "4KiB"],
+        ["demo", "--model", "tiny", "--steps", "1", "--solver", "greedy", "--run-dir", str(tmp_path / "run")],
+    ):
+        with pytest.raises(WorkStarted):
+            _cli(argv)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["disk"]
 
 
 # ------------------------------------------------------------------------------------- file mutations

@@ -55,6 +55,20 @@ def test_profile_outputs_refuse_a_project_directory(capsys, project, command):
     assert _tree(project.parent) == before
 
 
+@pytest.mark.parametrize("command", ["synth", "profile"])
+@pytest.mark.parametrize(("name", "text"), [("meta.json", '{"lr": 0.1}\n'), ("index.json", '{"pages": 3}\n')])
+def test_profile_outputs_refuse_a_lone_teraio_named_file(capsys, tmp_path, command, name, text):
+    """A directory holding only a user's meta.json (or index.json) was replaced without --force."""
+    d = tmp_path / "settings"
+    d.mkdir()
+    (d / name).write_text(text)
+    before = _tree(tmp_path)
+    args = ["synth", "--layers", "1"] if command == "synth" else ["profile", "builtin:tiny"]
+    line = _error_line(capsys, *args, "--out", d)
+    assert "not a teraio profile" in line and str(d) in line and "--force" in line
+    assert _tree(tmp_path) == before and (d / name).read_text() == text
+
+
 def test_synth_force_moves_the_project_aside_never_deletes_it(capsys, project):
     code, _, err = _run(capsys, "synth", "--layers", "1", "--out", project, "--force")
     assert code == 0, err

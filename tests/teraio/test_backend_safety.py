@@ -1,0 +1,174 @@
+"""The backend writes only what it owns: a planted stats.jsonl link is not followed, a run_dir that is
+not teraio's is refused before anything is written, and a plan that does not fit its graph is refused
+before the runtime allocates a byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+
+import teraio
+from teraio.config import BackendConfig
+from teraio.errors import UserInputError
+from teraio.planner.plan import Plan
+from teraio.rewrite import PlanMismatchError
+from teraio.run_dir import RUN_DIR_CONFIG_KEYS, is_teraio_run_dir
+from teraio.workload import builtin_workload, call_model
+from tests.planner.planner_cases import pyramid
+from tests.teraio.cli_helpers import error_line, tree
+
+from .training import train
+
+#: The options the brief's scenario uses: a few fast steps of the tiny model on the FX-only path.
+FAST = {
+    "memory_budget": "70%",
+    "inner": "eager",
+    "solver": "greedy",
+    "profile_steps": 1,
+    "io_backend": "posix",
+    "measure_memory": False,  # no profiler-measured step: faster, and not what these tests are about
+}
+
+
+def _one_line(exc: BaseException) -> str:
+    msg = str(exc)
+    assert len(msg.splitlines()) == 1, msg
+    return msg
+
+
+# --------------------------------------------------------------------------------------- stats.jsonl
+def test_stats_log_never_follows_a_link_planted_in_a_shared_run_dir(tmp_path, caplog) -> None:
+    """stats.jsonl was opened with open(..., "a"): a link planted in a shared run_dir was appended to."""
+    caplog.set_level(logging.WARNING, logger="teraio")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    run_dir.chmod(0o777)  # world-writable, no sticky bit: anyone may plant a name in it
+    be = teraio.backend(**FAST, run_dir=str(run_dir), offload_dirs=[str(tmp_path)])
+    (run_dir / "stats.jsonl").symlink_to(victim)  # planted after the run started
+    try:
+        train(builtin_workload("tiny"), be, 3)  # profile, plan and compile, then one running step
+    finally:
+        be.close()
+    assert be.step_times_s, "no running step ended: the stats log was never written"
+    assert victim.read_text() == "precious\n"
+    assert (run_dir / "stats.jsonl").is_symlink()
+    warned = [r.getMessage() for r in caplog.records if "stats" in r.getMessage()]
+    assert len(warned) == 1 and "stats.jsonl" in warned[0], warned  # said once, training went on
+
+
+# ------------------------------------------------------------------------------------------ run_dir
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"config.json": '{"lr": 0.1, "epochs": 3}\n'},  # another program's config.json
+        {"notes.txt": "mine\n"},
+        {"config.json": "[1, 2]\n", "graph0.txt": "x"},
+        {"stats.jsonl": '{"step": 1}\n'},  # teraio's name, but nothing proves it is teraio's
+    ],
+)
+def test_run_dir_that_is_not_teraios_is_refused_before_anything_is_written(tmp_path, files) -> None:
+    """The backend wrote config.json with overwrite=True into any run_dir: a foreign one was replaced."""
+    run_dir = tmp_path / "project"
+    run_dir.mkdir()
+    for name, text in files.items():
+        (run_dir / name).write_text(text)
+    before = tree(tmp_path)
+    with pytest.raises(UserInputError) as info:
+        teraio.backend(**FAST, run_dir=str(run_dir))
+    msg = _one_line(info.value)
+    assert str(run_dir) in msg and "empty or new directory" in msg
+    assert tree(tmp_path) == before
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path) -> None:
+    f = tmp_path / "run"
+    f.write_text("x")
+    with pytest.raises(UserInputError, match="not a directory"):
+        teraio.backend(**FAST, run_dir=str(f))
+    assert f.read_text() == "x"
+
+
+def test_new_empty_and_teraio_run_dirs_are_used(tmp_path) -> None:
+    new = tmp_path / "a" / "new"
+    teraio.backend(**FAST, run_dir=str(new))
+    assert is_teraio_run_dir(new)
+    (tmp_path / "empty").mkdir()
+    teraio.backend(**FAST, run_dir=str(tmp_path / "empty"))
+    # A run directory teraio wrote is reused, with the user's own notes beside teraio's files.
+    (new / "notes.txt").write_text("mine")
+    be = teraio.backend(**{**FAST, "solver": "ilp"}, run_dir=str(new))
+    assert json.loads((new / "config.json").read_text())["solver"] == "ilp"
+    assert (new / "notes.txt").read_text() == "mine" and be.run_dir == new
+    # A run directory whose config.json is gone: graphN/ with a teraio profile and stats.jsonl.
+    old = tmp_path / "old"
+    pyramid().save(old / "graph0" / "profile")
+    (old / "stats.jsonl").write_text("{}\n")
+    teraio.backend(**FAST, run_dir=str(old))
+    assert is_teraio_run_dir(old) and (old / "config.json").exists()
+
+
+def test_graph_dirs_without_a_teraio_profile_are_not_a_run_dir(tmp_path) -> None:
+    d = tmp_path / "graphs"
+    (d / "graph0").mkdir(parents=True)
+    (d / "graph0" / "plan.json").write_text("{}")  # teraio's names only: nothing proves it is teraio's
+    assert not is_teraio_run_dir(d)
+    pyramid().save(d / "graph1" / "profile")
+    (d / "graph1" / "data.csv").write_text("a,b\n")  # a file teraio never writes there
+    assert not is_teraio_run_dir(d)
+    (d / "graph1" / "data.csv").unlink()
+    assert is_teraio_run_dir(d)
+
+
+def test_run_dir_config_keys_are_backend_options() -> None:
+    fields = {f.name for f in dataclasses.fields(BackendConfig)}
+    assert set(RUN_DIR_CONFIG_KEYS) <= fields
+
+
+def test_demo_refuses_a_foreign_run_dir_before_training(capsys, tmp_path) -> None:
+    """The demo's backend writes RUN_DIR/teraio: a foreign one failed only after the first method ran."""
+    (tmp_path / "run" / "teraio").mkdir(parents=True)
+    (tmp_path / "run" / "teraio" / "config.json").write_text('{"theme": "dark"}')
+    before = tree(tmp_path)
+    line = error_line(capsys, "demo", "--model", "tiny", "--steps", "1", "--run-dir", tmp_path / "run")
+    assert "--run-dir" in line and str(tmp_path / "run" / "teraio") in line
+    assert tree(tmp_path) == before
+
+
+# ------------------------------------------------------------------------------------------- plans
+def test_a_tampered_plan_is_refused_before_any_byte_is_allocated(tmp_path) -> None:
+    workload = builtin_workload("tiny")
+    run_dir = tmp_path / "run"
+    first = teraio.backend(**FAST, run_dir=str(run_dir), offload_dirs=[str(tmp_path / "off0")])
+    try:
+        train(workload, first, 2)  # the plan is saved when the second step starts
+    finally:
+        first.close()
+    plan_file = run_dir / "graph0" / "plan.json"
+    plan = json.loads(plan_file.read_text())
+    assert plan["decisions"], "the plan moves nothing: the test would prove nothing"
+    # A decision's size is wrong; the file stays self-consistent (moved_bytes agrees), so only the
+    # check against the captured graph can catch it.
+    plan["decisions"][0]["nbytes"] += 1 << 20
+    plan["moved_bytes"] += 1 << 20
+    plan_file.write_text(json.dumps(plan))
+    Plan.load(plan_file)  # a well-formed plan file
+    offload = tmp_path / "off"
+    offload.mkdir()
+    be = teraio.backend(inner="eager", plan=str(run_dir), io_backend="posix", offload_dirs=[str(offload)])
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(workload.model, backend=be)
+        name = plan["decisions"][0]["name"]
+        with pytest.raises(PlanMismatchError, match=f"decision for '{name}' says .* bytes") as info:
+            call_model(compiled, workload.batch_at(0))  # the first call compiles with the plan
+        _one_line(info.value)
+        assert be.engine is None, "the runtime started (and reserved space) for a plan that does not fit"
+    finally:
+        be.close()
+    assert list(offload.rglob("*")) == [], "an offload file or directory was created"
