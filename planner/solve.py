@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from teraio.planner.bounds import StepBound, step_lower_bound
@@ -21,7 +21,7 @@ from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes, analyse
 from teraio.planner.plan import Decision, Plan, PlanError, SolverStats, with_ranks
 from teraio.planner.profile import Profile
-from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, simulate_decisions
+from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, Violation, simulate_decisions
 
 #: ``progress(fraction_done, message)``; fraction in [0, 1].
 ProgressFn = Callable[[float, str], None]
@@ -35,7 +35,12 @@ class UnknownSolverError(PlanError):
 
 
 class SolverBugError(RuntimeError):
-    """A solver returned a plan that breaks the execution model's rules: a bug, not bad input."""
+    """A solver returned a plan that breaks the execution model's rules, or a check of a solver's own
+    claims failed: a bug, not bad input. ``violations`` holds the typed records (``.kind``) behind it."""
+
+    def __init__(self, message: str, violations: Sequence[Violation] = ()) -> None:
+        super().__init__(message)
+        self.violations: tuple[Violation, ...] = tuple(violations)
 
 
 @dataclass
@@ -147,7 +152,7 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
     # Over the budget or a tier's capacity: the plan is valid but infeasible. Anything else is a bug.
     broken = sim.broken_rules()
     if broken:
-        raise SolverBugError(f"solver '{stats.solver}' produced an invalid plan: {broken[0]}")
+        raise SolverBugError(f"solver '{stats.solver}' produced an invalid plan: {broken[0]}", broken)
     if sim.violations and stats.status != "INFEASIBLE":
         stats = dataclasses.replace(stats, status="INFEASIBLE")
     bound_s = problem.lower_bound().step_s

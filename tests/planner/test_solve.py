@@ -124,10 +124,12 @@ def test_tier_choice_host_when_it_has_room():
 def test_make_plan_rejects_rule_breaking_decisions():
     p = pyramid()
     lt = analyse(p)
-    problem = Problem(profile=p, lifetimes=lt, hardware=FAST, budget_bytes=None, budget_spec="auto")
+    # Over the budget too: that alone is no bug, so only the broken rule is in the error.
+    problem = Problem(profile=p, lifetimes=lt, hardware=FAST, budget_bytes=100 * MB, budget_spec="100MB")
     bad = lt.decision("t0", wait_before_idx=1)
-    with pytest.raises(SolverBugError, match="used while away"):
+    with pytest.raises(SolverBugError) as e:
         make_plan(problem, [bad], SolverStats(solver="x", status="HEURISTIC"))
+    assert [(v.kind, v.tensor) for v in e.value.violations] == [("used_while_away", "t0")]
 
 
 def test_register_a_solver_and_infeasible_result_is_an_error():
