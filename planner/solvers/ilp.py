@@ -546,7 +546,9 @@ def _better_auto(a: SimResult, b: SimResult) -> bool:
     return a.step_s < b.step_s
 
 
-def _complete_hint(m: cp_model.CpModel, time_limit_s: float, deterministic_s: float | None = None) -> bool:
+def _complete_hint(
+    m: cp_model.CpModel, time_limit_s: float, deterministic_s: float | None = None
+) -> tuple[bool, float]:
     """Turn a hint on the decision variables into a hint on every variable.
 
     CP-SAT ignored a partial hint of greedy's plan at 48 layers (no solution in 45 s) although fixing the
@@ -559,12 +561,12 @@ def _complete_hint(m: cp_model.CpModel, time_limit_s: float, deterministic_s: fl
     if deterministic_s is not None:
         probe.parameters.max_deterministic_time = max(0.01, deterministic_s)
     if probe.solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return False
+        return False, probe.deterministic_time
     values = list(probe.response_proto.solution)
     m.clear_hints()
     for i, v in enumerate(values):
         m.add_hint(m.get_int_var_from_proto_index(i), v)
-    return True
+    return True, probe.deterministic_time
 
 
 def _run(
@@ -601,6 +603,8 @@ class _Search:
     status: str = "HEURISTIC"
     own: list[dict] = dataclasses.field(default_factory=list)
     improvements: int = 0
+    #: CP-SAT's deterministic time over every solve so far (its own work units, see ``Problem``).
+    cpsat_deterministic_s: float = 0.0
 
     def offer(self, solver: cp_model.CpSolver, status: int, label: str) -> bool:
         """Extract the solution, judge it in the simulator, keep it when better. True when kept."""
@@ -679,6 +683,7 @@ def _lns(search: _Search, windows: list[tuple[int, ...]], layers, deadline: floa
         solver.parameters.num_workers = max(1, problem.workers)
         solver.parameters.random_seed = 0
         status = solver.solve(sub)
+        search.cpsat_deterministic_s += solver.deterministic_time
         solved += 1
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             search.offer(solver, status, f"window {window[0]}-{window[-1]}")
@@ -771,9 +776,15 @@ def solve_ilp(problem: Problem) -> Plan:
         share = 1.0 if auto or not layers.num_layers else 0.5
         phase1_s = left_s() * share * (1 - PHASE2_SHARE)
         solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+        search.cpsat_deterministic_s += solver.deterministic_time
         if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
-            if _complete_hint(model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None):
+            hinted_ok, used_s = _complete_hint(
+                model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None
+            )
+            search.cpsat_deterministic_s += used_s
+            if hinted_ok:
                 solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+                search.cpsat_deterministic_s += solver.deterministic_time
         extra["phase1_status"] = _STATUS.get(status, str(status))
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             objective, bound = solver.objective_value, solver.best_objective_bound
@@ -799,6 +810,7 @@ def solve_ilp(problem: Problem) -> Plan:
             solver2, status2 = _run(
                 model, left_s() * share * PHASE2_SHARE, problem.workers, det * 0.25 if det else None
             )
+            search.cpsat_deterministic_s += solver2.deterministic_time
             extra["phase2_status"] = _STATUS.get(status2, str(status2))
             if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 search.offer(solver2, status, "whole step")  # optimal in phase 1's objective
@@ -819,6 +831,7 @@ def solve_ilp(problem: Problem) -> Plan:
     extra["chosen"] = search.source
     extra["own_plans"] = search.own
     extra["improvements"] = search.improvements
+    extra["cpsat_deterministic_s"] = search.cpsat_deterministic_s
     status_out = search.status
     if search.sim.budget_bytes is not None and not search.sim.within_budget:
         status_out = "INFEASIBLE"
