@@ -585,7 +585,10 @@ def _run(
 #: Problems with at most this many candidates get the whole-step model first; larger ones go straight to
 #: the layer-window search (at 48 layers CP-SAT found no whole-step solution in 60 s, even hinted).
 FULL_MODEL_MAX_CANDIDATES = 300
-#: Layers per window of the large-neighbourhood search, and the CP-SAT time per window (seconds).
+#: Layers per window of the large-neighbourhood search, and the CP-SAT time per window (seconds). At real
+#: op granularity (synthetic ops split 7 ways, 16 or 80 layers) a window's presolve and propagation take
+#: seconds while CP-SAT's deterministic clock counts hundredths, so this wall-clock cap, not
+#: ``deterministic_time_s``, ends each window there: such runs are not reproducible across machines.
 LNS_WIDTH = 4
 LNS_WINDOW_S = 4.0
 
