@@ -1,37 +1,20 @@
 """Memory budgets: turning what a user types ("512MiB", "40%", "auto") into a number of bytes.
 
-This module is the project's one size grammar: the CLI, ``teraio.backend`` and the notebooks parse sizes
-here (the runtime, which may not import the planner, takes byte counts). Sizes accept plain bytes
-(``1024``, ``"1.5e9"``), decimal units (``kB MB GB TB``) and binary units (``KiB MiB GiB TiB``); the bare
-letters ``K M G T`` are decimal. A budget
-is a size, a fraction of the unplanned peak (``"40%"``, ``0.4``, ``"0.4"``), or ``"auto"``: the smallest
-peak that predicts no stall, which only a solver can find, so it resolves to ``None`` here.
+Sizes follow the project's one size grammar, :mod:`planner.sizes` (plain bytes ``1024`` or ``"1.5e9"``,
+decimal units ``kB MB GB TB`` and the bare letters ``K M G T``, binary units ``KiB MiB GiB TiB``); the
+CLI, ``teraio.backend`` and the notebooks parse sizes here, and the runtime's ``parse_nbytes`` applies
+the same grammar from its byte-identical copy of that module (the runtime may not import the planner).
+A budget is a size, a fraction of the unplanned peak (``"40%"``, ``0.4``, ``"0.4"``), or ``"auto"``: the
+smallest peak that predicts no stall, which only a solver can find, so it resolves to ``None`` here.
 """
 
 from __future__ import annotations
 
 import math
-import re
+
+from teraio.planner.sizes import SIZE_RE, SizeError, nbytes_of
 
 AUTO = "auto"
-
-_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "kib": 1024,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "mib": 1024**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "gib": 1024**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "tib": 1024**4,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 class BudgetError(ValueError):
@@ -58,28 +41,15 @@ def format_size(nbytes: float) -> str:
 
 
 def parse_size(text: str | int | float) -> int:
-    """Parse a size in bytes: ``1024``, ``"512MiB"``, ``"2GB"``, ``"1.5e9"``.
+    """Parse a size in bytes: ``1024``, ``"512MiB"``, ``"2GB"``, ``"1.5e9"`` (grammar: :mod:`planner.sizes`).
 
     Raises:
         BudgetError: the text is not a non-negative size with a known unit.
     """
-    if isinstance(text, bool):
-        raise BudgetError(f"size {text!r} is not a number of bytes")
-    if isinstance(text, int):
-        value: float = float(text)
-        unit = ""
-    elif isinstance(text, float):
-        value, unit = text, ""
-    else:
-        m = _SIZE_RE.match(str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise BudgetError(
-                f"size {text!r} does not parse; write bytes or a number with a unit, e.g. 512MiB, 2GB, 1.5e9"
-            )
-        value, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(value) or value < 0:
-        raise BudgetError(f"size {text!r} must be a finite, non-negative number of bytes")
-    return int(round(value * _UNITS[unit]))
+    try:
+        return nbytes_of(text, "size")
+    except SizeError as e:
+        raise BudgetError(str(e)) from None
 
 
 def _parse_fraction(spec: str | float) -> float | None:
@@ -94,7 +64,8 @@ def _parse_fraction(spec: str | float) -> float | None:
             except ValueError:
                 raise BudgetError(f"budget {spec!r} does not parse; write a percentage like 40%") from None
         # A unitless decimal at most 1 ("0.4") is a fraction; "1" or "1024" are bytes.
-        if "." in s and _SIZE_RE.match(s) and not _SIZE_RE.match(s).group(2):
+        m = SIZE_RE.match(s)
+        if "." in s and m and not m.group(2):
             value = float(s)
             if 0 < value <= 1:
                 return value

@@ -82,10 +82,6 @@ class Lifetimes:
         """The op's name; index ``num_ops`` (possible only without a backward) is "<end>"."""
         return self.op_names[idx] if 0 <= idx < self.num_ops else "<end>"
 
-    def candidate(self, name: str) -> pd.Series:
-        """The candidate row for tensor ``name`` (KeyError when it is not a candidate)."""
-        return self.candidates.iloc[self._by_name[name]]
-
     @property
     def candidate_list(self) -> tuple[Candidate, ...]:
         """The candidates as :class:`~planner.execution.Candidate` records, in profile order (what the

@@ -51,6 +51,11 @@ ViolationKind = Literal[
     "read_before_write",  # read started before the write completed
     "budget",  # peak over the budget
     "capacity",  # a tier holds more than its capacity
+    # Found by the checks of a solver's own claims (``planner.solve``, ``planner.solvers.ilp``), never by
+    # the simulator itself; they reach users only inside a SolverBugError.
+    "model_optimistic",  # the exact model predicts a faster step or a smaller peak than the simulator finds
+    "model_pessimistic",  # an optimal model step above the simulated one by more than rounding and CPU charge
+    "bound_above_step",  # a lower bound above the simulated step of a plan within the budget
 ]
 #: Violations that make a plan infeasible but not invalid: the plan is sound, only too big.
 OVER_LIMIT_KINDS: frozenset[str] = frozenset({"budget", "capacity"})

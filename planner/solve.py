@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from teraio.planner.bounds import StepBound, step_lower_bound
@@ -21,13 +21,16 @@ from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes, analyse
 from teraio.planner.plan import Decision, Plan, PlanError, SolverStats, with_ranks
 from teraio.planner.profile import Profile
-from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, simulate_decisions
+from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, Violation, simulate_decisions
 
 #: ``progress(fraction_done, message)``; fraction in [0, 1].
 ProgressFn = Callable[[float, str], None]
 
 #: Bisection for "auto" stops when the bracket is narrower than this share of the unplanned peak.
 AUTO_RESOLUTION = 0.002
+#: A lower bound may exceed a plan's simulated step by this share only (float sums in another order);
+#: beyond it, ``make_plan`` raises SolverBugError instead of clamping the bound to the step.
+BOUND_REL_TOLERANCE = 1e-9
 
 
 class UnknownSolverError(PlanError):
@@ -35,7 +38,12 @@ class UnknownSolverError(PlanError):
 
 
 class SolverBugError(RuntimeError):
-    """A solver returned a plan that breaks the execution model's rules: a bug, not bad input."""
+    """A solver returned a plan that breaks the execution model's rules, or a check of a solver's own
+    claims failed: a bug, not bad input. ``violations`` holds the typed records (``.kind``) behind it."""
+
+    def __init__(self, message: str, violations: Sequence[Violation] = ()) -> None:
+        super().__init__(message)
+        self.violations: tuple[Violation, ...] = tuple(violations)
 
 
 @dataclass
@@ -139,7 +147,8 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
     A plan over its budget or a tier's capacity gets status INFEASIBLE. For "auto", the plan's budget is its predicted peak.
 
     Raises:
-        SolverBugError: the decisions break a rule other than the budget (the solver is wrong).
+        SolverBugError: the decisions break a rule other than the budget (the solver is wrong), or the
+            lower bound exceeds the simulated step of this plan within its budget (the bound is wrong).
     """
     # Every saved plan carries explicit queue orders (ranks) for the runtime to follow.
     decisions = with_ranks(decisions)
@@ -147,7 +156,7 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
     # Over the budget or a tier's capacity: the plan is valid but infeasible. Anything else is a bug.
     broken = sim.broken_rules()
     if broken:
-        raise SolverBugError(f"solver '{stats.solver}' produced an invalid plan: {broken[0]}")
+        raise SolverBugError(f"solver '{stats.solver}' produced an invalid plan: {broken[0]}", broken)
     if sim.violations and stats.status != "INFEASIBLE":
         stats = dataclasses.replace(stats, status="INFEASIBLE")
     bound_s = problem.lower_bound().step_s
@@ -155,8 +164,15 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
         bound_s = max(bound_s, stats.lower_bound_s)
     if problem.budget_bytes is None or sim.violations:
         bound_s = None  # "auto" minimises the peak, and an infeasible plan has no gap to speak of
+    elif bound_s > sim.step_s * (1 + BOUND_REL_TOLERANCE):
+        message = (
+            f"solver '{stats.solver}': the lower bound {bound_s!r} s is above the simulated step "
+            f"{sim.step_s!r} s of a plan within the budget (the bound or the simulator is wrong)"
+        )
+        raise SolverBugError(message, [Violation("bound_above_step", "", message)])
     else:
-        bound_s = min(bound_s, sim.step_s)  # summing op times in another order differs in the last bit
+        # Within the tolerance: the bound sums op times in another order than the simulator (last bits).
+        bound_s = min(bound_s, sim.step_s)
     stats = dataclasses.replace(
         stats,
         lower_bound_s=bound_s,

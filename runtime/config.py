@@ -7,13 +7,13 @@ option unset, so an explicit argument always wins and a job script can steer the
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from teraio.runtime.errors import ConfigError
+from teraio.runtime.sizes import SizeError, nbytes_of
 
 PAGE_NBYTES = 4096
 BACKENDS = ("auto", "posix", "kvikio", "host")
@@ -46,47 +46,20 @@ def default_offload_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"teraio-{os.geteuid()}" / "offload"
 
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+def parse_nbytes(value: int | float | str, *, what: str = "size") -> int:
+    """Parse a byte count: an int, a float, or text with a unit ("512MiB", "2GB", "1.5e9", "4096").
 
-
-def parse_nbytes(value: int | str, *, what: str = "size") -> int:
-    """Parse a byte count given as an int or a string with a unit ("512MiB", "2GB", "4096").
+    The grammar is the project's one size grammar, :mod:`teraio.runtime.sizes` (a byte-identical copy of
+    the planner's, which the runtime may not import; tests/test_sizes.py keeps the two equal).
 
     Raises:
-        ConfigError: the value is negative, not a number, or has an unknown unit.
+        ConfigError: the value is negative, not a number, or has an unknown unit (the message names
+            ``what``).
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a byte count, got {value!r}")
-    if isinstance(value, int):
-        nbytes = value
-    elif isinstance(value, str):
-        match = _SIZE_RE.match(value)
-        if not match or match.group(2).lower() not in _UNITS:
-            raise ConfigError(
-                f"{what}={value!r} is not a size: use bytes or a unit like '512MiB', '2GB', '1GiB'"
-            )
-        nbytes = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-    else:
-        raise ConfigError(f"{what} must be an int or a string like '512MiB', got {type(value).__name__}")
-    if nbytes < 0:
-        raise ConfigError(f"{what} must be >= 0, got {value!r}")
-    return nbytes
+    try:
+        return nbytes_of(value, what)
+    except SizeError as e:
+        raise ConfigError(str(e)) from None
 
 
 # A fault injector is called before every syscall that touches an offload file, with the action
@@ -126,9 +99,9 @@ class RuntimeConfig:
     dirs: Sequence[str | os.PathLike[str]] = ()
     backend: str | None = None
     io_threads: int = 2
-    chunk_bytes: int | str = 4 << 20
-    reserve_bytes: int | str = 0
-    host_capacity_bytes: int | str | None = None
+    chunk_bytes: int | float | str = 4 << 20
+    reserve_bytes: int | float | str = 0
+    host_capacity_bytes: int | float | str | None = None
     checksum: bool | str = True
     rank: int = 0
     direct_io: bool | None = None

@@ -319,9 +319,13 @@ def apply_plan(
 
     # Note: [Queue orders] Each channel runs its transfers FIFO in issue order, and the plan says that
     # order (``write_rank``/``read_rank``). Offloads issued after the same op are chained one after the
-    # other in write order; prefetches before the same op are inserted in read order.
+    # other in write order; prefetches before the same op are inserted in read order, and all of them
+    # before any fetch at that op: the execution model issues a boundary's reads, then waits for the
+    # ones needed next (a fetch placed between two prefetches would hold the later read back until the
+    # earlier one completed, which a read on another channel need not wait for).
     last_offload_at: dict[int, fx.Node] = {}
     last_prefetch_at: dict[int, fx.Node] = {}
+    first_fetch_at: dict[int, fx.Node] = {}
     tokens: dict[int, fx.Node] = {}
     for k in queue_order(plan.decisions, "write"):
         d = plan.decisions[k]
@@ -388,7 +392,7 @@ def apply_plan(
         pf = _insert(
             bw_graph,
             bw_mode,
-            p_at,
+            first_fetch_at.get(d.prefetch_before_idx, p_at),  # Note: [Queue orders]
             ops_teraio.prefetch.default,
             (ph, pf_anchors, key, engine_id),
             f"teraio_prefetch_{g.name}",
@@ -405,6 +409,7 @@ def apply_plan(
             (pf, f_anchor, key, engine_id, numel, dtype, device),
             f"teraio_fetch_{g.name}",
         )
+        first_fetch_at.setdefault(d.fetch_before_idx, flat)
         for pos in g.members:
             member_ph = bw_placeholders[pos]
             v = old_vals[pos]

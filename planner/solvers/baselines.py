@@ -32,8 +32,14 @@ def solve_all(problem: Problem) -> Plan:
     nf = lt.num_fwd_ops
     tier = problem.default_tier
     decisions = [
-        lt.decision(name, tier=tier, offload_after_idx=last_fwd, wait_before_idx=nf, prefetch_before_idx=nf)
-        for name, last_fwd in zip(lt.candidates["name"], lt.candidates["last_fwd_use_idx"])
+        lt.decision(
+            c.name,
+            tier=tier,
+            offload_after_idx=c.last_fwd_use_idx,
+            wait_before_idx=nf,
+            prefetch_before_idx=nf,
+        )
+        for c in lt.candidate_list
     ]
     stats = SolverStats(solver="all", status="BASELINE", wall_s=time.perf_counter() - t0)
     return make_plan(problem, decisions, stats)

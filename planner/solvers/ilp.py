@@ -30,16 +30,39 @@ Memory is a *cumulative* resource over time, not a boolean per (tensor, op): op 
 candidate occupies ``[start of its producer, pe[t])`` and ``[p[t], E[last use])``. Reading the plan back
 (:meth:`_IlpModel.extract`), a tensor is absent at the ops whose window lies in ``[pe, p)``, the
 simulator's ``[wait_before_idx, prefetch_before_idx)``; the model's memory at every op is at least the
-simulator's, so the model's plans keep the budget (a fixture checks this on every solve of the test suite),
+simulator's, so the model's plans keep the budget (checked on every solve of the test suite, see below),
 with O(tensors + ops) variables instead of the O(tensors x ops) booleans of a per-op formulation.
 Cuts: a knapsack cut per over-budget op (bytes that could be away there >= the excess), and the
 bandwidth-window cuts of :mod:`planner.bounds` (time between two ops >= bytes that must move / bandwidth),
 which put bandwidth into the LP relaxation.
 
 Objective: ``E[last]`` plus the CPU cost of every transfer in full (the simulator charges only the share
-that overlaps running ops), so the model's step is never below the simulated step, and equal to it where
-the model is optimal on exact units. With ``budget="auto"`` op times are fixed at their nominal values (no
-stall) and the objective is the peak.
+that overlaps running ops). With ``budget="auto"`` op times are fixed at their nominal values (no stall)
+and the objective is the peak.
+
+How the model's step relates to the simulated step of the plan read back from it (``sim``):
+
+    sim  <=  model  <=  sim + rounding + cpu        (the upper half for OPTIMAL solutions)
+
+- Floor (every solution): the model's times are the simulator's with each op and transfer rounded up,
+  no CPU cost, and its memory is at least the simulator's; the plan read back issues, waits and fetches
+  no later than the model's schedule, so its replay ends no later than ``E[last]``, and interference adds
+  at most the CPU cost the model charges in full.
+- Ceiling (OPTIMAL, for the whole step or within a layer window): the read-back plan, replayed in model
+  units, is itself a solution of the (sub)model, so the optimum is at most its replayed end plus its CPU
+  charge. Rounding each duration up by ``delta`` moves any end by at most the sum of the deltas (each
+  time is a longest path through ops and transfers, each on it at most once, and FIFO orders are fixed
+  by issue order, not by times), and the simulator's interference only delays. Hence
+  ``rounding = sum over ops (d[k] - duration) + sum over moved tensors (write_us - write time) +
+  (read_us - read time)`` and ``cpu`` = the model's CPU charge of the moved tensors. On exact units
+  (whole-microsecond times, no CPU cost) both are zero and an optimal model step equals the simulated
+  step. A FEASIBLE solution may hold slack CP-SAT has not removed yet: no ceiling.
+
+With ``TERAIO_CHECK_OWN_PLANS=1`` in the environment (the test suite sets it for every test, subprocesses
+included) every model solution is checked against these relations, and against the budget, the moment it
+is found (before any fallback to a start can hide it): a failure raises ``SolverBugError`` whose
+violations say which (``budget``, ``model_optimistic``, ``model_pessimistic``). Each solution's record
+is in ``stats.extra["own_plans"]`` either way.
 
 Transfer order: the simulator (and the runtime) run each channel FIFO in issue order; the plan's
 ``write_rank`` / ``read_rank`` carry the model's channel order (see the note in ``extract``).
@@ -49,6 +72,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -60,8 +84,8 @@ from teraio.planner.budget import BudgetError, infeasible
 from teraio.planner.execution import channel_key, replay
 from teraio.planner.layers import find_layers
 from teraio.planner.plan import Decision, Plan, SolverStats
-from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult
-from teraio.planner.solve import Problem, get_solver, make_plan, register_solver
+from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, Violation
+from teraio.planner.solve import Problem, SolverBugError, get_solver, make_plan, register_solver
 
 #: Memory is counted in units of the largest power of two dividing every size (exact, and keeps the
 #: cumulative constraint's numbers small); never coarser than this.
@@ -72,6 +96,10 @@ PHASE2_SHARE = 0.25
 RESERVE_SHARE = 0.15
 #: Over-budget ops that get a knapsack cut (the ones with the largest excess; cuts are cheap but not free).
 MAX_CUTS = 256
+#: Set to "1" to check every model solution against the simulator (module docstring); tests set it.
+CHECK_OWN_PLANS_ENV = "TERAIO_CHECK_OWN_PLANS"
+#: Float slack of the checks: the simulator sums op times in seconds, the model whole microseconds.
+CHECK_TOLERANCE_S = 1e-9
 
 _STATUS = {
     cp_model.OPTIMAL: "OPTIMAL",
@@ -152,6 +180,27 @@ class _IlpModel:
     def units(self, nbytes: float) -> int:
         """Bytes in model memory units, rounded up (exact for every size the profile holds)."""
         return int(math.ceil(nbytes / self.unit))
+
+    def rounding_allowance_us(self, decisions: list[Decision] | tuple[Decision, ...]) -> float:
+        """How much rounding to whole microseconds lengthens the ops and the transfers of ``decisions``
+        (the ``rounding`` of the module docstring's ceiling)."""
+        lt, hw = self.problem.lifetimes, self.problem.hardware
+        total_us = float((self.d - lt.duration_us).sum())
+        for x in decisions:
+            tm = hw.tier(x.tier)
+            total_us += self.write_us[x.name, x.tier] - tm.write_s(x.nbytes) * 1e6
+            total_us += self.read_us[x.name, x.tier] - tm.read_s(x.nbytes) * 1e6
+        return total_us
+
+    def cpu_charge_us(self, decisions: list[Decision] | tuple[Decision, ...]) -> int:
+        """The CPU cost the objective charges for moving ``decisions`` (each byte written and read, in
+        full, rounded up per tensor as in ``cpu_us``)."""
+        hw = self.problem.hardware
+        return sum(
+            math.ceil(2 * x.nbytes * hw.tier(x.tier).cpu_s_per_byte * 1e6)
+            for x in decisions
+            if hw.tier(x.tier).cpu_s_per_byte > 0
+        )
 
     # ------------------------------------------------------------------------------------------ build
     def _build(self) -> None:
@@ -429,6 +478,54 @@ class _IlpModel:
         ]
 
 
+def own_plan_problems(own: dict) -> list[Violation]:
+    """What is wrong with one record of ``stats.extra["own_plans"]`` (empty when nothing is): the plan the
+    model found is over the budget, or its step or peak breaks the relations of the module docstring."""
+    out: list[Violation] = []
+    label = own["label"]
+    if own["budget_bytes"] is not None and own["sim_peak_bytes"] > own["budget_bytes"]:
+        out.append(
+            Violation(
+                "budget",
+                "",
+                f"{label}: simulated peak {own['sim_peak_bytes']} bytes over the budget of "
+                f"{own['budget_bytes']} bytes",
+            )
+        )
+    if own["auto"]:
+        # "auto" fixes op times and minimises the peak: the model's peak bounds the simulated one.
+        if own["model_peak_bytes"] is not None and own["sim_peak_bytes"] > own["model_peak_bytes"]:
+            out.append(
+                Violation(
+                    "model_optimistic",
+                    "",
+                    f"{label}: model peak {own['model_peak_bytes']} bytes below the simulated peak "
+                    f"{own['sim_peak_bytes']} bytes",
+                )
+            )
+        return out
+    model_s, sim_s = own["model_step_s"], own["sim_step_s"]
+    if sim_s > model_s + CHECK_TOLERANCE_S:
+        out.append(
+            Violation(
+                "model_optimistic",
+                "",
+                f"{label}: model step {model_s:.9f} s below the simulated {sim_s:.9f} s",
+            )
+        )
+    allowance_s = own["rounding_allowance_s"] + own["cpu_charge_s"]
+    if own["status"] == "OPTIMAL" and model_s - sim_s > allowance_s + CHECK_TOLERANCE_S:
+        out.append(
+            Violation(
+                "model_pessimistic",
+                "",
+                f"{label}: optimal model step {model_s:.9f} s exceeds the simulated {sim_s:.9f} s by more than "
+                f"rounding {own['rounding_allowance_s']:.9f} s + CPU charge {own['cpu_charge_s']:.9f} s",
+            )
+        )
+    return out
+
+
 def _better(a: SimResult, b: SimResult) -> bool:
     """Is ``a`` a better simulated plan than ``b``: within budget first, then step time, then bytes."""
     if a.within_budget != b.within_budget:
@@ -449,7 +546,9 @@ def _better_auto(a: SimResult, b: SimResult) -> bool:
     return a.step_s < b.step_s
 
 
-def _complete_hint(m: cp_model.CpModel, time_limit_s: float, deterministic_s: float | None = None) -> bool:
+def _complete_hint(
+    m: cp_model.CpModel, time_limit_s: float, deterministic_s: float | None = None
+) -> tuple[bool, float]:
     """Turn a hint on the decision variables into a hint on every variable.
 
     CP-SAT ignored a partial hint of greedy's plan at 48 layers (no solution in 45 s) although fixing the
@@ -462,12 +561,12 @@ def _complete_hint(m: cp_model.CpModel, time_limit_s: float, deterministic_s: fl
     if deterministic_s is not None:
         probe.parameters.max_deterministic_time = max(0.01, deterministic_s)
     if probe.solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return False
+        return False, probe.deterministic_time
     values = list(probe.response_proto.solution)
     m.clear_hints()
     for i, v in enumerate(values):
         m.add_hint(m.get_int_var_from_proto_index(i), v)
-    return True
+    return True, probe.deterministic_time
 
 
 def _run(
@@ -486,14 +585,18 @@ def _run(
 #: Problems with at most this many candidates get the whole-step model first; larger ones go straight to
 #: the layer-window search (at 48 layers CP-SAT found no whole-step solution in 60 s, even hinted).
 FULL_MODEL_MAX_CANDIDATES = 300
-#: Layers per window of the large-neighbourhood search, and the CP-SAT time per window (seconds).
+#: Layers per window of the large-neighbourhood search, and the CP-SAT time per window (seconds). At real
+#: op granularity (synthetic ops split 7 ways, 16 or 80 layers) a window's presolve and propagation take
+#: seconds while CP-SAT's deterministic clock counts hundredths, so this wall-clock cap, not
+#: ``deterministic_time_s``, ends each window there: such runs are not reproducible across machines.
 LNS_WIDTH = 4
 LNS_WINDOW_S = 4.0
 
 
 @dataclass
 class _Search:
-    """The incumbent and what every model solution looked like (the soundness fixture reads ``own``)."""
+    """The incumbent and what every model solution looked like (``own``: one record per solution, checked
+    by :func:`own_plan_problems` when the environment asks, see the module docstring)."""
 
     problem: Problem
     model: _IlpModel
@@ -503,24 +606,35 @@ class _Search:
     status: str = "HEURISTIC"
     own: list[dict] = dataclasses.field(default_factory=list)
     improvements: int = 0
+    #: CP-SAT's deterministic time over every solve so far (its own work units, see ``Problem``).
+    cpsat_deterministic_s: float = 0.0
 
     def offer(self, solver: cp_model.CpSolver, status: int, label: str) -> bool:
         """Extract the solution, judge it in the simulator, keep it when better. True when kept."""
         decisions = self.model.extract(solver)
         sim = self.problem.simulate(decisions)
         m = self.model
-        self.own.append(
-            {
-                "label": label,
-                "model_step_s": None if m.auto else solver.value(m.E[-1] + m.cpu_us) / 1e6,
-                "sim_step_s": sim.step_s,
-                "sim_peak_bytes": sim.peak_bytes,
-                "budget_bytes": self.problem.budget_bytes,
-                "status": _STATUS.get(status, str(status)),
-                "auto": m.auto,
-                "exact_units": m.exact_units,
-            }
-        )
+        own = {
+            "label": label,
+            "model_step_s": None if m.auto else solver.value(m.E[-1] + m.cpu_us) / 1e6,
+            "model_peak_bytes": solver.value(m.peak) * m.unit if m.auto else None,
+            "sim_step_s": sim.step_s,
+            "sim_peak_bytes": sim.peak_bytes,
+            "budget_bytes": self.problem.budget_bytes,
+            "status": _STATUS.get(status, str(status)),
+            "auto": m.auto,
+            "exact_units": m.exact_units,
+            "rounding_allowance_s": m.rounding_allowance_us(decisions) / 1e6,
+            "cpu_charge_s": m.cpu_charge_us(decisions) / 1e6,
+        }
+        self.own.append(own)
+        if os.environ.get(CHECK_OWN_PLANS_ENV) == "1":
+            problems = own_plan_problems(own)
+            if problems:
+                raise SolverBugError(
+                    f"ilp: the model's own plan ({label}) disagrees with the simulator: {problems[0]}",
+                    problems,
+                )
         better = _better_auto if m.auto else _better
         if better(sim, self.sim) or (label == "whole step" and not better(self.sim, sim)):
             self.decisions, self.sim, self.source = decisions, sim, label
@@ -572,6 +686,7 @@ def _lns(search: _Search, windows: list[tuple[int, ...]], layers, deadline: floa
         solver.parameters.num_workers = max(1, problem.workers)
         solver.parameters.random_seed = 0
         status = solver.solve(sub)
+        search.cpsat_deterministic_s += solver.deterministic_time
         solved += 1
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             search.offer(solver, status, f"window {window[0]}-{window[-1]}")
@@ -619,6 +734,8 @@ def solve_ilp(problem: Problem) -> Plan:
         "layers": layers.summary(),
         "starts": {k: v[1].step_s for k, v in starts.items()},
         "warm_start": best_start or "none",
+        # Whether each model solution was checked against the simulator (module docstring).
+        "own_plans_checked": os.environ.get(CHECK_OWN_PLANS_ENV) == "1",
     }
     if not len(lt.candidates) or (not auto and lt.baseline_peak_bytes <= problem.budget_bytes):
         # Nothing needs to move (or nothing can): the empty plan has no stall and moves no byte.
@@ -662,9 +779,15 @@ def solve_ilp(problem: Problem) -> Plan:
         share = 1.0 if auto or not layers.num_layers else 0.5
         phase1_s = left_s() * share * (1 - PHASE2_SHARE)
         solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+        search.cpsat_deterministic_s += solver.deterministic_time
         if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
-            if _complete_hint(model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None):
+            hinted_ok, used_s = _complete_hint(
+                model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None
+            )
+            search.cpsat_deterministic_s += used_s
+            if hinted_ok:
                 solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+                search.cpsat_deterministic_s += solver.deterministic_time
         extra["phase1_status"] = _STATUS.get(status, str(status))
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             objective, bound = solver.objective_value, solver.best_objective_bound
@@ -690,6 +813,7 @@ def solve_ilp(problem: Problem) -> Plan:
             solver2, status2 = _run(
                 model, left_s() * share * PHASE2_SHARE, problem.workers, det * 0.25 if det else None
             )
+            search.cpsat_deterministic_s += solver2.deterministic_time
             extra["phase2_status"] = _STATUS.get(status2, str(status2))
             if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 search.offer(solver2, status, "whole step")  # optimal in phase 1's objective
@@ -710,6 +834,7 @@ def solve_ilp(problem: Problem) -> Plan:
     extra["chosen"] = search.source
     extra["own_plans"] = search.own
     extra["improvements"] = search.improvements
+    extra["cpsat_deterministic_s"] = search.cpsat_deterministic_s
     status_out = search.status
     if search.sim.budget_bytes is not None and not search.sim.within_budget:
         status_out = "INFEASIBLE"

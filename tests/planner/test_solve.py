@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from teraio.planner.budget import BudgetError
+from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import analyse
 from teraio.planner.plan import Plan, SolverStats
 from teraio.planner.profile import make_profile
@@ -19,6 +20,7 @@ from teraio.planner.solve import (
     solve,
     solver_names,
 )
+from teraio.planner.synth import synth_profile
 from tests.planner.planner_cases import MB, act, ops_rows, pyramid, ssd_only
 
 FAST = ssd_only(write_bw=1e12, read_bw=1e12)  # 100 MB in 0.1 ms: every move hides behind 1 ms ops
@@ -86,6 +88,23 @@ def test_greedy_io_bound_accepts_stall_but_meets_the_budget():
     assert simulate(p, plan).ok
 
 
+@pytest.mark.parametrize("budget", ["50%", "30%"])
+def test_greedy_repairs_grow_linearly_with_the_layers(budget):
+    # Counted, not timed. I/O-bound, nothing hides, so greedy's repair pass does most of the work: at
+    # most two repairs per candidate (one per pass), so doubling the layers about doubles them. (Worst op
+    # first, they had grown with the square of the layers: 1,115 -> 3,905 at 50%, 2,786 -> 13,571 at 30%.)
+    io_bound = HardwareModel().with_overrides("ssd", write_bw_bytes_per_s=0.3e9, read_bw_bytes_per_s=0.2e9)
+    repairs = {}
+    for layers in (24, 48):
+        profile = synth_profile(layers=layers)
+        lt = analyse(profile)
+        plan = solve(profile, budget, "greedy", io_bound, lifetimes=lt)
+        repairs[layers] = plan.stats.extra["repairs"]
+        assert 0 < repairs[layers] <= 2 * len(lt.candidates)
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert repairs[48] <= 2.5 * repairs[24], repairs
+
+
 def test_auto_finds_the_smallest_stall_free_peak():
     p = pyramid()
     fast = solve(p, "auto", "greedy", FAST)
@@ -124,10 +143,12 @@ def test_tier_choice_host_when_it_has_room():
 def test_make_plan_rejects_rule_breaking_decisions():
     p = pyramid()
     lt = analyse(p)
-    problem = Problem(profile=p, lifetimes=lt, hardware=FAST, budget_bytes=None, budget_spec="auto")
+    # Over the budget too: that alone is no bug, so only the broken rule is in the error.
+    problem = Problem(profile=p, lifetimes=lt, hardware=FAST, budget_bytes=100 * MB, budget_spec="100MB")
     bad = lt.decision("t0", wait_before_idx=1)
-    with pytest.raises(SolverBugError, match="used while away"):
+    with pytest.raises(SolverBugError) as e:
         make_plan(problem, [bad], SolverStats(solver="x", status="HEURISTIC"))
+    assert [(v.kind, v.tensor) for v in e.value.violations] == [("used_while_away", "t0")]
 
 
 def test_register_a_solver_and_infeasible_result_is_an_error():

@@ -272,3 +272,21 @@ def test_subprocess_bad_budget_exits_2_without_traceback(tmp_path):
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "smallest achievable peak" in r.stderr
+
+
+def test_subprocess_ilp_checks_its_own_plans(files):
+    """The check of the ILP's own plans (``TERAIO_CHECK_OWN_PLANS``, set in tests/conftest.py) reaches the
+    CLI run as a subprocess: ``plan`` defaults to the ILP, whose plan records that it checked them."""
+    tmp, prof, hw = files
+    r = subprocess.run(
+        [sys.executable, "-m", "teraio", "plan", str(prof), "--budget", "300MB", "--hardware", str(hw)]
+        + ["-o", str(tmp / "p.json")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    plan = Plan.load(tmp / "p.json")
+    assert plan.solver == "ilp" and plan.stats.extra["own_plans_checked"] is True
+    assert plan.stats.extra["own_plans"], "the model found no plan of its own to check"
