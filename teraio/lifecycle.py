@@ -288,6 +288,25 @@ class GraphRunner:
             self.phase = Phase.PLANNING
 
 
+#: How far a measured step peak may exceed the prediction before the user is told (the budget tests hold
+#: measured peaks to 5% over the budget).
+PREDICTION_SLACK = 1.05
+
+
+def _warn_unplanned_memory(measured_bytes: int, predicted_bytes: int | None) -> None:
+    """Say so when the step used clearly more memory than every graph's plan accounts for."""
+    if predicted_bytes is None or measured_bytes <= PREDICTION_SLACK * predicted_bytes:
+        return
+    log.warning(
+        "measured step peak %s is %.0f%% above the predicted %s: memory outside teraio's graphs, such as "
+        "code torch.compile runs eagerly (a graph break it could not compile: TORCH_LOGS=graph_breaks "
+        "shows them) or tensors the loop keeps between steps; the budget cannot cover what it cannot see",
+        _fmt(measured_bytes),
+        100 * (measured_bytes / predicted_bytes - 1),
+        _fmt(predicted_bytes),
+    )
+
+
 def _device_of(example_inputs: list[Any]) -> str:
     for a in example_inputs:
         if isinstance(a, torch.Tensor):
@@ -603,6 +622,7 @@ class TeraioBackend:
             self.measured_peak_bytes = result.peak_bytes
             self._measure = MeasureState.DONE
             log.info("measured step peak %s", _fmt(self.measured_peak_bytes))
+            _warn_unplanned_memory(self.measured_peak_bytes, self.predicted_step_peak_bytes)
         else:
             self._measure = MeasureState.ARMED
 

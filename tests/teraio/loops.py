@@ -55,13 +55,11 @@ class GPTLoss(nn.Module):
 class ConvNet(nn.Module):
     """A small CNN with BatchNorm (running statistics updated in place) and in-place ReLUs."""
 
-    def __init__(self, dropout: float = 0.1) -> None:
+    def __init__(self, dropout: float = 0.1, graph_break: bool = False, checkpointed: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1),
-            nn.BatchNorm2d(8),
-            nn.ReLU(inplace=True),
+        self.first = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=True))
+        self.second = nn.Sequential(
             nn.Conv2d(8, 16, 3, padding=1),
             nn.BatchNorm2d(16),
             nn.ReLU(inplace=True),
@@ -69,15 +67,30 @@ class ConvNet(nn.Module):
             nn.AdaptiveAvgPool2d(2),
         )
         self.head = nn.Linear(64, 10)
+        self.graph_break = graph_break
+        self.checkpointed = checkpointed
+        self.log = io.StringIO()
 
     def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.head(self.body(images).flatten(1)), labels)
+        x = self.first(images)
+        if self.graph_break:  # a logged metric: .item() and print break the graph here
+            print("mean", x.mean().item(), file=self.log)
+        if self.checkpointed:
+            # The convolution is recomputed, BatchNorm is not: AOTAutograd's FX-only path (torch alone,
+            # no teraio) fails when a checkpointed region updates BatchNorm's running statistics in place.
+            conv, rest = self.second[0], self.second[1:]
+            return F.cross_entropy(
+                self.head(rest(checkpoint(conv, x, use_reentrant=False)).flatten(1)), labels
+            )
+        return F.cross_entropy(self.head(self.second(x).flatten(1)), labels)
 
 
 class HFLoss(nn.Module):
     """An HF transformers model with its LM loss computed outside the model (one graph, no labels)."""
 
-    def __init__(self, kind: str, dropout: float = 0.1) -> None:
+    def __init__(
+        self, kind: str, dropout: float = 0.1, graph_break: bool = False, checkpointed: bool = False
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         if kind == "gpt2":
@@ -110,10 +123,16 @@ class HFLoss(nn.Module):
                 attention_probs_dropout_prob=dropout,
             )
             self.model = BertForMaskedLM(cfg)
+        if checkpointed:  # HF's own activation checkpointing of every layer
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.kind = kind
+        self.graph_break = graph_break
+        self.log = io.StringIO()
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=ids).logits
+        if self.graph_break:  # a logged metric: .item() and print break the graph here
+            print(f"logits {logits.abs().mean().item():.4f}", file=self.log)
         if self.kind == "gpt2":
             logits, labels = logits[:, :-1], labels[:, 1:]
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -147,9 +166,25 @@ CASES: dict[str, Case] = {
     "gpt": Case("gpt", lambda: GPTLoss(dropout=0.1), _tokens(64, 2), (32, 24, 16)),
     "gpt-graph-break": Case("gpt-graph-break", lambda: GPTLoss(graph_break=True), _tokens(64, 2), (32,)),
     "gpt-checkpoint": Case("gpt-checkpoint", lambda: GPTLoss(checkpointed=True), _tokens(64, 2), (32,)),
-    "hf-gpt2": Case("hf-gpt2", lambda: HFLoss("gpt2"), _tokens(64, 2), (32, 24, 16)),
-    "hf-bert": Case("hf-bert", lambda: HFLoss("bert"), _tokens(64, 2), (32, 24, 16)),
-    "convnet": Case("convnet", ConvNet, _images, (16, 12, 8)),
+    "hf-gpt2": Case("hf-gpt2", lambda: HFLoss("gpt2"), _tokens(64, 2), (32, 24)),
+    "hf-gpt2-graph-break": Case(
+        "hf-gpt2-graph-break", lambda: HFLoss("gpt2", graph_break=True), _tokens(64, 2), (32,)
+    ),
+    "hf-gpt2-checkpoint": Case(
+        "hf-gpt2-checkpoint", lambda: HFLoss("gpt2", dropout=0.0, checkpointed=True), _tokens(64, 2), (32,)
+    ),
+    "hf-bert": Case("hf-bert", lambda: HFLoss("bert"), _tokens(64, 2), (32, 24)),
+    "hf-bert-graph-break": Case(
+        "hf-bert-graph-break", lambda: HFLoss("bert", graph_break=True), _tokens(64, 2), (32,)
+    ),
+    "hf-bert-checkpoint": Case(
+        "hf-bert-checkpoint", lambda: HFLoss("bert", dropout=0.0, checkpointed=True), _tokens(64, 2), (32,)
+    ),
+    "convnet": Case("convnet", ConvNet, _images, (16, 12)),
+    "convnet-graph-break": Case("convnet-graph-break", lambda: ConvNet(graph_break=True), _images, (16,)),
+    "convnet-checkpoint": Case(
+        "convnet-checkpoint", lambda: ConvNet(dropout=0.0, checkpointed=True), _images, (16,)
+    ),
 }
 
 
@@ -202,7 +237,29 @@ def _autocast(compiled, model, case, step, last) -> torch.Tensor:
     return loss
 
 
+# Every loop pattern in one training run (one compile of each graph shared by all of them): plain steps
+# (profiling, then planning), validation under no_grad, a forward never backpropagated, gradient
+# accumulation, two forwards then one backward, bf16 autocast (another graph: profiled, planned, run),
+# and a last plain step, the one measured against the budget.
+ALL_SCHEDULE = ("plain", "plain", "mixed", "two-forwards", "autocast", "autocast", "autocast", "plain")
+# The same without autocast, for the model variants (a graph break, checkpointing): autocast is covered
+# on each model's default variant.
+FP32_SCHEDULE = ("plain", "plain", "mixed", "two-forwards", "plain")
+
+
+def _all(compiled, model, case, step, last) -> torch.Tensor:
+    name = ALL_SCHEDULE[step % len(ALL_SCHEDULE)] if not last else "plain"
+    return PATTERNS[name](compiled, model, case, step, last)
+
+
+def _all_fp32(compiled, model, case, step, last) -> torch.Tensor:
+    name = FP32_SCHEDULE[step % len(FP32_SCHEDULE)] if not last else "plain"
+    return PATTERNS[name](compiled, model, case, step, last)
+
+
 PATTERNS: dict[str, StepFn] = {
+    "all": _all,
+    "all-fp32": _all_fp32,
     "plain": _plain,
     "mixed": _mixed,
     "two-forwards": _two_forwards,

@@ -143,3 +143,29 @@ def test_forward_only_graph_stops_being_profiled() -> None:
         compiled(*batch)
     (runner,) = be.runners
     assert runner.phase is Phase.RUNNING and runner.profile is None
+
+
+@pytest.mark.parametrize("hold_mib", [0, 4])
+def test_memory_outside_the_graphs_is_reported(hold_mib: int, caplog, tmp_path) -> None:
+    """A loop that keeps its own tensors through backward (or code torch.compile runs eagerly) uses memory
+    no plan can see: the measured step says so, and stays silent when the plan accounts for everything."""
+    caplog.set_level(logging.INFO, logger="teraio")
+    torch._dynamo.reset()
+    model = GPTLoss()
+    case = CASES["gpt"]
+    be = TeraioBackend(
+        inner="eager", profile_steps=1, solver="greedy", memory_budget="60%", offload_dirs=[str(tmp_path)]
+    )
+    compiled = torch.compile(model, backend=be)
+    try:
+        for step in range(5):
+            loss = compiled(*case.batch(step, case.sizes[0]))
+            held = torch.ones(hold_mib * (1 << 18))  # hold_mib MiB of float32, alive through backward
+            loss.backward()
+            del held
+        be.stats()  # finishes the measurement
+        assert be.measured_peak_bytes is not None
+        warned = [r for r in caplog.records if "above the predicted" in r.getMessage()]
+        assert bool(warned) == bool(hold_mib), [r.getMessage() for r in warned]
+    finally:
+        be.close()

@@ -17,7 +17,9 @@ import torch
 from teraio.lifecycle import Phase, TeraioBackend
 
 from .loops import (
+    ALL_SCHEDULE,
     CASES,
+    FP32_SCHEDULE,
     Case,
     ConvNet,
     GPTLoss,
@@ -34,32 +36,28 @@ BUDGET = "50%"
 # own error message). These models' floors are high: the logits and loss, BatchNorm's and autocast's
 # temporaries cannot be offloaded, and with a graph break one graph's tensors stay while the other runs.
 BUDGETS = {
-    "gpt-graph-break": "70%",
-    "gpt-checkpoint": "70%",
-    "hf-gpt2": "75%",
-    "hf-bert": "75%",
-    "convnet": "75%",
+    "gpt-graph-break": "60%",
+    "gpt-checkpoint": "65%",
+    "hf-gpt2": "70%",
+    "hf-gpt2-graph-break": "70%",
+    "hf-bert": "60%",
+    "hf-bert-graph-break": "60%",
+    "convnet": "70%",
+    "convnet-graph-break": "75%",
+    "convnet-checkpoint": "95%",
 }
-BUDGETS_BY_PATTERN = {("gpt", "autocast"): "70%"}
+# Checkpointed HF models save little besides each layer's input, which backward reads at once: their
+# floor is the unplanned peak, so nothing can move. They still run exact and unchanged with teraio on.
+NOTHING_TO_MOVE = {"hf-gpt2-checkpoint": "100%", "hf-bert-checkpoint": "100%"}
 PEAK_SLACK = 1.05
 
-FX_MATRIX = [
-    ("gpt", "plain"),
-    ("gpt", "mixed"),
-    ("gpt", "two-forwards"),
-    ("gpt", "changing-shapes"),
-    ("gpt", "autocast"),
-    ("gpt-graph-break", "plain"),
-    ("gpt-checkpoint", "plain"),
-    ("hf-gpt2", "mixed"),
-    ("hf-gpt2", "two-forwards"),
-    ("hf-gpt2", "changing-shapes"),
-    ("hf-bert", "mixed"),
-    ("hf-bert", "autocast"),
-    ("convnet", "mixed"),
-    ("convnet", "two-forwards"),
-    ("convnet", "changing-shapes"),
-    ("convnet", "autocast"),
+MODELS = ("gpt", "hf-gpt2", "hf-bert", "convnet")
+VARIANTS = ("", "-graph-break", "-checkpoint")
+# Every model in every variant (dropout, a graph break, activation checkpointing inside the model) runs
+# the loop that goes through every pattern (``loops.ALL_SCHEDULE``); changing shapes compile one graph per
+# shape, so they run on their own.
+FX_MATRIX = [(m + v, "all" if not v else "all-fp32") for m in MODELS for v in VARIANTS] + [
+    (m, "changing-shapes") for m in MODELS
 ]
 
 
@@ -87,8 +85,12 @@ def _check(
     **options,
 ) -> tuple[Trace, TeraioBackend]:
     case = CASES[case_name]
-    steps = STEPS + 2 * (len(case.sizes) - 1) if pattern == "changing-shapes" else STEPS
-    budget = budget or BUDGETS_BY_PATTERN.get((case_name, pattern), BUDGETS.get(case_name, BUDGET))
+    steps = {
+        "changing-shapes": STEPS + 2 * (len(case.sizes) - 1),
+        "all": len(ALL_SCHEDULE),
+        "all-fp32": len(FP32_SCHEDULE),
+    }.get(pattern, STEPS)
+    budget = budget or NOTHING_TO_MOVE.get(case_name) or BUDGETS.get(case_name, BUDGET)
     ref_be = _backend(False, inner, budget, **options)
     ref_codes: list[str] = []
     codes: list[str] = []
@@ -108,11 +110,21 @@ def _check(
             assert kernels(codes) == kernels(ref_codes), "the plan changed Inductor's kernels"
         training = [r for r in be.runners if r.is_training and r.plan is not None]
         assert training, "no training graph was planned"
-        assert any(r.plan.decisions for r in training), "the plan moved nothing: the test would prove nothing"
+        if case_name not in NOTHING_TO_MOVE:
+            assert any(r.plan.decisions for r in training), (
+                "the plan moved nothing: the test would prove nothing"
+            )
         assert all(r.phase is Phase.RUNNING for r in training)
         budget = max(r.step_budget_bytes for r in training)
         gc.collect()
-        assert be.engine.keys() == [], f"runtime still holds {be.engine.keys()}"
+        assert be.engine is None or be.engine.keys() == [], f"runtime still holds {be.engine.keys()}"
+        if case_name in NOTHING_TO_MOVE:
+            # The budget is then the composed prediction of the unplanned step, which this model's three
+            # graphs exceed by about 7% (tensors passed between graphs; an open modelling gap): what
+            # must hold is that teraio adds nothing to the step.
+            limit = PEAK_SLACK * reference.last_step_peak_bytes
+            assert trace.last_step_peak_bytes <= limit, f"{trace.last_step_peak_bytes} > {limit}"
+            return trace, be
         over = trace.last_step_peak_bytes > PEAK_SLACK * budget
         assert not (over and within_budget), (
             f"measured step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}"
@@ -130,7 +142,7 @@ def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
 INDUCTOR_MATRIX = ["gpt", "hf-gpt2", "hf-bert", "convnet"]  # every one with dropout
 # Inductor's graphs (its decompositions and joint passes, planned per kernel group) have their own
 # floors: the convnet's is about 90% of its step.
-INDUCTOR_BUDGETS = {"gpt": "65%", "convnet": "95%"}
+INDUCTOR_BUDGETS = {"gpt": "65%", "hf-gpt2": "75%", "hf-bert": "75%", "convnet": "95%"}
 
 
 @pytest.fixture
@@ -148,7 +160,7 @@ def deterministic_inductor():
 def test_inductor_matrix(case_name: str, deterministic_inductor, tmp_path) -> None:
     """Inductor's own passes (random-op replacement for dropout included) with and without the plan:
     exact, within budget, and the same kernels (the convnet's are the open case below)."""
-    budget = INDUCTOR_BUDGETS.get(case_name)
+    budget = INDUCTOR_BUDGETS[case_name]
     _check(case_name, "plain", "inductor", tmp_path, budget, same_kernels=case_name != "convnet")
 
 
