@@ -19,7 +19,10 @@ unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` 
   until their storage dies;
 - pinned memory (page-aligned, accounted with the power-of-two rounding of torch's caching host
   allocator); ``copy_async`` refuses pageable host memory (on CUDA such a copy is not asynchronous);
-- ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream.
+- ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream;
+- timing events stamped with ``clock`` when their stream reaches them: a test may pass a virtual clock
+  that its fake kernels advance, so that durations measured with events are exact numbers instead of
+  wall-clock readings.
 
 Errors raised by queued work are collected in ``errors`` (tests assert it stays empty).
 """
@@ -59,7 +62,7 @@ class FakeEvent:
         with self._cond:
             self._completed = max(self._completed, generation)
             if self.timing:
-                self.time_s = time.perf_counter()
+                self.time_s = self._device.clock()
             self._cond.notify_all()
 
     def _wait_for(self, generation: int) -> None:
@@ -145,14 +148,22 @@ class FakeDevice:
     Args:
         lag_s: delay before each op on every stream (default 0: ordering comes from pausing).
         pause_new_streams: streams made by ``new_stream`` (the runtime's I/O streams) start paused.
+        clock: seconds, read when a timing event completes (default ``time.perf_counter``).
     """
 
     name = "fake"
     supports_gds = False
 
-    def __init__(self, *, lag_s: float = 0.0, pause_new_streams: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        lag_s: float = 0.0,
+        pause_new_streams: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.lag_s = lag_s
         self.pause_new_streams = pause_new_streams
+        self.clock = clock
         self.errors: list[BaseException] = []
         self.log: list[tuple[str, str]] = []  # (what, stream name) of every copy and kernel run
         self.stream_uses: list[tuple[int, str]] = []  # (address, stream name) of every record_stream
