@@ -289,10 +289,10 @@ class GraphRunner:
 
 
 def _device_of(example_inputs: list[Any]) -> str:
-    for a in example_inputs:
-        if isinstance(a, torch.Tensor):
-            return str(a.device)
-    return "cpu"
+    """The device a graph computes on: its first non-CPU tensor input's (a leading CPU index or scalar
+    tensor does not make a CUDA graph "cpu"), else the first tensor's, else "cpu"."""
+    devices = [a.device for a in example_inputs if isinstance(a, torch.Tensor)]
+    return str(next((d for d in devices if d.type != "cpu"), devices[0] if devices else "cpu"))
 
 
 def _fmt(nbytes: int | float | None) -> str:

@@ -8,10 +8,11 @@ import sys
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import teraio
 from teraio.errors import UserInputError
-from teraio.lifecycle import Phase, TeraioBackend
+from teraio.lifecycle import Phase, TeraioBackend, _device_of
 
 from .loops import CASES, GPTLoss, assert_bit_identical, run
 
@@ -143,3 +144,13 @@ def test_forward_only_graph_stops_being_profiled() -> None:
         compiled(*batch)
     (runner,) = be.runners
     assert runner.phase is Phase.RUNNING and runner.profile is None
+
+
+def test_device_of_a_graph_is_its_accelerator_even_after_a_leading_cpu_tensor() -> None:
+    """A CPU index or scalar tensor first among a CUDA graph's inputs does not make it a "cpu" graph
+    (the profile, step times and peak recorder follow this device)."""
+    with FakeTensorMode():
+        index = torch.empty(3, dtype=torch.long)
+        weight = torch.empty(4, 4, device="cuda:1")
+    assert _device_of([index, 2, weight]) == "cuda:1"
+    assert _device_of([index]) == "cpu" and _device_of([2]) == "cpu" and _device_of([]) == "cpu"
