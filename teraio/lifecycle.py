@@ -28,6 +28,7 @@ import logging
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from enum import Enum
@@ -38,6 +39,7 @@ import torch
 from torch import fx
 
 from teraio.capture import CapturedStep, analyse_saved
+from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import BackendConfig
 from teraio.planner.hardware import HardwareModel
@@ -364,7 +366,9 @@ class TeraioBackend:
         self._measured_step: int | None = None
         self.measured_peak_bytes: int | None = None
         self.predicted_step_peak_bytes: int | None = None
-        self._step_t0: dict[int, float] = {}
+        self._step_t0: dict[int, tuple[Clock, Any]] = {}  # step index -> its clock and start mark
+        self._step_ends: deque[tuple[StepRecord, Clock, Any, Any]] = deque()  # not yet read
+        self._times_lock = threading.Lock()
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
@@ -406,6 +410,7 @@ class TeraioBackend:
     def _advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish a measurement, plan, compile."""
         self._finish_measurement()
+        self._read_step_times(wait=False)
         if runner.phase is not Phase.PLANNING:
             return
         with self._lock:
@@ -554,11 +559,12 @@ class TeraioBackend:
     # -------------------------------------------------------------------------------- measurement
     def _on_step_end(self, step: StepRecord) -> None:
         # Runs inside a backward hook or a finalizer (tracker lock held): only note what happened.
-        t0 = self._step_t0.pop(step.index, None)
+        started = self._step_t0.pop(step.index, None)
         clean = step.abandoned == 0 and not self._compiles_at.pop(step.index, 0)
-        if t0 is not None and clean and self._all_final():
-            self.step_times_s.append(time.perf_counter() - t0)
-            self._append_stats(step)
+        if started is not None and clean and self._all_final():
+            clock, t0 = started
+            self._step_ends.append((step, clock, t0, clock.mark()))
+            self._read_step_times(wait=False)
         if self._measure is MeasureState.ACTIVE and self._measured_step == step.index:
             if clean:
                 self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.measure
@@ -571,6 +577,29 @@ class TeraioBackend:
         ):
             self._measure = MeasureState.ARMED
 
+    def _read_step_times(self, wait: bool) -> None:
+        """Move ended steps' times into ``step_times_s`` (and stats.jsonl), in step order.
+
+        Note: [Step times are read outside backward] On CUDA a step's end mark is an event recorded in
+        the backward hook that ends the step, and it completes only when the compute stream gets
+        there. Only completed marks are read (at the step's end, the next forward, ``stats()``); only
+        ``stats()`` waits (``wait``), so no hook and no training step blocks on the device for them.
+        """
+        with self._times_lock:
+            while self._step_ends:
+                step, clock, t0, end = self._step_ends[0]
+                if not clock.done(end):
+                    if not wait:
+                        return
+                    clock.settle(end)
+                self._step_ends.popleft()
+                self.step_times_s.append(clock.elapsed_ns(t0, end) / 1e9)
+                self._append_stats(step)
+
+    def _compute_device(self) -> str:
+        """The device the step computes on (its graphs' inputs): step times and the peak recorder."""
+        return _device_of([p for r in self.runners for p in r.example_inputs])
+
     def _all_final(self) -> bool:
         return all(r.phase in (Phase.RUNNING, Phase.INFERENCE) for r in self.runners)
 
@@ -579,12 +608,13 @@ class TeraioBackend:
         if step is None:
             return
         if step.index not in self._step_t0 and not step.calls:
-            self._step_t0[step.index] = time.perf_counter()
+            clock = Clock(self._compute_device())
+            self._step_t0[step.index] = (clock, clock.mark())
         if self._measure is not MeasureState.ARMED or step.calls:
             return
         from teraio.measure import MemoryRecorder, ProfilerBusyError
 
-        recorder = MemoryRecorder(_device_of([p for r in self.runners for p in r.example_inputs]))
+        recorder = MemoryRecorder(self._compute_device())
         try:
             recorder.start()
         except ProfilerBusyError:
@@ -717,6 +747,7 @@ class TeraioBackend:
         compilation (no profiling or compile inside); the I/O figures are totals since the start.
         """
         self._finish_measurement()
+        self._read_step_times(wait=True)
         plans = [(r, r.plan) for r in self.runners if r.plan is not None and r.is_training]
         calls = self._step_calls(
             [r for r in self.runners if r.is_training and r.profile is not None], absent_too=False

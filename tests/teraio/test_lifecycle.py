@@ -14,6 +14,7 @@ import teraio
 from teraio.errors import UserInputError
 from teraio.lifecycle import Phase, TeraioBackend, _device_of
 
+from .fake_cuda import FWD_S, SCRATCH_NBYTES, LateModel, batch
 from .loops import CASES, GPTLoss, assert_bit_identical, run
 
 
@@ -154,3 +155,19 @@ def test_device_of_a_graph_is_its_accelerator_even_after_a_leading_cpu_tensor() 
         weight = torch.empty(4, 4, device="cuda:1")
     assert _device_of([index, 2, weight]) == "cuda:1"
     assert _device_of([index]) == "cpu" and _device_of([2]) == "cpu" and _device_of([]) == "cpu"
+
+
+def test_cuda_step_times_and_peak_are_the_devices_and_exclude_the_optimizer(fake_cuda) -> None:
+    """On CUDA a step's time is what the compute stream spent on it (events at the step's start and end,
+    read once they completed), and its measured peak is read when the step ends: device memory the
+    optimizer step allocates afterwards, before the next forward, is not the step's."""
+    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    compiled = torch.compile(LateModel(), backend=be)
+    optimizer_state = []
+    for _ in range(6):  # two profiling steps, then running steps (the first compiles before it starts)
+        compiled(batch()).backward()
+        optimizer_state.append(fake_cuda.empty(1 << 16, None))  # the optimizer step's device memory
+    st = be.stats()
+    assert st["running_steps"] == 4
+    assert be.step_times_s == [3 * FWD_S] * 4  # the kernels' virtual seconds, forward and backward
+    assert st["measured_peak_bytes"] == SCRATCH_NBYTES  # the step's own workspace; no optimizer state
