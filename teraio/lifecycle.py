@@ -243,7 +243,12 @@ class GraphRunner:
 
         identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
         self._compiled = compile_graph(
-            self.gm, self.example_inputs, self.cfg.inner, on_partition, identity=identity
+            self.gm,
+            self.example_inputs,
+            self.cfg.inner,
+            on_partition,
+            identity=identity,
+            inductor_options=self.backend.inductor_options,
         )
         self.phase = Phase.RUNNING
         self.profiler = None if self.profile is not None else self.profiler
@@ -358,7 +363,7 @@ class TeraioBackend:
         self.engine: Any = None
         self._engine_id: int | None = None
         self.plans_from_file: list[Plan] = []
-        self.inductor_options: dict[str, Any] = {}  # torch.compile(options=...), for inner="inductor"
+        self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
         self.tracker = StepTracker(on_step_end=self._on_step_end)
         self._lock = threading.RLock()
         self._measure = MeasureState.WAITING
@@ -788,14 +793,17 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: str) -> dict[str, Any]:
-    """The Inductor options to compile with; refuses CUDA graphs (one line, what to do instead).
+    """The Inductor options to compile with: ``mode``'s (``teraio.compilers.mode_options``) under the
+    explicit ``options``. Refuses CUDA graphs (one line, what to do instead).
 
     A CUDA graph replays recorded kernels without running Python: teraio's migration ops are host-side
     I/O calls, so a replay would skip every offload and prefetch and compute on stale buffers.
 
     Raises:
-        UserInputError: ``mode`` or ``options`` ask for CUDA graphs, or Inductor's config has them on.
+        UserInputError: ``mode`` or ``options`` ask for CUDA graphs, Inductor's config has them on, or
+            ``mode`` is not one of torch.compile's.
     """
+    from teraio.compilers import mode_options
     from teraio.errors import UserInputError
 
     options = dict(options or {})
@@ -810,7 +818,11 @@ def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: 
             f"teraio cannot run under CUDA graphs ({what}): a graph replay skips teraio's host-side I/O; "
             "use torch.compile's default mode (or mode='max-autotune-no-cudagraphs') with the teraio backend"
         )
-    return options
+    try:
+        from_mode = mode_options(mode)
+    except RuntimeError as exc:
+        raise UserInputError(f"torch.compile mode={mode!r}: {exc}") from None
+    return {**from_mode, **options}
 
 
 def _round_up(n: int, multiple: int) -> int:
