@@ -184,6 +184,32 @@ def test_measurement_is_silent_and_changes_no_bit(capfd, tmp_path) -> None:
         assert noise not in err
 
 
+def test_device_of_a_graph_is_its_accelerator_even_after_a_leading_cpu_tensor() -> None:
+    """A CPU index or scalar tensor first among a CUDA graph's inputs does not make it a "cpu" graph
+    (the profile, step times and peak recorder follow this device)."""
+    with FakeTensorMode():
+        index = torch.empty(3, dtype=torch.long)
+        weight = torch.empty(4, 4, device="cuda:1")
+    assert _device_of([index, 2, weight]) == "cuda:1"
+    assert _device_of([index]) == "cpu" and _device_of([2]) == "cpu" and _device_of([]) == "cpu"
+
+
+def test_cuda_step_times_and_peak_are_the_devices_and_exclude_the_optimizer(fake_cuda) -> None:
+    """On CUDA a step's time is what the compute stream spent on it (events at the step's start and end,
+    read once they completed), and its measured peak is read when the step ends: device memory the
+    optimizer step allocates afterwards, before the next forward, is not the step's."""
+    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    compiled = torch.compile(LateModel(), backend=be)
+    optimizer_state = []
+    for _ in range(6):  # two profiling steps, then running steps (the first compiles before it starts)
+        compiled(batch()).backward()
+        optimizer_state.append(fake_cuda.empty(1 << 16, None))  # the optimizer step's device memory
+    st = be.stats()
+    assert st["running_steps"] == 4
+    assert be.step_times_s == [3 * FWD_S] * 4  # the kernels' virtual seconds, forward and backward
+    assert st["measured_peak_bytes"] == SCRATCH_NBYTES  # the step's own workspace; no optimizer state
+
+
 def test_stats_count_steps_not_graph_calls(tmp_path) -> None:
     """Two graphs (a graph break): one step each iteration, bytes moved summed over the step's calls."""
     be = TeraioBackend(
@@ -216,29 +242,3 @@ def test_forward_only_graph_stops_being_profiled() -> None:
         compiled(*batch)
     (runner,) = be.runners
     assert runner.phase is Phase.RUNNING and runner.profile is None
-
-
-def test_device_of_a_graph_is_its_accelerator_even_after_a_leading_cpu_tensor() -> None:
-    """A CPU index or scalar tensor first among a CUDA graph's inputs does not make it a "cpu" graph
-    (the profile, step times and peak recorder follow this device)."""
-    with FakeTensorMode():
-        index = torch.empty(3, dtype=torch.long)
-        weight = torch.empty(4, 4, device="cuda:1")
-    assert _device_of([index, 2, weight]) == "cuda:1"
-    assert _device_of([index]) == "cpu" and _device_of([2]) == "cpu" and _device_of([]) == "cpu"
-
-
-def test_cuda_step_times_and_peak_are_the_devices_and_exclude_the_optimizer(fake_cuda) -> None:
-    """On CUDA a step's time is what the compute stream spent on it (events at the step's start and end,
-    read once they completed), and its measured peak is read when the step ends: device memory the
-    optimizer step allocates afterwards, before the next forward, is not the step's."""
-    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
-    compiled = torch.compile(LateModel(), backend=be)
-    optimizer_state = []
-    for _ in range(6):  # two profiling steps, then running steps (the first compiles before it starts)
-        compiled(batch()).backward()
-        optimizer_state.append(fake_cuda.empty(1 << 16, None))  # the optimizer step's device memory
-    st = be.stats()
-    assert st["running_steps"] == 4
-    assert be.step_times_s == [3 * FWD_S] * 4  # the kernels' virtual seconds, forward and backward
-    assert st["measured_peak_bytes"] == SCRATCH_NBYTES  # the step's own workspace; no optimizer state
