@@ -127,6 +127,13 @@ class Device(Protocol):
         pinned host memory) on ``stream``; it returns before the copy runs."""
         ...
 
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        """Declare that work on ``stream`` uses device memory ``t``: when ``t``'s storage is freed, the
+        caching allocator hands its block to a new allocation only after ``stream`` finished that work
+        (a block is otherwise reused at once on the stream it was allocated for). A no-op for the
+        allocation stream itself."""
+        ...
+
     def checksum(self, t: torch.Tensor, stream: Any) -> int:
         """:func:`byte_checksum` of device bytes ``t`` computed on the device, ordered on ``stream``;
         blocks the calling thread until the value is on the host."""
@@ -270,6 +277,9 @@ class CudaDevice:
             # non_blocking from/to pinned memory is a cudaMemcpyAsync on ``stream``; torch records an
             # event on the pinned block so its allocator does not recycle it before the copy ran.
             dst.copy_(src, non_blocking=True)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
 
     def checksum(self, t: torch.Tensor, stream: Any) -> int:
         with torch.cuda.stream(stream):

@@ -47,8 +47,8 @@ Note: [Buffers die on the caller's thread]
 Note: [CUDA ordering]
     Every stream, event and copy goes through ``self._dev`` (``runtime.device``; a fake in tests). Each
     I/O thread owns one stream per device (``runtime.staging``), so transfers never queue behind, or
-    hold up, the training kernels on the compute stream. Four waits order them, and the fake-device
-    tests in tests/runtime/test_device_races.py fail when any one is removed:
+    hold up, the training kernels on the compute stream. Four waits and one allocator declaration order
+    them, and the fake-device tests in tests/runtime/test_device_races.py fail when any one is removed:
     (1) producer -> write: a device tensor's producing kernels may still be queued when ``offload``
         returns; an event recorded then on the caller's current stream is made a dependency of the
         I/O thread's stream before its first copy (``_order_after_producer``), without blocking the host.
@@ -61,6 +61,12 @@ Note: [CUDA ordering]
         the caching allocator may hand it a block that kernels queued earlier on that stream still
         write; an event recorded right after the allocation orders the I/O stream's copies after them
         (``_order_after_allocation``).
+    (5) consumer -> reuse: the read buffer's block belongs to the stream that was current at
+        ``prefetch``; a ``fetch`` from another stream (a side stream, or a sibling key forwarded from the
+        live buffer) reads it there, and once the tensor is freed the allocator would hand the block to
+        the next allocation on the first stream while those kernels still read it. ``fetch`` records
+        the consumer's stream on the buffer (``record_stream``, in ``_keep_block_for_consumer``), so the
+        block is reused only after that stream finished its work up to the free.
     Space is given back (``drop``, ``close``) only after a host wait for the read's events, so no copy
     still reads a freed host block.
 """
@@ -579,11 +585,18 @@ class Engine:
         """The read's copies run after earlier kernels that used the read buffer's recycled block."""
         io.wait(alloc_event)
 
-    def _order_before_consumer(self, device: torch.device, events: list[Any]) -> None:
-        """(3) Work the caller enqueues after ``fetch`` runs after the read's copies landed."""
+    def _order_before_consumer(self, device: torch.device, events: list[Any], buffer: torch.Tensor) -> None:
+        """(3) Work the caller enqueues after ``fetch`` runs after the read's copies landed; (5) the
+        buffer's block is not reused before that work is done."""
         stream = self._dev.current_stream(device)
         for event in events:
             self._dev.wait(stream, event)
+        self._keep_block_for_consumer(buffer, stream)
+
+    def _keep_block_for_consumer(self, buffer: torch.Tensor, stream: Any) -> None:
+        """(5) The allocator hands ``buffer``'s block out again only after ``stream`` used it (a no-op when
+        ``stream`` is the one the buffer was allocated for)."""
+        self._dev.record_stream(buffer, stream)
 
     @staticmethod
     def _chunk_checksum(buf: torch.Tensor, chunk: Chunk, io: DeviceIO | None, checksum) -> int:
@@ -748,8 +761,9 @@ class Engine:
                     self._stats.count("forwarded_nbytes", entry.nbytes)
                     loaded = entry.loaded_ref() if entry.loaded_ref is not None else None
                     if copy[0] is loaded and entry.last_read is not None and entry.last_read.device_events:
-                        # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3)).
-                        self._order_before_consumer(rec.device, entry.last_read.device_events)
+                        # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3), (5)).
+                        whole = torch.empty(0, dtype=torch.uint8, device=loaded.device).set_(loaded)
+                        self._order_before_consumer(rec.device, entry.last_read.device_events, whole)
                     return self._rebuild(rec, copy[0], copy[1])
                 req = entry.read_req
                 if req is None:
@@ -775,7 +789,7 @@ class Engine:
                     break
             # A concurrent fetch of a sibling key took the buffer: look again (memory, or a new read).
         if req.device_events:
-            self._order_before_consumer(rec.device, req.device_events)
+            self._order_before_consumer(rec.device, req.device_events, buf)
         return self._rebuild(rec, buf.untyped_storage(), entry.region_lo)
 
     @staticmethod

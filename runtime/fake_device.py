@@ -12,12 +12,17 @@ unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` 
 - events that complete only when their stream reaches them; ``wait`` enqueues a wait on the stream,
   ``synchronize_event`` blocks the host;
 - "device memory": CPU memory registered with the fake: ``adopt`` declares a tensor device memory;
-  ``empty`` hands out blocks from a pool that reuses a freed block at once, like CUDA's caching
-  allocator (new blocks hold a poison byte, like uninitialised GPU memory); ``memory_allocated`` and
-  ``max_memory_allocated`` account them until their storage dies;
+  ``empty`` hands out blocks from a pool that, like CUDA's caching allocator, reuses a freed block at
+  once for the next allocation on the stream it was allocated for, or, when ``record_stream`` declared
+  other streams using it, once each of them reached the point of the free (new blocks hold a poison
+  byte, like uninitialised GPU memory); ``memory_allocated`` and ``max_memory_allocated`` account them
+  until their storage dies;
 - pinned memory (page-aligned, accounted with the power-of-two rounding of torch's caching host
   allocator); ``copy_async`` refuses pageable host memory (on CUDA such a copy is not asynchronous);
-- ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream.
+- ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream;
+- timing events stamped with ``clock`` when their stream reaches them: a test may pass a virtual clock
+  that its fake kernels advance, so that durations measured with events are exact numbers instead of
+  wall-clock readings.
 
 Errors raised by queued work are collected in ``errors`` (tests assert it stays empty).
 """
@@ -31,6 +36,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,7 +62,7 @@ class FakeEvent:
         with self._cond:
             self._completed = max(self._completed, generation)
             if self.timing:
-                self.time_s = time.perf_counter()
+                self.time_s = self._device.clock()
             self._cond.notify_all()
 
     def _wait_for(self, generation: int) -> None:
@@ -104,6 +110,9 @@ class FakeStream:
                 op()
             except BaseException as exc:  # noqa: BLE001 - reported through device.errors
                 self.device.errors.append(exc)
+            # The op's closure (and any tensor it holds) goes when the op ran, not when the next op
+            # arrives: a stream that is idle holds no memory, so frees are deterministic in tests.
+            op = None
             with self._cond:
                 self.pending -= 1
                 self._cond.notify_all()
@@ -123,22 +132,41 @@ class FakeStream:
         self._queue.put(None)
 
 
+@dataclass(eq=False)
+class _PooledBlock:
+    """A pool block while a storage uses it: the stream it was allocated for, and the other streams
+    ``record_stream`` declared (the block returns to the pool once each of them reached the free)."""
+
+    block: torch.Tensor
+    stream: FakeStream
+    uses: set[FakeStream] = field(default_factory=set)
+
+
 class FakeDevice:
     """A :class:`teraio.runtime.device.Device` whose streams run late on worker threads (see module doc).
 
     Args:
         lag_s: delay before each op on every stream (default 0: ordering comes from pausing).
         pause_new_streams: streams made by ``new_stream`` (the runtime's I/O streams) start paused.
+        clock: seconds, read when a timing event completes (default ``time.perf_counter``).
     """
 
     name = "fake"
     supports_gds = False
 
-    def __init__(self, *, lag_s: float = 0.0, pause_new_streams: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        lag_s: float = 0.0,
+        pause_new_streams: bool = False,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.lag_s = lag_s
         self.pause_new_streams = pause_new_streams
+        self.clock = clock
         self.errors: list[BaseException] = []
         self.log: list[tuple[str, str]] = []  # (what, stream name) of every copy and kernel run
+        self.stream_uses: list[tuple[int, str]] = []  # (address, stream name) of every record_stream
         self._lock = threading.Lock()
         self._streams: list[FakeStream] = []
         self._local = threading.local()
@@ -147,7 +175,8 @@ class FakeDevice:
         self._blocks: list[
             torch.Tensor
         ] = []  # every pooled device block ever made (kept for the fake's life)
-        self._free_blocks: dict[int, list[torch.Tensor]] = {}
+        self._free_blocks: dict[tuple[FakeStream, int], list[torch.Tensor]] = {}  # (stream, nbytes)
+        self._pooled: dict[int, _PooledBlock] = {}  # storage _cdata -> its block, while it lives
         self._pinned_storages: dict[int, weakref.ref] = {}
         self.allocated_nbytes = 0
         self.peak_allocated_nbytes = 0
@@ -307,37 +336,60 @@ class FakeDevice:
         return 0  # the stand-in driver's streams are synchronous; ordering is done before the call
 
     # -- Device: memory ---------------------------------------------------------------------------
-    def _register_device(self, storage: torch.UntypedStorage, block: torch.Tensor | None = None) -> None:
-        """Account ``storage`` as device memory until it dies; a pooled ``block`` then returns to the pool."""
+    def _register_device(self, storage: torch.UntypedStorage, pooled: _PooledBlock | None = None) -> None:
+        """Account ``storage`` as device memory until it dies; a ``pooled`` block then returns to the pool."""
         nbytes = storage.nbytes()
         addr = storage.data_ptr()
         with self._lock:
             self._device_storages[storage._cdata] = weakref.ref(storage)
+            if pooled is not None:
+                self._pooled[storage._cdata] = pooled
             self.allocated_nbytes += nbytes
             self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
-        if block is None and self.on_alloc is not None:
+        if pooled is None and self.on_alloc is not None:
             self.on_alloc(addr, nbytes)
-        weakref.finalize(storage, self._device_freed, storage._cdata, addr, nbytes, block)
+        weakref.finalize(storage, self._device_freed, storage._cdata, addr, nbytes)
 
-    def _device_freed(self, cdata: int, addr: int, nbytes: int, block: torch.Tensor | None) -> None:
+    def _device_freed(self, cdata: int, addr: int, nbytes: int) -> None:
         with self._lock:
             self._device_storages.pop(cdata, None)
             self.allocated_nbytes -= nbytes
-            if block is not None:
-                self._free_blocks.setdefault(nbytes, []).append(block)
-        if block is None and self.on_free is not None:
+            pooled = self._pooled.pop(cdata, None)
+        if pooled is not None:
+            self._return_block(pooled)
+        elif self.on_free is not None:
             self.on_free(addr)
+
+    def _return_block(self, pooled: _PooledBlock) -> None:
+        """Back to its stream's pool at once, or, like CUDA's allocator with streams recorded on the block
+        (an event per stream at the free), once every recorded stream reached this point."""
+        key = (pooled.stream, pooled.block.numel())
+        left = [len(pooled.uses)]
+
+        def reached() -> None:
+            with self._lock:
+                left[0] -= 1
+                if left[0] <= 0:
+                    self._free_blocks.setdefault(key, []).append(pooled.block)
+
+        if not pooled.uses:
+            reached()
+        for stream in pooled.uses:
+            stream.enqueue(reached)
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Device memory from a pool that behaves like CUDA's caching allocator: a block freed by the host
-        is handed out again at once (same size, last freed first) with its old bytes, even while kernels
-        queued earlier still use it; only a new block holds ``POISON_BYTE``."""
+        is handed out again at once to an allocation on the stream it was allocated for (same size, last
+        freed first) with its old bytes, even while kernels queued earlier still use it; a block on which
+        ``record_stream`` declared other streams waits for them (see :meth:`record_stream`). Only a new
+        block holds ``POISON_BYTE``."""
         if nbytes == 0:
             t = torch.empty(0, dtype=torch.uint8)
             self._register_device(t.untyped_storage())
             return t
+        stream = self._current()
         with self._lock:
-            free = self._free_blocks.get(nbytes)
+            free = self._free_blocks.get((stream, nbytes))
             block = free.pop() if free else None
         if block is None:
             block = aligned_buffer(nbytes)  # owned by the fake for its lifetime, like a cached segment
@@ -348,7 +400,7 @@ class FakeDevice:
                 self.on_alloc(block.data_ptr(), nbytes)
         # A new storage object over the block: identity (and ``owns``) per allocation, memory reused.
         t = torch.frombuffer((ctypes.c_char * nbytes).from_address(block.data_ptr()), dtype=torch.uint8)
-        self._register_device(t.untyped_storage(), block)
+        self._register_device(t.untyped_storage(), _PooledBlock(block, stream))
         return t
 
     def empty_pinned(self, nbytes: int) -> torch.Tensor:
@@ -396,6 +448,17 @@ class FakeDevice:
 
         keep = (dst, src)
         stream.enqueue(op)
+
+    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        """Logged in ``stream_uses``; for a pool block, ``stream`` (unless it is the block's allocation
+        stream) must reach the point of the free before the block is handed out again."""
+        storage = t.untyped_storage()
+        self.stream_uses.append((storage.data_ptr(), stream.name))
+        with self._lock:
+            pooled = self._pooled.get(storage._cdata)
+            ref = self._device_storages.get(storage._cdata)
+            if pooled is not None and ref is not None and ref() is storage and stream is not pooled.stream:
+                pooled.uses.add(stream)
 
     def checksum(self, t: torch.Tensor, stream: FakeStream) -> int:
         result: list[torch.Tensor] = []

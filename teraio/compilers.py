@@ -43,6 +43,29 @@ GraphCompiler = Callable[[fx.GraphModule, list[Any], bool], Callable[..., Any]]
 
 _REWRITE_SOURCES = ("capture.py", "rewrite.py", "ops.py", "compilers.py", "steps.py", "segments.py")
 
+# Note: [Inductor keeps the profiled order] Inductor may reorder a graph's nodes to lower its peak
+# memory. teraio plans memory on the order it profiled, and a plan changes the lifetimes Inductor's
+# estimate sees, so the reorder would move kernels across migration ops and fuse differently with a plan
+# than without. teraio's plan is the memory schedule; a torch.compile mode does not change these, a
+# user's explicit option still wins.
+TERAIO_INDUCTOR_OPTIONS: dict[str, Any] = {"reorder_for_peak_memory": False}
+
+
+def mode_options(mode: str | None) -> dict[str, Any]:
+    """Inductor's options for torch.compile's ``mode``, without those teraio sets itself.
+
+    torch.compile hands a custom backend its ``mode`` and applies it only to its own Inductor backend, so
+    teraio translates it as Inductor does (``torch._inductor.list_mode_options``).
+
+    Raises:
+        RuntimeError: Inductor does not know ``mode``.
+    """
+    if not mode or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options
+
+    return {k: v for k, v in list_mode_options(mode).items() if k not in TERAIO_INDUCTOR_OPTIONS}
+
 
 def source_digest() -> str:
     """A hash of the modules whose code decides what a rewritten graph contains."""
@@ -114,7 +137,8 @@ def compile_graph(
         identity: what distinguishes this compile in compile caches (phase and plan digest).
         graph_compiler: replaces code generation for training graphs (profiling: an interpreter).
             Inference graphs (no_grad, no input requiring grad) are always compiled normally.
-        inductor_options: Inductor config patches (``torch.compile(options=...)``), for "inductor".
+        inductor_options: Inductor config patches (``torch.compile``'s mode and options), for "inductor";
+            they override ``TERAIO_INDUCTOR_OPTIONS``.
     """
     if inner == "eager":
         from torch._dynamo.backends.common import aot_autograd
@@ -144,12 +168,7 @@ def compile_graph(
 
     uuid = hashlib.sha256(f"{identity}:{source_digest()}".encode()).hexdigest()
     patches: dict[str, Any] = {
-        # Note: [Inductor keeps the profiled order] Inductor may reorder a graph's nodes to lower its
-        # peak memory. teraio plans memory on the order it profiled, and a plan changes the lifetimes
-        # Inductor's estimate sees, so the reorder would move kernels across migration ops and fuse
-        # differently with a plan than without. teraio's plan is the memory schedule; a user's explicit
-        # option still wins.
-        "reorder_for_peak_memory": False,
+        **TERAIO_INDUCTOR_OPTIONS,  # Note: [Inductor keeps the profiled order]
         **(inductor_options or {}),
         "custom_partitioner_fn": _inductor_partitioner(on_partition, uuid),
     }

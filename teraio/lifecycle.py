@@ -28,6 +28,7 @@ import logging
 import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from enum import Enum
@@ -38,6 +39,7 @@ import torch
 from torch import fx
 
 from teraio.capture import CapturedStep, analyse_saved
+from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import BackendConfig
 from teraio.planner.hardware import HardwareModel
@@ -241,7 +243,12 @@ class GraphRunner:
 
         identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
         self._compiled = compile_graph(
-            self.gm, self.example_inputs, self.cfg.inner, on_partition, identity=identity
+            self.gm,
+            self.example_inputs,
+            self.cfg.inner,
+            on_partition,
+            identity=identity,
+            inductor_options=self.backend.inductor_options,
         )
         self.phase = Phase.RUNNING
         self.profiler = None if self.profile is not None else self.profiler
@@ -308,10 +315,10 @@ def _warn_unplanned_memory(measured_bytes: int, predicted_bytes: int | None) -> 
 
 
 def _device_of(example_inputs: list[Any]) -> str:
-    for a in example_inputs:
-        if isinstance(a, torch.Tensor):
-            return str(a.device)
-    return "cpu"
+    """The device a graph computes on: its first non-CPU tensor input's (a leading CPU index or scalar
+    tensor does not make a CUDA graph "cpu"), else the first tensor's, else "cpu"."""
+    devices = [a.device for a in example_inputs if isinstance(a, torch.Tensor)]
+    return str(next((d for d in devices if d.type != "cpu"), devices[0] if devices else "cpu"))
 
 
 def _fmt(nbytes: int | float | None) -> str:
@@ -375,7 +382,7 @@ class TeraioBackend:
         self.engine: Any = None
         self._engine_id: int | None = None
         self.plans_from_file: list[Plan] = []
-        self.inductor_options: dict[str, Any] = {}  # torch.compile(options=...), for inner="inductor"
+        self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
         self.tracker = StepTracker(on_step_end=self._on_step_end)
         self._lock = threading.RLock()
         self._measure = MeasureState.WAITING
@@ -383,7 +390,9 @@ class TeraioBackend:
         self._measured_step: int | None = None
         self.measured_peak_bytes: int | None = None
         self.predicted_step_peak_bytes: int | None = None
-        self._step_t0: dict[int, float] = {}
+        self._step_t0: dict[int, tuple[Clock, Any]] = {}  # step index -> its clock and start mark
+        self._step_ends: deque[tuple[StepRecord, Clock, Any, Any]] = deque()  # not yet read
+        self._times_lock = threading.Lock()
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
@@ -425,6 +434,7 @@ class TeraioBackend:
     def _advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish a measurement, plan, compile."""
         self._finish_measurement()
+        self._read_step_times(wait=False)
         if runner.phase is not Phase.PLANNING:
             return
         with self._lock:
@@ -573,11 +583,12 @@ class TeraioBackend:
     # -------------------------------------------------------------------------------- measurement
     def _on_step_end(self, step: StepRecord) -> None:
         # Runs inside a backward hook or a finalizer (tracker lock held): only note what happened.
-        t0 = self._step_t0.pop(step.index, None)
+        started = self._step_t0.pop(step.index, None)
         clean = step.abandoned == 0 and not self._compiles_at.pop(step.index, 0)
-        if t0 is not None and clean and self._all_final():
-            self.step_times_s.append(time.perf_counter() - t0)
-            self._append_stats(step)
+        if started is not None and clean and self._all_final():
+            clock, t0 = started
+            self._step_ends.append((step, clock, t0, clock.mark()))
+            self._read_step_times(wait=False)
         if self._measure is MeasureState.ACTIVE and self._measured_step == step.index:
             if clean:
                 self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.measure
@@ -590,6 +601,29 @@ class TeraioBackend:
         ):
             self._measure = MeasureState.ARMED
 
+    def _read_step_times(self, wait: bool) -> None:
+        """Move ended steps' times into ``step_times_s`` (and stats.jsonl), in step order.
+
+        Note: [Step times are read outside backward] On CUDA a step's end mark is an event recorded in
+        the backward hook that ends the step, and it completes only when the compute stream gets
+        there. Only completed marks are read (at the step's end, the next forward, ``stats()``); only
+        ``stats()`` waits (``wait``), so no hook and no training step blocks on the device for them.
+        """
+        with self._times_lock:
+            while self._step_ends:
+                step, clock, t0, end = self._step_ends[0]
+                if not clock.done(end):
+                    if not wait:
+                        return
+                    clock.settle(end)
+                self._step_ends.popleft()
+                self.step_times_s.append(clock.elapsed_ns(t0, end) / 1e9)
+                self._append_stats(step)
+
+    def _compute_device(self) -> str:
+        """The device the step computes on (its graphs' inputs): step times and the peak recorder."""
+        return _device_of([p for r in self.runners for p in r.example_inputs])
+
     def _all_final(self) -> bool:
         return all(r.phase in (Phase.RUNNING, Phase.INFERENCE) for r in self.runners)
 
@@ -598,12 +632,13 @@ class TeraioBackend:
         if step is None:
             return
         if step.index not in self._step_t0 and not step.calls:
-            self._step_t0[step.index] = time.perf_counter()
+            clock = Clock(self._compute_device())
+            self._step_t0[step.index] = (clock, clock.mark())
         if self._measure is not MeasureState.ARMED or step.calls:
             return
         from teraio.measure import MemoryRecorder, ProfilerBusyError
 
-        recorder = MemoryRecorder(_device_of([p for r in self.runners for p in r.example_inputs]))
+        recorder = MemoryRecorder(self._compute_device())
         try:
             recorder.start()
         except ProfilerBusyError:
@@ -737,6 +772,7 @@ class TeraioBackend:
         compilation (no profiling or compile inside); the I/O figures are totals since the start.
         """
         self._finish_measurement()
+        self._read_step_times(wait=True)
         plans = [(r, r.plan) for r in self.runners if r.plan is not None and r.is_training]
         calls = self._step_calls(
             [r for r in self.runners if r.is_training and r.profile is not None], absent_too=False
@@ -777,14 +813,17 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: str) -> dict[str, Any]:
-    """The Inductor options to compile with; refuses CUDA graphs (one line, what to do instead).
+    """The Inductor options to compile with: ``mode``'s (``teraio.compilers.mode_options``) under the
+    explicit ``options``. Refuses CUDA graphs (one line, what to do instead).
 
     A CUDA graph replays recorded kernels without running Python: teraio's migration ops are host-side
     I/O calls, so a replay would skip every offload and prefetch and compute on stale buffers.
 
     Raises:
-        UserInputError: ``mode`` or ``options`` ask for CUDA graphs, or Inductor's config has them on.
+        UserInputError: ``mode`` or ``options`` ask for CUDA graphs, Inductor's config has them on, or
+            ``mode`` is not one of torch.compile's.
     """
+    from teraio.compilers import mode_options
     from teraio.errors import UserInputError
 
     options = dict(options or {})
@@ -799,7 +838,11 @@ def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: 
             f"teraio cannot run under CUDA graphs ({what}): a graph replay skips teraio's host-side I/O; "
             "use torch.compile's default mode (or mode='max-autotune-no-cudagraphs') with the teraio backend"
         )
-    return options
+    try:
+        from_mode = mode_options(mode)
+    except RuntimeError as exc:
+        raise UserInputError(f"torch.compile mode={mode!r}: {exc}") from None
+    return {**from_mode, **options}
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -3,8 +3,10 @@
 On CPU there are no allocator statistics, so memory comes from the torch profiler's ``[memory]`` events
 (docs/measured_facts.md): every allocation and free in the profiled region, in time order; the running sum's
 maximum is the peak of bytes allocated during the region (it sees Inductor's buffers too), and its final
-value what the region left alive. On CUDA, ``torch.cuda.max_memory_allocated`` relative to the start.
-Memory that existed before the region (parameters, optimizer state, the batch) is not counted.
+value what the region left alive. On CUDA, the device's ``max_memory_allocated`` relative to the start,
+asked of that device (``cuda:1`` is not the current device unless the program said so) through
+``teraio.runtime.device`` (the fake device in tests). Memory that existed before the region (parameters,
+optimizer state, the batch) is not counted.
 """
 
 from __future__ import annotations
@@ -44,6 +46,17 @@ class AllocationEvent:
 
 def _device_type(device: str) -> str:
     return torch.device(device).type
+
+
+def _accelerator(device: str) -> Any | None:
+    """The runtime device that keeps ``device``'s allocator statistics; None for the CPU path (the torch
+    profiler's events), also on a CPU-only build asked about CUDA."""
+    if _device_type(device) != "cuda":
+        return None
+    from teraio.runtime import device as runtime_device
+
+    dev = runtime_device.current()
+    return dev if dev.available() else None
 
 
 def _is_allocation(node: Any) -> bool:
@@ -175,9 +188,11 @@ class MemoryRecorder:
         self._quiet: _QuietStderr | None = None
         self._prof: torch.profiler.profile | None = None
         self.events: list[Any] = []  # the session's event tree (root per thread), after stop (CPU path)
+        self._dev: Any = None  # the runtime device on the CUDA path
         self._start_bytes = 0
         self._t0 = 0.0
         self._wall_s: float | None = None
+        self._marked: MemoryMeasurement | None = None  # CUDA: read at mark_end
 
     def start(self) -> None:
         """Start measuring.
@@ -189,10 +204,13 @@ class MemoryRecorder:
             raise ProfilerBusyError(
                 "another teraio memory measurement is running; measure one step at a time"
             )
-        if self.device.startswith("cuda") and torch.cuda.is_available():
-            torch.cuda.synchronize()
-            self._start_bytes = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
+        self._dev = _accelerator(self.device)
+        self._marked = None
+        if self._dev is not None:
+            d = torch.device(self.device)
+            self._dev.synchronize(d)
+            self._start_bytes = self._dev.memory_allocated(d)
+            self._dev.reset_peak_memory_stats(d)
         else:
             self._quiet = _QuietStderr().__enter__()
             self._prof = torch.profiler.profile(
@@ -208,23 +226,36 @@ class MemoryRecorder:
         caller's thread-local state and restores it afterwards, so a profiler stopped inside backward
         is still enabled for the caller. Backward hooks therefore only mark the end (an annotation
         event); ``stop`` runs later on the caller's side and ignores events after the mark.
+
+        On CUDA the region's figures are read here, after the device finished the region's work: what
+        runs between the mark and ``stop`` (the optimizer step, before the next forward) is not counted.
         """
+        if self._dev is not None:
+            self._marked = self._read_device()
+            return
         self._wall_s = time.perf_counter() - self._t0
         if self._prof is not None:
             with torch.profiler.record_function(_END_MARK):
                 pass
 
+    def _read_device(self) -> MemoryMeasurement:
+        d = torch.device(self.device)
+        self._dev.synchronize(d)
+        return MemoryMeasurement(
+            peak_bytes=self._dev.max_memory_allocated(d) - self._start_bytes,
+            end_bytes=self._dev.memory_allocated(d) - self._start_bytes,
+            wall_s=time.perf_counter() - self._t0,
+            method="cuda",
+        )
+
     def stop(self) -> MemoryMeasurement:
-        wall = self._wall_s if self._wall_s is not None else time.perf_counter() - self._t0
-        if self._prof is None:
+        """End the measurement: the region up to :meth:`mark_end` if it was marked, else up to now."""
+        if self._dev is not None:
             release_profiler(self)
-            torch.cuda.synchronize()
-            return MemoryMeasurement(
-                peak_bytes=torch.cuda.max_memory_allocated() - self._start_bytes,
-                end_bytes=torch.cuda.memory_allocated() - self._start_bytes,
-                wall_s=wall,
-                method="cuda",
-            )
+            result = self._marked if self._marked is not None else self._read_device()
+            self._dev = self._marked = None
+            return result
+        wall = self._wall_s if self._wall_s is not None else time.perf_counter() - self._t0
         try:
             self._prof.__exit__(None, None, None)
         finally:
@@ -241,20 +272,6 @@ class MemoryRecorder:
 
 def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryMeasurement]:
     """Run ``fn()`` once and measure the bytes it allocates: peak and what stays alive at the end."""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        torch.cuda.synchronize()
-        start = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        result = fn()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        return result, MemoryMeasurement(
-            peak_bytes=torch.cuda.max_memory_allocated() - start,
-            end_bytes=torch.cuda.memory_allocated() - start,
-            wall_s=wall,
-            method="cuda",
-        )
     rec = MemoryRecorder(device)
     rec.start()
     try:

@@ -1,7 +1,8 @@
 """Time a captured training step op by op and turn it into a planner Profile.
 
 The forward and backward graphs run through a timing FX interpreter for the first few steps. Each op is
-timed with a monotonic clock, and after each op the interpreter takes a census of the storages its
+timed with a monotonic clock on CPU and with timing events on the current stream on CUDA (Note: [Device
+time, not launch time] in teraio.clock), and after each op the interpreter takes a census of the storages its
 environment holds (graph inputs excluded: parameters and the batch exist before the step), which gives
 the step's memory timeline at op granularity. The static analysis of ``teraio.capture`` says which
 storages are saved and where they are used; together they make the Profile the planner reads.
@@ -23,13 +24,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
+from teraio.clock import Clock
 from teraio.planner.profile import Profile, make_profile
 from teraio.segments import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
 
 
 @dataclass
 class GraphRun:
-    """One execution of one graph: per-op wall time and live bytes, aligned with the graph's ops."""
+    """One execution of one graph: per-op time (device time on CUDA) and live bytes, aligned with its ops."""
 
     duration_ns: list[int] = field(default_factory=list)
     live_bytes: list[int] = field(default_factory=list)  # census after each op (values it left alive)
@@ -53,6 +55,8 @@ class TimingInterpreter(fx.Interpreter):
         self.census = census
         self.device = device
         self.record = GraphRun()
+        self.clock = Clock(device)
+        self._marks: list[tuple[Any, Any]] = []  # (start, end) per op, read once the run finished
 
     def _live_bytes(self, extra: Any) -> int:
         seen: set[StorageWeakRef] = set()
@@ -69,7 +73,21 @@ class TimingInterpreter(fx.Interpreter):
         return total
 
     def boxed_run(self, args_list: list[Any]) -> Any:
-        """Run; on a census run, also measure each op's internal transients with the torch profiler.
+        """Run, timing each op and the whole run (``record.duration_ns``, ``record.wall_s``).
+
+        On CUDA the ops' events are read after one wait for the run's last event (Note: [Device time,
+        not launch time] in teraio.clock).
+        """
+        begin = self.clock.mark()
+        out = self._run_with_transients(args_list)
+        end = self.clock.mark()
+        self.clock.settle(end)
+        self.record.duration_ns = [self.clock.elapsed_ns(a, b) for a, b in self._marks]
+        self.record.wall_s = self.clock.elapsed_ns(begin, end) / 1e9
+        return out
+
+    def _run_with_transients(self, args_list: list[Any]) -> Any:
+        """On a census run, also measure each op's internal transients with the torch profiler.
 
         The profiler is the process's one session (``teraio.measure``): when another measurement holds
         it, the transients of this run stay unknown (zeros) rather than disturb that measurement.
@@ -96,13 +114,13 @@ class TimingInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op != "call_function":
             return super().run_node(n)
-        t0 = time.perf_counter_ns()
+        start = self.clock.mark()
         if self.census:
-            with torch.profiler.record_function(f"{_OP_MARK}{len(self.record.duration_ns)}"):
+            with torch.profiler.record_function(f"{_OP_MARK}{len(self._marks)}"):
                 out = super().run_node(n)
         else:
             out = super().run_node(n)
-        self.record.duration_ns.append(time.perf_counter_ns() - t0)
+        self._marks.append((start, self.clock.mark()))
         # Census before the interpreter frees this op's last-used inputs: memory *during* the op. It walks
         # the whole environment, so it runs only on the warm-up step and leaves the timed steps alone.
         if self.census:
@@ -121,16 +139,23 @@ def classify_inputs(args: list[Any]) -> list[str]:
     return kinds
 
 
-def _run_uninstrumented(gm: fx.GraphModule, args_list: list[Any]) -> tuple[Any, float]:
+def _run_uninstrumented(gm: fx.GraphModule, args_list: list[Any], device: str = "cpu") -> tuple[Any, float]:
     """Run the graph's own generated code, as the FX-only compile does: boxed, so each input is freed
-    after its last use (holding every saved tensor to the end made the step ~30% slower)."""
+    after its last use (holding every saved tensor to the end made the step ~30% slower).
+
+    On CUDA the device is idle before the clock starts and again before it stops: the wall time is the
+    graph's kernels, not earlier queued work nor only their launches.
+    """
     if not getattr(gm, "_teraio_boxed", False):
         from teraio.compilers import fx_only_compiler
 
         fx_only_compiler(gm, [])
         gm._teraio_boxed = True  # type: ignore[attr-defined]
+    clock = Clock(device)
+    clock.synchronize()
     t0 = time.perf_counter()
     out = gm(args_list)
+    clock.synchronize()
     return out, time.perf_counter() - t0
 
 
@@ -177,13 +202,11 @@ class StepProfiler:
         }
         if self.calibrate_next and self.fwd_runs:
             self.calibrate_next = False
-            out, wall_s = _run_uninstrumented(self.step.fw_gm, args_list)
+            out, wall_s = _run_uninstrumented(self.step.fw_gm, args_list, self.device)
             self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True)
             return out
         interp = TimingInterpreter(self.step.fw_gm, self._input_refs, not self.fwd_runs, self.device)
-        t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
-        interp.record.wall_s = time.perf_counter() - t0
         self._last_fwd = interp.record
         return out
 
@@ -206,14 +229,12 @@ class StepProfiler:
         """
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
         if fwd is not None and fwd.uninstrumented:
-            out, wall_s = _run_uninstrumented(self.step.bw_gm, args_list)
+            out, wall_s = _run_uninstrumented(self.step.bw_gm, args_list, self.device)
             self.calibration, self.calibration_bwd = fwd, GraphRun(wall_s=wall_s, uninstrumented=True)
             return out
         census = fwd is not None and not self.bwd_runs
         interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device)
-        t0 = time.perf_counter()
         out = interp.boxed_run(args_list)
-        interp.record.wall_s = time.perf_counter() - t0
         if fwd is not None and (self.fwd_runs or fwd.live_bytes):
             self.fwd_runs.append(fwd)
             self.bwd_runs.append(interp.record)

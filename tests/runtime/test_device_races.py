@@ -1,6 +1,8 @@
 """The races a real GPU would provoke, provoked on CPU with the fake asynchronous device.
 
-Note: [CUDA ordering] (runtime/engine.py) names the waits (three, plus the read buffer's allocation). Each scenario below holds one stream back
+Note: [CUDA ordering] (runtime/engine.py) names the waits (three, plus the read buffer's allocation) and the
+allocator declaration that keeps a fetched block from reuse while another stream reads it. Each scenario
+below holds one stream back
 (``pause``) so that the wait is the only thing standing between the runtime and wrong bytes, and checks
 the bytes a user would see. Each is run twice: as is (it must pass) and with its wait removed by a
 monkeypatch (it must then fail: the check detects the race). Nothing depends on timing: a scenario
@@ -152,6 +154,50 @@ def read_into_recycled_block(fake: FakeDevice, tier: str, tmp_path: Path) -> Non
         )
 
 
+def _block_reused_under_consumer(fake: FakeDevice, tier: str, tmp_path: Path, forwarded: bool) -> None:
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        first, second = torch.randn(10_000), torch.randn(10_000)
+        for key, t in (("a", first), ("b", second)):
+            eng.offload(key, fake.adopt(t.clone())).wait()
+            eng.release(key)
+        eng.prefetch("a").wait()  # its buffer is allocated for the compute (default) stream
+        fake.synchronize(None)  # its copies ran: only fetched tensors hold the buffer from now on
+        on_compute = eng.fetch("a") if forwarded else None
+        side = fake.new_stream(None)
+        fake.pause(side)
+        seen = torch.empty_like(first)
+        with fake.stream_context(side):
+            out = eng.fetch("a")
+            if forwarded:
+                assert out.data_ptr() == on_compute.data_ptr(), "precondition: forwarded from the live buffer"
+            addr, nbytes = out.data_ptr(), out.nbytes
+            # The consumer kernel: like a CUDA kernel it holds a raw pointer, not the tensor.
+            fake.launch(lambda: ctypes.memmove(seen.data_ptr(), addr, nbytes))
+        del out, on_compute  # the host is done with the buffer; the side stream is not
+        eng.fetch("b")  # a new read buffer, allocated on the compute stream
+        # The read of "b" landed: the default stream waits for its copies.
+        fake.synchronize_stream(fake.default_stream)
+        fake.resume(side)
+        fake.synchronize_stream(side)
+        assert torch.equal(seen, first), (
+            "the allocator handed the fetched block to another read before the side stream's consumer "
+            f"read it (the consumer saw the other key's bytes: {torch.equal(seen, second)})"
+        )
+
+
+def block_reused_under_consumer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(5) A buffer prefetched for the compute stream and fetched on a side stream: the host frees the
+    tensor while the side stream's consumer kernel is still queued, and the next read allocates on the
+    compute stream. The allocator must not hand it the block the consumer has yet to read."""
+    _block_reused_under_consumer(fake, tier, tmp_path, forwarded=False)
+
+
+def block_reused_under_forwarded_consumer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(5') The same through a forwarded fetch: the compute stream fetched the key, the side stream's
+    fetch is served from that live buffer, then both tensors die while the side consumer is queued."""
+    _block_reused_under_consumer(fake, tier, tmp_path, forwarded=True)
+
+
 def _no_producer_wait(self, io, event) -> None:
     return None
 
@@ -160,7 +206,11 @@ def _no_reuse_wait(self, slot) -> None:
     return None
 
 
-def _no_consumer_wait(self, device, events) -> None:
+def _no_consumer_wait(self, device, events, buffer) -> None:
+    return None
+
+
+def _no_consumer_use(self, buffer, stream) -> None:
     return None
 
 
@@ -179,6 +229,14 @@ RACES = {
     "read_into_recycled_block": (
         read_into_recycled_block,
         (Engine, "_order_after_allocation", _no_allocation_wait),
+    ),
+    "block_reused_under_consumer": (
+        block_reused_under_consumer,
+        (Engine, "_keep_block_for_consumer", _no_consumer_use),
+    ),
+    "block_reused_under_forwarded_consumer": (
+        block_reused_under_forwarded_consumer,
+        (Engine, "_keep_block_for_consumer", _no_consumer_use),
     ),
 }
 

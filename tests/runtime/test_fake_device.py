@@ -132,3 +132,26 @@ def test_timing_events_measure_the_stream_not_the_launch(fake):
     fake.resume(stream)
     fake.synchronize_event(end)
     assert fake.elapsed_ms(start, end) >= 50.0
+
+
+def test_pool_reuses_a_block_per_stream_and_after_recorded_streams(fake):
+    """Like CUDA's caching allocator: a freed block goes at once to the next allocation on its own
+    stream, never to another stream's; with ``record_stream``, only once that stream reached the free."""
+    side = fake.new_stream(None)
+    a = fake.empty(4096, None)
+    addr = a.data_ptr()
+    del a
+    with fake.stream_context(side):
+        other = fake.empty(4096, None)  # another stream's allocation: a new block
+    assert other.data_ptr() != addr
+    b = fake.empty(4096, None)
+    assert b.data_ptr() == addr  # same stream: reused at once
+    fake.pause(side)
+    fake.record_stream(b, side)
+    assert fake.stream_uses == [(addr, side.name)]
+    del b
+    held = fake.empty(4096, None)  # the side stream has not reached the free: not this block
+    assert held.data_ptr() != addr
+    fake.resume(side)
+    fake.synchronize_stream(side)
+    assert fake.empty(4096, None).data_ptr() == addr

@@ -16,3 +16,6 @@ def deterministic_kernels():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(old)
+
+
+from .fake_cuda import fake_cuda  # noqa: E402, F401  (the fixture, for every test here)

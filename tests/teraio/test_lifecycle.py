@@ -8,11 +8,13 @@ import sys
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import teraio
 from teraio.errors import UserInputError
-from teraio.lifecycle import Phase, TeraioBackend
+from teraio.lifecycle import Phase, TeraioBackend, _device_of, check_compile_mode
 
+from .fake_cuda import FWD_S, SCRATCH_NBYTES, LateModel, batch
 from .loops import CASES, GPTLoss, assert_bit_identical, run
 
 
@@ -44,6 +46,77 @@ def test_cuda_graph_modes_are_refused_in_one_line(kwargs, match) -> None:
     cause = getattr(info.value, "inner_exception", info.value)
     assert isinstance(cause, UserInputError)
     assert len(str(cause).splitlines()) == 1 and "default mode" in str(cause)
+
+
+def test_inductors_global_cuda_graphs_are_refused_with_inductor() -> None:
+    """``torch._inductor.config.triton.cudagraphs = True`` set by the program, not passed to
+    torch.compile: Inductor would still capture the graph (the migration ops with it)."""
+    torch._dynamo.reset()
+    with torch._inductor.config.patch({"triton.cudagraphs": True}):
+        assert check_compile_mode(None, None, "eager") == {}  # the FX-only path never uses Inductor
+        compiled = torch.compile(torch.nn.Linear(4, 4), backend=TeraioBackend(inner="inductor"))
+        with pytest.raises(Exception, match="triton.cudagraphs") as info:
+            compiled(torch.randn(2, 4))
+    cause = getattr(info.value, "inner_exception", info.value)
+    assert isinstance(cause, UserInputError) and len(str(cause).splitlines()) == 1
+
+
+def _inductor_config_seen(monkeypatch) -> list[dict]:
+    """Replace Inductor's compile_fx by a stand-in that notes the config it is called under and returns
+    the graph to run as it is (no code generation: the test is about what reaches Inductor)."""
+    from torch._inductor import compile_fx as compile_fx_module
+    from torch._inductor import config as inductor_config
+
+    seen: list[dict] = []
+
+    def compile_fx(gm, example_inputs, **kwargs):
+        keys = ("max_autotune", "coordinate_descent_tuning", "reorder_for_peak_memory", "triton.cudagraphs")
+        seen.append({k: inductor_config.get_config_copy()[k] for k in keys})
+        return gm
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    return seen
+
+
+def test_a_mode_without_cuda_graphs_reaches_inductor_in_every_compile(monkeypatch) -> None:
+    """torch.compile hands a custom backend its mode but applies it only to its own Inductor backend:
+    the mode the refusal recommends must reach Inductor's config, for the profiling compile and the
+    final one, with teraio's own option kept (Note: [Inductor keeps the profiled order])."""
+    seen = _inductor_config_seen(monkeypatch)
+    torch._dynamo.reset()
+    be = TeraioBackend(inner="inductor")
+    model = torch.nn.Linear(4, 4)
+    compiled = torch.compile(model, backend=be, mode="max-autotune-no-cudagraphs")
+    x = torch.randn(2, 4)
+    assert torch.equal(compiled(x), model(x))
+    (runner,) = be.runners
+    runner.compile_final()
+    expected = {
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+        "reorder_for_peak_memory": False,
+        "triton.cudagraphs": False,
+    }
+    assert seen == [expected, expected]
+
+
+def test_explicit_options_override_mode_and_teraios_defaults(monkeypatch) -> None:
+    seen = _inductor_config_seen(monkeypatch)
+    torch._dynamo.reset()
+    be = TeraioBackend(inner="inductor")
+    compiled = torch.compile(
+        torch.nn.Linear(4, 4), backend=be, options={"reorder_for_peak_memory": True, "max_autotune": True}
+    )
+    compiled(torch.randn(2, 4))
+    assert seen[0]["reorder_for_peak_memory"] is True and seen[0]["max_autotune"] is True
+    # A mode that asked Inductor to reorder would not undo teraio's order; only an explicit option does.
+    with monkeypatch.context() as m:
+        m.setattr(
+            torch._inductor, "list_mode_options", lambda mode: {"reorder_for_peak_memory": True, "x": 1}
+        )
+        assert check_compile_mode("some-mode", None, "inductor") == {"x": 1}
+    with pytest.raises(UserInputError, match="mode='fastest'"):
+        check_compile_mode("fastest", None, "inductor")
 
 
 @pytest.mark.parametrize(
@@ -109,6 +182,32 @@ def test_measurement_is_silent_and_changes_no_bit(capfd, tmp_path) -> None:
     err = capfd.readouterr().err
     for noise in ("USDT", "Memory block of unknown size", "disableProfiler"):
         assert noise not in err
+
+
+def test_device_of_a_graph_is_its_accelerator_even_after_a_leading_cpu_tensor() -> None:
+    """A CPU index or scalar tensor first among a CUDA graph's inputs does not make it a "cpu" graph
+    (the profile, step times and peak recorder follow this device)."""
+    with FakeTensorMode():
+        index = torch.empty(3, dtype=torch.long)
+        weight = torch.empty(4, 4, device="cuda:1")
+    assert _device_of([index, 2, weight]) == "cuda:1"
+    assert _device_of([index]) == "cpu" and _device_of([2]) == "cpu" and _device_of([]) == "cpu"
+
+
+def test_cuda_step_times_and_peak_are_the_devices_and_exclude_the_optimizer(fake_cuda) -> None:
+    """On CUDA a step's time is what the compute stream spent on it (events at the step's start and end,
+    read once they completed), and its measured peak is read when the step ends: device memory the
+    optimizer step allocates afterwards, before the next forward, is not the step's."""
+    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    compiled = torch.compile(LateModel(), backend=be)
+    optimizer_state = []
+    for _ in range(6):  # two profiling steps, then running steps (the first compiles before it starts)
+        compiled(batch()).backward()
+        optimizer_state.append(fake_cuda.empty(1 << 16, None))  # the optimizer step's device memory
+    st = be.stats()
+    assert st["running_steps"] == 4
+    assert be.step_times_s == [3 * FWD_S] * 4  # the kernels' virtual seconds, forward and backward
+    assert st["measured_peak_bytes"] == SCRATCH_NBYTES  # the step's own workspace; no optimizer state
 
 
 def test_stats_count_steps_not_graph_calls(tmp_path) -> None:

@@ -12,7 +12,9 @@ import threading
 
 import torch
 
-from teraio.measure import AllocationEvent, MemoryRecorder, op_transient_bytes, own_peak_bytes
+from teraio.measure import AllocationEvent, MemoryRecorder, measure_memory, op_transient_bytes, own_peak_bytes
+from teraio.runtime import device as runtime_device
+from teraio.runtime.fake_device import FakeDevice
 
 MiB = 1 << 20
 
@@ -63,3 +65,70 @@ def test_op_transients_ignore_frees_of_older_memory() -> None:
     # The op's scratch only: not the foreign free, and the Python thread is not profiled at all (torch's
     # intra-op workers inherit the profiler's state; their scratch is in the span and counts).
     assert transients == [MiB]
+
+
+# ------------------------------------------------------------------------------- the CUDA path, faked
+class _AskedDevice(FakeDevice):
+    """The fake device, noting the device each allocator statistic and synchronisation was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[tuple[str, torch.device]] = []
+
+    def memory_allocated(self, device):
+        self.asked.append(("memory_allocated", device))
+        return super().memory_allocated(device)
+
+    def max_memory_allocated(self, device):
+        self.asked.append(("max_memory_allocated", device))
+        return super().max_memory_allocated(device)
+
+    def reset_peak_memory_stats(self, device):
+        self.asked.append(("reset_peak_memory_stats", device))
+        super().reset_peak_memory_stats(device)
+
+    def synchronize(self, device):
+        self.asked.append(("synchronize", device))
+        super().synchronize(device)
+
+
+def test_cuda_recorder_reads_its_own_device_at_the_mark() -> None:
+    """A cuda:1 recorder asks about device 1 (not the current device), and the region ends at
+    ``mark_end`` (the step's end, in a backward hook): device memory allocated between the mark and
+    ``stop`` (the optimizer step, before the next forward) is not the step's."""
+    fake = _AskedDevice()
+    try:
+        with runtime_device.installed(fake):
+            before = fake.empty(1 << 20, None)  # exists before the region: not counted
+            rec = MemoryRecorder("cuda:1")
+            rec.start()
+            scratch = fake.empty(4096, None)
+            del scratch
+            kept = fake.empty(1000, None)  # what the step leaves alive
+            rec.mark_end()
+            optimizer_state = fake.empty(1 << 16, None)
+            result = rec.stop()
+    finally:
+        fake.close()
+    assert (result.peak_bytes, result.end_bytes, result.method) == (4096, 1000, "cuda")
+    asked = {what for what, _ in fake.asked}
+    assert asked == {"memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "synchronize"}
+    assert {device for _, device in fake.asked} == {torch.device("cuda", 1)}
+    del before, kept, optimizer_state
+
+
+def test_cuda_measure_memory_asks_its_own_device() -> None:
+    fake = _AskedDevice()
+
+    def region() -> torch.Tensor:
+        scratch = fake.empty(3000, None)
+        del scratch
+        return fake.empty(100, None)
+
+    try:
+        with runtime_device.installed(fake):
+            kept, result = measure_memory(region, "cuda:1")
+    finally:
+        fake.close()
+    assert (result.peak_bytes, result.end_bytes, result.method) == (3000, 100, "cuda")
+    assert fake.asked and {device for _, device in fake.asked} == {torch.device("cuda", 1)}

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
+from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -14,8 +16,12 @@ from teraio.compilers import fx_only_compiler
 from teraio.lifecycle import TeraioBackend
 from teraio.measure import measure_memory
 from teraio.profile_run import profile_workload, summarize
+from teraio.profiler import _run_uninstrumented
+from teraio.runtime import device as runtime_device
+from teraio.runtime.fake_device import FakeDevice
 from teraio.workload import compute_loss
 
+from .fake_cuda import FWD_S, LateModel, batch
 from .models import WORKLOADS
 
 STEPS = 3
@@ -135,3 +141,90 @@ def test_summary_ranks_offload_candidates() -> None:
     t = profile.tensors
     assert (t.loc[t["kind"] == "param", "offloadable"] == False).all()  # noqa: E712
     assert (t["kind"] == "param").any() and (t["kind"] == "input").any()
+
+
+# ------------------------------------------------------------------------------- CUDA timing, faked
+def test_cuda_profile_times_kernels_on_the_stream_not_their_launch(fake_cuda) -> None:
+    """On CUDA an op returns when its kernels are queued: the profile must hold what the stream spent
+    on them (timing events), not the launch a host clock sees. The fake's kernels move only the virtual
+    clock, so each op's duration is exactly the seconds its kernels took, and every other op's is 0."""
+    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    compiled = torch.compile(LateModel(), backend=be)
+    for _ in range(3):  # the census step, the measured step, and the forward that finishes profiling
+        compiled(batch()).backward()
+    (profile,) = be.profiles
+    ops = profile.ops
+    late = ops["target"] == str(torch.ops.teraio_test.late_kernel.default)
+    assert ops.loc[late, "duration_us"].tolist() == [FWD_S * 1e6, 2 * FWD_S * 1e6]
+    assert (ops.loc[~late, "duration_us"] == 0.0).all()
+    meta = profile.meta
+    assert (meta["device"], meta["fwd_s"], meta["bwd_s"], meta["step_s"]) == (
+        "cuda:0",
+        FWD_S,
+        2 * FWD_S,
+        3 * FWD_S,
+    )
+
+
+class _SlowestDevice(FakeDevice):
+    """The fake device at its slowest: a kernel launched with ``launch_gated`` runs only once the host
+    waits for the device after the launch (a clock read before such a wait misses the kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gates: list[threading.Event] = []
+        self.ran: list[str] = []
+
+    def launch_gated(self, name: str) -> None:
+        gate = threading.Event()
+        self._gates.append(gate)
+
+        def kernel() -> None:
+            gate.wait()
+            self.ran.append(name)
+
+        self.launch(kernel)
+
+    def open_gates(self) -> None:
+        for gate in self._gates:
+            gate.set()
+
+    def synchronize(self, device) -> None:
+        self.open_gates()
+        super().synchronize(device)
+
+    def synchronize_event(self, event) -> None:
+        self.open_gates()
+        super().synchronize_event(event)
+
+    def synchronize_stream(self, stream) -> None:
+        self.open_gates()
+        super().synchronize_stream(stream)
+
+
+def test_cuda_calibration_run_is_timed_from_an_idle_device_to_its_last_kernel() -> None:
+    """The calibration step (Note: [Calibrated times]) times a graph's generated code as a whole with the
+    host clock: on CUDA the device must be idle before the clock starts (earlier queued work is not the
+    graph's) and again before it stops (the graph's kernels, not only their launches)."""
+    fake = _SlowestDevice()
+    seen_at_start: list[list[str]] = []
+
+    def graph_op(x: torch.Tensor) -> torch.Tensor:
+        seen_at_start.append(list(fake.ran))
+        fake.launch_gated("graph")
+        return x + 1
+
+    g = fx.Graph()
+    g.output(g.call_function(graph_op, (g.placeholder("x"),)))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    try:
+        with runtime_device.installed(fake):
+            fake.launch_gated("earlier")  # queued by earlier work, still pending when the run starts
+            _run_uninstrumented(gm, [torch.zeros(1)], "cuda:0")
+            ran_at_return = list(fake.ran)
+    finally:
+        fake.open_gates()
+        fake.close()
+    assert seen_at_start == [["earlier"]], "the clock started while earlier work was still queued"
+    assert ran_at_return == ["earlier", "graph"], "the clock stopped before the graph's kernel ran"
+    assert not fake.errors
