@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from teraio.planner.plan import Plan
     from teraio.planner.profile import Profile
     from teraio.planner.simulate import SimResult
+    from teraio.planner.solve import RecomputeMode
 
 #: Columns of :func:`plan_table`.
 PLAN_COLUMNS = (
@@ -124,7 +125,7 @@ def budget_sweep(
     solver: str = "greedy",
     *,
     lifetimes: Lifetimes | None = None,
-    recompute: str = "off",
+    recompute: RecomputeMode = "off",
     compare_modes: bool = True,
     **solve_kwargs: Any,
 ) -> pd.DataFrame:
@@ -153,7 +154,7 @@ def budget_sweep(
         budgets,
         [solver],
         lifetimes=lifetimes,
-        recompute=recompute,  # type: ignore[arg-type]
+        recompute=recompute,
         compare_modes=compare_modes,
         **solve_kwargs,
     )

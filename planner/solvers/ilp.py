@@ -806,7 +806,7 @@ def _solve_with_recompute(problem: Problem) -> Plan:
         "searched": "the recompute set: the pipeline's plans, then layer add/drop moves and single drops, "
         "each set's offloads by the pipeline, judged by the simulator",
     }
-    if problem.plans_offload:
+    if problem.plans_offload and problem.hardware.available_tiers():
         problem.report(0.0, "ilp: offload only")
         off = _solve_offload(
             dataclasses.replace(problem, recompute="off", time_limit_s=problem.time_limit_s * OFFLOAD_SHARE)
@@ -819,12 +819,10 @@ def _solve_with_recompute(problem: Problem) -> Plan:
     only_problem = dataclasses.replace(problem, recompute="only")
     only_starts = [e for e in starts if e.label == "recompute only"]
     if only_starts:
-        pool.append(
-            _set_search(
-                only_problem, only_starts[0], time.perf_counter() + limit * ONLY_SHARE, budget, counter
-            )
+        found = _set_search(
+            only_problem, only_starts[0], time.perf_counter() + limit * ONLY_SHARE, budget, counter
         )
-        pool[-1].label = "ilp recompute only"
+        pool.append(dataclasses.replace(found, label="ilp recompute only"))
     joint_best = None
     if problem.recompute == "joint" and problem.hardware.available_tiers():
         with_sets = [e for e in starts if e.recomputed]

@@ -121,7 +121,7 @@ def test_joint_pipeline_is_fast_and_reports_its_choice():
 def test_ilp_joint_reports_what_is_exact_and_what_is_searched():
     p = synth_profile(layers=3, hidden=64, seq=128, batch=4, vocab=128)
     io = ssd_only(write_bw=0.3e9, read_bw=0.2e9)
-    plan = solve(p, "40%", "ilp", io, recompute="joint", **ILP)
+    plan = solve(p, "40%", "ilp", io, recompute="joint", **{**ILP, "deterministic_time_s": 0.3})
     extra = plan.stats.extra
     assert "CP-SAT" in extra["exact"] and "recompute set" in extra["searched"]
     sources = extra["recompute"]["sources"]
