@@ -40,6 +40,8 @@ PLAN_COLUMNS = (
     "decisions",
     "wall_s",
     "violations",
+    "recomputed",
+    "recompute_s",
 )
 
 _MIB = 1024**2
@@ -57,6 +59,8 @@ def profile_summary(profile: Profile, lifetimes: Lifetimes) -> pd.DataFrame:
         ("saved tensors", len(profile.tensors)),
         ("offload candidates", len(lt.candidates)),
         ("candidate bytes", format_size(lt.candidate_bytes)),
+        # Rebuild recipes in the profile (its recompute columns): what recompute could take away.
+        ("recomputable candidates", len(lt.recomputable)),
         ("unplanned peak", f"{format_size(lt.baseline_peak_bytes)} at op {lt.op_name(lt.baseline_peak_idx)}"),
         ("smallest achievable peak", format_size(lt.min_feasible_peak_bytes)),
         ("compute per step", f"{lt.compute_s:.3f} s"),
@@ -91,7 +95,8 @@ def top_inactive_tensors(lifetimes: Lifetimes, n: int = 10) -> pd.DataFrame:
 
 
 def plan_table(plans: Mapping[str, Plan], sims: Mapping[str, SimResult] | None = None) -> pd.DataFrame:
-    """One row per labelled plan: solver, status, budget and the predicted (and re-simulated) figures.
+    """One row per labelled plan: solver, status, budget, the predicted (and re-simulated) figures, and what
+    it recomputes (bytes rebuilt, rebuild seconds per step).
 
     Args:
         plans: label -> Plan.
@@ -114,6 +119,8 @@ def plan_table(plans: Mapping[str, Plan], sims: Mapping[str, SimResult] | None =
                 "decisions": len(plan.decisions),
                 "wall_s": plan.stats.wall_s,
                 "violations": len(sim.violations) if sim is not None else np.nan,
+                "recomputed": format_size(plan.recomputed_bytes),
+                "recompute_s": plan.recompute_s,
             }
         )
     return pd.DataFrame(rows, columns=list(PLAN_COLUMNS))
