@@ -103,6 +103,11 @@ from teraio.planner.layers import find_layers
 from teraio.planner.plan import Decision, Plan, SolverStats
 from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, Violation
 from teraio.planner.solve import Problem, SolverBugError, get_solver, make_plan, register_solver
+from teraio.planner.solvers.pipeline import Evaluated, better, evaluate, rebuild_ratio, recompute_plans
+
+#: Is one simulated plan better than another (within budget first, then step time, then bytes): the
+#: pipeline's judgement, shared so every solver ranks plans alike.
+_better = better
 
 #: Memory is counted in units of the largest power of two dividing every size (exact, and keeps the
 #: cumulative constraint's numbers small); never coarser than this.
@@ -543,17 +548,6 @@ def own_plan_problems(own: dict) -> list[Violation]:
     return out
 
 
-def _better(a: SimResult, b: SimResult) -> bool:
-    """Is ``a`` a better simulated plan than ``b``: within budget first, then step time, then bytes."""
-    if a.within_budget != b.within_budget:
-        return a.within_budget
-    if not a.within_budget:
-        return a.peak_bytes < b.peak_bytes
-    if abs(a.step_s - b.step_s) > 1e-9:
-        return a.step_s < b.step_s
-    return a.written_bytes < b.written_bytes
-
-
 def _better_auto(a: SimResult, b: SimResult) -> bool:
     a_ok, b_ok = a.stall_s <= STALL_TOLERANCE_S, b.stall_s <= STALL_TOLERANCE_S
     if a_ok != b_ok:
@@ -734,8 +728,6 @@ SET_SEARCH_SHARE = 0.2
 
 def _set_search(problem: Problem, start, deadline: float, budget: int, counter: list[int]):
     """Layer moves, then single-tensor drops, over recompute sets from ``start`` (module docstring)."""
-    from teraio.planner.solvers.pipeline import better, evaluate, rebuild_ratio
-
     lt = problem.lifetimes
     rec = {c.name: c for c in lt.recomputable}
     ratio = (
@@ -794,8 +786,6 @@ def _set_search(problem: Problem, start, deadline: float, budget: int, counter: 
 
 def _solve_with_recompute(problem: Problem) -> Plan:
     """Recompute "only" or "joint" (module docstring)."""
-    from teraio.planner.solvers.pipeline import Evaluated, better, recompute_plans
-
     t0 = time.perf_counter()
     limit = problem.time_limit_s * (1 - RESERVE_SHARE)
     budget = problem.budget_bytes
