@@ -80,8 +80,9 @@ Recompute (``Problem.recompute`` "only" or "joint", :func:`solve_ilp`). What is 
   time left, drop single tensors from the set, dearest first. Each candidate set is planned with the
   pipeline on its residual step and judged by the simulator; a move is kept when the plan is better.
   Finally the model above improves the offloads of the best set (the "polish").
-- Never worse than the modes it contains: "joint" also runs the whole offload-only search exactly as
-  ``recompute="off"`` would (same deterministic budget) and the recompute-only search, and returns the
+- Never worse than the modes it contains: "joint" also runs the recompute-only search and the whole
+  offload-only search as ``recompute="off"`` would (the same deterministic budget; of the wall clock,
+  everything left when no recompute set beats the offload-only start, else a share), and returns the
   best plan of all. ``stats.extra["recompute"]`` says which won and what every source reached.
 """
 
@@ -719,8 +720,9 @@ def solve_ilp(problem: Problem) -> Plan:
     return _solve_offload(problem)
 
 
-#: Shares of the time limit in a recompute search: the offload-only run ("joint"), the recompute-only
-#: search, the joint set search; the rest polishes the best set's offloads with the model.
+#: Shares of the time limit in a recompute search: the recompute-only search, the joint set search, and
+#: the offload-only run when recomputing wins (else it gets all that is left); the rest polishes the
+#: best set's offloads with the model.
 OFFLOAD_SHARE = 0.35
 ONLY_SHARE = 0.1
 SET_SEARCH_SHARE = 0.2
@@ -796,14 +798,7 @@ def _solve_with_recompute(problem: Problem) -> Plan:
         "searched": "the recompute set: the pipeline's plans, then layer add/drop moves and single drops, "
         "each set's offloads by the pipeline, judged by the simulator",
     }
-    if problem.plans_offload and problem.hardware.available_tiers():
-        problem.report(0.0, "ilp: offload only")
-        off = _solve_offload(
-            dataclasses.replace(problem, recompute="off", time_limit_s=problem.time_limit_s * OFFLOAD_SHARE)
-        )
-        pool.append(Evaluated((), list(off.decisions), problem.simulate(off.decisions), "ilp offload only"))
-        extra["offload_only"] = {"status": off.stats.status, "chosen": off.stats.extra.get("chosen")}
-    problem.report(0.35, "ilp: recompute sets")
+    problem.report(0.0, "ilp: recompute sets")
     starts = recompute_plans(problem, budget)
     pool += starts
     only_problem = dataclasses.replace(problem, recompute="only")
@@ -814,7 +809,8 @@ def _solve_with_recompute(problem: Problem) -> Plan:
         )
         pool.append(dataclasses.replace(found, label="ilp recompute only"))
     joint_best = None
-    if problem.recompute == "joint" and problem.hardware.available_tiers():
+    offloading = problem.plans_offload and bool(problem.hardware.available_tiers())
+    if problem.recompute == "joint" and offloading:
         with_sets = [e for e in starts if e.recomputed]
         if with_sets:
             start = with_sets[0]
@@ -825,7 +821,25 @@ def _solve_with_recompute(problem: Problem) -> Plan:
                 problem, start, time.perf_counter() + limit * SET_SEARCH_SHARE, budget, counter
             )
             pool.append(joint_best)
-    if joint_best is not None and joint_best.recomputed and joint_best.sim.within_budget:
+    # Whether rebuilding anything beats the offload-only start decides where the rest of the time goes:
+    # to the offload-only model alone when it does not (then "joint" plans as well as "off" would in
+    # the same time), else a share to it and the rest to the best set's offloads.
+    off_start = next((e for e in starts if not e.recomputed and e.label == "offload only"), None)
+    recompute_wins = joint_best is not None and (off_start is None or better(joint_best.sim, off_start.sim))
+    if offloading:
+        problem.report(0.4, "ilp: offload only")
+        left_s = max(0.5, limit - (time.perf_counter() - t0))
+        off_s = min(left_s, problem.time_limit_s * OFFLOAD_SHARE) if recompute_wins else left_s
+        # Same deterministic budget as recompute="off" (so "joint" is never worse under it), the rest of
+        # the wall clock or a share of it.
+        off = _solve_offload(
+            dataclasses.replace(
+                problem, recompute="off", time_limit_s=off_s / (1 - RESERVE_SHARE), progress=None
+            )
+        )
+        pool.append(Evaluated((), list(off.decisions), problem.simulate(off.decisions), "ilp offload only"))
+        extra["offload_only"] = {"status": off.stats.status, "chosen": off.stats.extra.get("chosen")}
+    if recompute_wins and joint_best.recomputed and joint_best.sim.within_budget:
         problem.report(0.7, "ilp: offloads of the best recompute set")
         res = problem.residual(joint_best.recomputed)
         left = max(0.5, limit - (time.perf_counter() - t0)) / (1 - RESERVE_SHARE)
