@@ -1,6 +1,8 @@
 """Planner benchmark: solve time, status, predicted step, stall, lower bound and gap of ``greedy`` (TERAIO's
 baseline), ``pipeline`` (the constructive solver) and ``ilp`` on synthetic 12- to 96-layer GPT profiles, on
-an I/O-bound and a compute-bound hardware model (and on a real profile directory when given).
+an I/O-bound and a compute-bound hardware model (and on a real profile directory when given), in each
+recompute mode: offload only ("off"), recompute only ("only") and both in one budget ("joint"); greedy
+plans offload only.
 
 Every figure is the simulator's prediction for the solver's plan under the same hardware model, so the
 solvers are compared in one run on one judge; the lower bound is ``planner.bounds``' (the same for every
@@ -8,7 +10,7 @@ solver of a row group). Solve time is wall time of ``planner.solve.solve`` (``il
 The table comes from ``planner.sweep.budget_sweep``, the sweep behind ``teraio sweep`` and the notebooks.
 
     python -m benchmarks.bench_planner [--layers 12 24 48 96] [--budget 50% 30%] [--hardware io compute]
-        [--time-limit 60] [--json] [--out rows.csv]
+        [--recompute off only joint] [--time-limit 60] [--json] [--out rows.csv]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pandas as pd
 from teraio.planner.safe_io import OutputError, atomic_writer, check_output_file
 
 SOLVERS = ("greedy", "pipeline", "ilp")
+MODES = ("off", "only", "joint")
 #: The two hardware models of the benchmark: the default (this project's machine, compute-bound for these
 #: profiles) and a slow SSD where I/O is the bottleneck.
 HARDWARE = {
@@ -61,8 +64,10 @@ def run(
     profile_dirs: tuple[str, ...] = (),
     deterministic_time_s: float | None = None,
     split: int = 1,
+    modes: tuple[str, ...] = MODES,
 ) -> pd.DataFrame:
-    """One row per (profile, hardware, budget, solver) with the simulated figures of the plan.
+    """One row per (profile, hardware, budget, recompute mode, solver that plans it) with the simulated
+    figures of the plan; ``vs_greedy`` is against greedy's offload-only plan.
 
     ``split`` > 1 splits every synthetic op into that many (``planner.synth.split_ops``): a traced
     step's op granularity (80 layers x 7 is about 11k ops).
@@ -70,6 +75,7 @@ def run(
     from teraio.planner.hardware import HardwareModel
     from teraio.planner.lifetimes import analyse
     from teraio.planner.profile import Profile
+    from teraio.planner.solve import solver_info
     from teraio.planner.sweep import budget_sweep
     from teraio.planner.synth import split_ops, synth_profile
 
@@ -91,23 +97,33 @@ def run(
                 else HardwareModel()
             )
             for budget in budgets:
-                df = budget_sweep(
-                    profile,
-                    [budget],
-                    solvers,
-                    hw,
-                    lifetimes=lt,
-                    time_limit_s=time_limit_s,
-                    workers=workers,
-                    deterministic_time_s=deterministic_time_s,
-                )
+                per_mode = []
+                for mode in modes:
+                    planners = [x for x in solvers if mode in solver_info(x).recompute_modes]
+                    if not planners:
+                        continue
+                    per_mode.append(
+                        budget_sweep(
+                            profile,
+                            [budget],
+                            planners,
+                            hw,
+                            lifetimes=lt,
+                            recompute=mode,
+                            compare_modes=False,
+                            time_limit_s=time_limit_s,
+                            workers=workers,
+                            deterministic_time_s=deterministic_time_s,
+                        )
+                    )
+                df = pd.concat(per_mode, ignore_index=True)
                 df.insert(0, "hardware", hw_name)
                 df.insert(0, "candidates", len(lt.candidates))
                 df.insert(0, "ops", lt.num_ops)
                 df.insert(0, "profile", label)
                 df["baseline_peak_bytes"] = lt.baseline_peak_bytes
                 df["within_budget"] = df["predicted_peak_bytes"] <= df["budget_bytes"]
-                greedy = df.loc[df["solver"] == "greedy", "predicted_step_s"]
+                greedy = df.loc[(df["solver"] == "greedy") & (df["recompute"] == "off"), "predicted_step_s"]
                 df["vs_greedy"] = df["predicted_step_s"] / greedy.iloc[0] if len(greedy) else float("nan")
                 parts.append(df)
     out = pd.concat(parts, ignore_index=True)
@@ -133,10 +149,13 @@ def to_markdown(df: pd.DataFrame) -> str:
     out["vs greedy"] = out["vs_greedy"].astype(float).round(3)
     out["peak MiB"] = (out["predicted_peak_bytes"].astype(float) / mib).round(1)
     out["moved MiB"] = (out["moved_bytes"].astype(float) / mib).round(1)
+    out["rebuilt MiB"] = (out["recomputed_bytes"].astype(float) / mib).round(1)
+    out["rebuild s"] = out["recompute_s"].astype(float).round(3)
     cols = [
         "profile",
         "hardware",
         "budget",
+        "recompute",
         "solver",
         "status",
         "solve s",
@@ -148,6 +167,8 @@ def to_markdown(df: pd.DataFrame) -> str:
         "vs greedy",
         "peak MiB",
         "moved MiB",
+        "rebuilt MiB",
+        "rebuild s",
     ]
     table = out[cols]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -171,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         help="io: SSD write 0.3 GB/s, read 0.2 GB/s; compute: the default model (default both)",
     )
     p.add_argument("--solvers", nargs="+", default=list(SOLVERS))
+    p.add_argument(
+        "--recompute",
+        nargs="+",
+        default=list(MODES),
+        choices=MODES,
+        help="recompute modes to plan: off (offload only), only (recompute only), joint (default all three)",
+    )
     p.add_argument("--time-limit", type=float, default=60.0)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--split", type=int, default=1, help="split every synthetic op into this many (default 1)")
@@ -194,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers,
         profile_dirs=tuple(args.profile),
         split=args.split,
+        modes=tuple(args.recompute),
     )
     if args.out:
         # The safe writer: a fresh temp file renamed over the target, so a planted link is not followed.

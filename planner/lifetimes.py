@@ -13,19 +13,28 @@ is alive at ``i`` (``producer_idx <= i <= last_use_idx``), plus the op's ``other
 inputs existed before the step and outlive it; they are not the step's memory and are not counted
 (the same convention as the measured peak: bytes allocated during the step, docs/measured_facts.md). A moved tensor is absent over ``[wait_before_idx, prefetch_before_idx)``: whether a plan
 meets a budget depends only on those positions, never on bandwidth (bandwidth decides stall).
+
+Recompute (``planner.execution``'s model): a recomputed tensor is absent over ``[wait_before_idx,
+fetch_before_idx)``; the inputs its rebuild reads may live longer than the profile says (their effective
+last use), and the rebuilds before op ``i`` add their largest ``recompute_peak_bytes`` to op ``i``.
+:meth:`Lifetimes.with_recompute` turns a chosen set of recomputed tensors into a plain offload problem
+over the remaining candidates (the *residual* step), which every offload solver plans unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
 import pandas as pd
 
-from teraio.planner.execution import Candidate
+from teraio.planner.execution import Candidate, EffectiveNeeds, TensorUse, effective_needs, rebuild_time
 from teraio.planner.plan import Decision
-from teraio.planner.profile import Profile, ProfileError
+from teraio.planner.profile import Profile, ProfileError, recompute_inputs_of
 
 #: Columns of :attr:`Lifetimes.candidates`.
 CANDIDATE_COLUMNS = (
@@ -41,6 +50,9 @@ CANDIDATE_COLUMNS = (
     "inactive_start_idx",  # first op at which the tensor may be absent
     "inactive_end_idx",  # last op at which the tensor may be absent (inclusive)
     "inactive_us",  # nominal time from the end of the last forward use to the start of the first bwd use
+    "recompute_us",  # compute time to rebuild it in backward; NaN: cannot be recomputed
+    "recompute_inputs",  # rows its rebuild reads
+    "recompute_peak_bytes",  # bytes the rebuild holds beyond its inputs and its result
 )
 
 
@@ -65,6 +77,11 @@ class Lifetimes:
     min_feasible_peak_bytes: int
     #: The step as a graph: nodes ("op", idx) and ("tensor", name); see the module docstring.
     graph: nx.DiGraph = field(repr=False)
+    #: Every activation row by name: what chains of rebuilds need to know (``planner.execution``).
+    tensor_uses: dict[str, TensorUse] = field(default_factory=dict, repr=False)
+    #: In a residual step (:meth:`with_recompute`): the step it was made from, and its recompute decisions.
+    base: Lifetimes | None = field(default=None, repr=False)
+    recompute_decisions: tuple[Decision, ...] = ()
 
     @property
     def op_end_us(self) -> np.ndarray:
@@ -97,6 +114,9 @@ class Lifetimes:
                     first_bwd_use_idx=int(r.first_bwd_use_idx),
                     last_use_idx=int(r.last_use_idx),
                     module=str(r.module),
+                    recompute_us=float(r.recompute_us),
+                    recompute_inputs=tuple(r.recompute_inputs),
+                    recompute_peak_bytes=int(r.recompute_peak_bytes),
                 )
                 for r in self.candidates.itertuples(index=False)
             )
@@ -153,15 +173,170 @@ class Lifetimes:
             module=c.module,
         )
 
+    @property
+    def recomputable(self) -> tuple[Candidate, ...]:
+        """The candidates that can be recomputed (a finite ``recompute_us``), in profile order."""
+        return tuple(c for c in self.candidate_list if c.recomputable)
+
+    def effective_needs(self, recomputed: Iterable[str]) -> EffectiveNeeds:
+        """:func:`planner.execution.effective_needs` of the named candidates (names that are no recomputable
+        candidate are ignored)."""
+        cands = [self.candidate_of(n) for n in recomputed if self.is_candidate(n)]
+        return effective_needs([c for c in cands if c.recomputable], self.tensor_uses)
+
+    def recompute_decision(
+        self, name: str, needs: EffectiveNeeds, *, wait_before_idx: int | None = None
+    ) -> Decision:
+        """A recompute Decision for candidate ``name``: dropped after its last forward use (by default),
+        rebuilt before its effective first backward need in ``needs``."""
+        c = self.candidate_of(name)
+        wait = c.inactive_start_idx if wait_before_idx is None else int(wait_before_idx)
+        at = needs.first_need_idx[name]
+        return Decision(
+            name=str(name),
+            tier="",
+            nbytes=c.nbytes,
+            offload_after_idx=-1,
+            offload_after_name="",
+            wait_before_idx=wait,
+            wait_before_name=self.op_name(wait),
+            prefetch_before_idx=at,
+            prefetch_before_name=self.op_name(at),
+            fetch_before_idx=at,
+            fetch_before_name=self.op_name(at),
+            module=c.module,
+            action="recompute",
+            recompute_us=float(c.recompute_us),
+        )
+
     def memory_with(self, decisions: list[Decision] | tuple[Decision, ...]) -> np.ndarray:
-        """Memory during each op when ``decisions`` are applied (positions only; no validity checks)."""
-        delta = np.zeros(self.num_ops + 1, dtype=np.int64)
+        """Memory during each op when ``decisions`` are applied (positions only; no validity checks).
+
+        A tensor is absent over ``[wait_before_idx, prefetch_before_idx)``; recompute decisions also extend
+        the lifetimes of their inputs and add their rebuilds' intermediates (``planner.execution``).
+        """
+        n = self.num_ops
+        delta = np.zeros(n + 1, dtype=np.int64)
         for d in decisions:
             lo, hi = d.wait_before_idx, d.prefetch_before_idx
             if hi > lo:
                 delta[lo] -= d.nbytes
                 delta[hi] += d.nbytes
-        return self.baseline_memory_bytes + np.cumsum(delta)[: self.num_ops]
+        extra = np.zeros(n, dtype=np.int64)
+        rebuilt = [d for d in decisions if d.action == "recompute"]
+        if rebuilt:
+            needs = self.effective_needs(d.name for d in rebuilt)
+            for x, last in needs.last_use_idx.items():
+                u = self.tensor_uses[x]
+                delta[u.last_use_idx + 1] += u.nbytes
+                delta[min(last, n - 1) + 1] -= u.nbytes
+            for d in rebuilt:
+                if self.is_candidate(d.name) and 0 <= d.fetch_before_idx < n:
+                    peak = self.candidate_of(d.name).recompute_peak_bytes
+                    extra[d.fetch_before_idx] = max(extra[d.fetch_before_idx], peak)
+        return self.baseline_memory_bytes + np.cumsum(delta)[:n] + extra
+
+    def with_recompute(self, recomputed: Iterable[str]) -> Lifetimes:
+        """The residual step once ``recomputed`` are rebuilt in backward: a plain offload problem whose
+        offload plans, joined with :attr:`recompute_decisions`, are plans of this step with the same
+        memory and the same replayed times.
+
+        - op durations include the rebuilds before each op (the same compute window, ``execution``);
+        - the unplanned memory is this step's with the recompute decisions applied (dropped after the last
+          forward use, inputs extended, intermediates added);
+        - the candidates are the others, each with its effective first backward need and last use (a
+          candidate whose idle interval vanishes is none); none of them can be recomputed.
+
+        Raises:
+            ValueError: a name is no recomputable candidate, or rebuilds need each other (a cycle).
+        """
+        names = list(dict.fromkeys(recomputed))
+        for name in names:
+            if not self.is_candidate(name) or not self.candidate_of(name).recomputable:
+                raise ValueError(f"'{name}' cannot be recomputed (no recomputable candidate)")
+        needs = self.effective_needs(names)
+        if needs.cycle:
+            raise ValueError(f"rebuilds of {', '.join(needs.cycle)} need each other")
+        decisions = tuple(self.recompute_decision(name, needs) for name in needs.order)
+        rebuild = rebuild_time(decisions, self.num_ops)
+        duration = self.duration_us + rebuild
+        op_start = np.concatenate([[0.0], np.cumsum(duration)[:-1]]) if self.num_ops else np.zeros(0)
+        baseline = self.memory_with(decisions)
+        gone = set(names)
+        cands = []
+        for c in self.candidate_list:
+            if c.name in gone:
+                continue
+            first = needs.first_need_idx.get(c.name, c.first_bwd_use_idx)
+            if first - c.last_fwd_use_idx < 2:
+                continue  # needed again right after its last forward use: never idle
+            cands.append(
+                dataclasses.replace(
+                    c,
+                    first_bwd_use_idx=first,
+                    last_use_idx=needs.last_use_idx.get(c.name, c.last_use_idx),
+                    recompute_us=math.nan,
+                    recompute_inputs=(),
+                    recompute_peak_bytes=0,
+                )
+            )
+        frame, away = _candidate_frame(cands, op_start, duration, self.num_ops)
+        min_memory = baseline - away
+        peak_idx = int(np.argmax(baseline)) if self.num_ops else 0
+        return dataclasses.replace(
+            self,
+            duration_us=duration,
+            op_start_us=op_start,
+            baseline_memory_bytes=baseline,
+            baseline_peak_bytes=int(baseline[peak_idx]) if self.num_ops else self.baseline_peak_bytes,
+            baseline_peak_idx=peak_idx,
+            candidates=frame,
+            min_memory_bytes=min_memory,
+            min_feasible_peak_bytes=int(min_memory.max()) if self.num_ops else 0,
+            tensor_uses={},
+            base=self,
+            recompute_decisions=decisions,
+        )
+
+
+def _candidate_frame(
+    cands: list[Candidate], op_start_us: np.ndarray, duration_us: np.ndarray, n: int
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """The ``candidates`` table of ``cands`` and the bytes they free at each op when all are away."""
+    away_delta = np.zeros(n + 1, dtype=np.int64)
+    rows = []
+    for c in cands:
+        start, end = c.last_fwd_use_idx + 1, c.first_bwd_use_idx - 1
+        away_delta[start] += c.nbytes
+        away_delta[end + 1] -= c.nbytes
+        rows.append(
+            {
+                "name": c.name,
+                "nbytes": c.nbytes,
+                "producer_idx": c.producer_idx,
+                "last_fwd_use_idx": c.last_fwd_use_idx,
+                "first_bwd_use_idx": c.first_bwd_use_idx,
+                "last_use_idx": c.last_use_idx,
+                "module": c.module,
+                "earliest_wait_idx": start,
+                "latest_prefetch_idx": c.first_bwd_use_idx,
+                "inactive_start_idx": start,
+                "inactive_end_idx": end,
+                "inactive_us": float(
+                    op_start_us[c.first_bwd_use_idx]
+                    - (op_start_us[c.last_fwd_use_idx] + duration_us[c.last_fwd_use_idx])
+                ),
+                "recompute_us": c.recompute_us,
+                "recompute_inputs": c.recompute_inputs,
+                "recompute_peak_bytes": c.recompute_peak_bytes,
+            }
+        )
+    frame = pd.DataFrame(rows, columns=list(CANDIDATE_COLUMNS))
+    for col in CANDIDATE_COLUMNS:
+        if col.endswith("_idx") or col in ("nbytes", "recompute_peak_bytes"):
+            frame[col] = frame[col].astype("int64")
+    frame["recompute_us"] = frame["recompute_us"].astype("float64")
+    return frame, np.cumsum(away_delta)[:n]
 
 
 def build_graph(profile: Profile) -> nx.DiGraph:
@@ -240,10 +415,14 @@ def analyse(profile: Profile) -> Lifetimes:
 
     # Alive intervals as a difference array: +nbytes at the first op, -nbytes after the last.
     alive_delta = np.zeros(n + 1, dtype=np.int64)
-    away_delta = np.zeros(n + 1, dtype=np.int64)
-    modules = profile.tensors["module"] if "module" in profile.tensors.columns else None
-    rows = []
-    for k, (name, offloadable) in enumerate(zip(profile.tensors["name"], profile.tensors["offloadable"])):
+    t = profile.tensors
+    modules = t["module"] if "module" in t.columns else None
+    rec_us = t["recompute_us"].to_numpy(dtype=np.float64) if "recompute_us" in t.columns else None
+    rec_in = t["recompute_inputs"] if "recompute_inputs" in t.columns else None
+    rec_peak = t["recompute_peak_bytes"] if "recompute_peak_bytes" in t.columns else None
+    cands: list[Candidate] = []
+    uses_by_name: dict[str, TensorUse] = {}
+    for k, (name, offloadable) in enumerate(zip(t["name"], t["offloadable"])):
         node = ("tensor", str(name))
         data = g.nodes[node]
         nbytes = data["nbytes"]
@@ -259,36 +438,28 @@ def analyse(profile: Profile) -> Lifetimes:
             alive_delta[hi + 1] -= nbytes
         last_fwd = uses.get("last_fwd_use", lo)
         first_bwd = uses.get("first_bwd_use", -1)
+        if data["kind"] == "activation" and pred != ("input",):
+            uses_by_name[str(name)] = TensorUse(int(nbytes), int(lo), int(first_bwd), int(hi))
         # A candidate must be offloadable, read again in backward, and idle for at least one op.
         if not (offloadable and nbytes > 0 and first_bwd >= nf and first_bwd - last_fwd >= 2):
             continue
-        start, end = last_fwd + 1, first_bwd - 1
-        away_delta[start] += nbytes
-        away_delta[end + 1] -= nbytes
-        rows.append(
-            {
-                "name": str(name),
-                "nbytes": int(nbytes),
-                "producer_idx": int(lo),
-                "last_fwd_use_idx": int(last_fwd),
-                "first_bwd_use_idx": int(first_bwd),
-                "last_use_idx": int(hi),
-                "module": str(modules.iat[k]) if modules is not None and modules.iat[k] is not None else "",
-                "earliest_wait_idx": int(start),
-                "latest_prefetch_idx": int(first_bwd),
-                "inactive_start_idx": int(start),
-                "inactive_end_idx": int(end),
-                "inactive_us": float(
-                    op_start_us[first_bwd] - (op_start_us[last_fwd] + duration_us[last_fwd])
-                ),
-            }
+        cands.append(
+            Candidate(
+                name=str(name),
+                nbytes=int(nbytes),
+                producer_idx=int(lo),
+                last_fwd_use_idx=int(last_fwd),
+                first_bwd_use_idx=int(first_bwd),
+                last_use_idx=int(hi),
+                module=str(modules.iat[k]) if modules is not None and modules.iat[k] is not None else "",
+                recompute_us=float(rec_us[k]) if rec_us is not None else math.nan,
+                recompute_inputs=(recompute_inputs_of(rec_in.iat[k]) or ()) if rec_in is not None else (),
+                recompute_peak_bytes=int(rec_peak.iat[k]) if rec_peak is not None else 0,
+            )
         )
     baseline = other + np.cumsum(alive_delta)[:n]
-    min_memory = baseline - np.cumsum(away_delta)[:n]
-    candidates = pd.DataFrame(rows, columns=list(CANDIDATE_COLUMNS))
-    for col in CANDIDATE_COLUMNS:
-        if col.endswith("_idx") or col == "nbytes":
-            candidates[col] = candidates[col].astype("int64")
+    candidates, away = _candidate_frame(cands, op_start_us, duration_us, n)
+    min_memory = baseline - away
     peak_idx = int(np.argmax(baseline)) if n else 0
     names = tuple(profile.ops["name"].astype(str).tolist())
     return Lifetimes(
@@ -304,4 +475,5 @@ def analyse(profile: Profile) -> Lifetimes:
         min_memory_bytes=min_memory,
         min_feasible_peak_bytes=int(min_memory.max()) if n else 0,
         graph=g,
+        tensor_uses=uses_by_name,
     )

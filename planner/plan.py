@@ -18,8 +18,21 @@ Per moved tensor (a :class:`Decision`), in step order:
   issue writes by ``write_rank`` and reads by ``read_rank``. A rank of -1 (a hand-made decision) means
   "in plan order".
 
+- ``action``: "offload" (the above) or "recompute" (schema 3): the tensor is dropped and rebuilt in
+  backward from its profile's recompute inputs (``planner.execution``). A recompute decision has
+  ``tier = ""``, ``offload_after_idx = -1``, ``offload_after_name = ""``, ``wait_before_idx`` = the forward
+  op before which the in-memory copy is dropped (after its last forward use; normally the op right after
+  it), ``prefetch_before_idx == fetch_before_idx`` = the backward op before which it is rebuilt (its
+  effective first backward need), ``write_rank = read_rank = -1`` and ``recompute_us`` = the rebuild's
+  compute time (from the profile, so ``teraio show`` needs none).
+
+Plan-level figures in the JSON, derived from the decisions (written for readers, ignored on load):
+``moved_bytes`` (offloaded: each written once and read once per step), ``recomputed_bytes`` (rebuilt per
+step) and ``recompute_s`` (their rebuild compute per step).
+
 Schema history: version 1 had no ranks (ties were broken by the decisions' order in the file); it loads
-as version 2 with the ranks that order implies, which is the same schedule.
+as version 2 with the ranks that order implies, which is the same schedule. Version 2 had no ``action``:
+it loads as version 3 with every decision an offload.
 """
 
 from __future__ import annotations
@@ -39,9 +52,12 @@ from teraio.planner.safe_io import write_text
 if TYPE_CHECKING:
     from teraio.planner.profile import Profile
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3
 #: Older versions this code converts on load (see the module docstring).
-CONVERTIBLE_VERSIONS = (1,)
+CONVERTIBLE_VERSIONS = (1, 2)
+#: What a decision does with its tensor.
+Action = Literal["offload", "recompute"]
+ACTIONS: tuple[str, ...] = ("offload", "recompute")
 
 
 class PlanError(ValueError):
@@ -67,6 +83,14 @@ class Decision:
     write_rank: int = -1
     #: Place of this tensor's read in the plan's read order (issue order); -1 = plan order.
     read_rank: int = -1
+    #: "offload", or "recompute" (rebuilt before ``fetch_before_idx``; see the module docstring).
+    action: Action = "offload"
+    #: The rebuild's compute time (recompute decisions only; 0 for offloads).
+    recompute_us: float = 0.0
+
+    @property
+    def recomputed(self) -> bool:
+        return self.action == "recompute"
 
 
 def queue_order(decisions: Sequence[Decision], direction: Literal["write", "read"]) -> list[int]:
@@ -74,12 +98,14 @@ def queue_order(decisions: Sequence[Decision], direction: Literal["write", "read
 
     Issue position first (``offload_after_idx`` for writes, ``prefetch_before_idx`` for reads), then the
     plan's rank, then the decision's place in the plan (decisions without a rank keep plan order).
+    Recompute decisions transfer nothing and are left out.
     """
+    moved = [k for k, d in enumerate(decisions) if d.action == "offload"]
     if direction == "write":
-        key = [(d.offload_after_idx, d.write_rank, k) for k, d in enumerate(decisions)]
+        key = {k: (decisions[k].offload_after_idx, decisions[k].write_rank, k) for k in moved}
     else:
-        key = [(d.prefetch_before_idx, d.read_rank, k) for k, d in enumerate(decisions)]
-    return sorted(range(len(decisions)), key=key.__getitem__)
+        key = {k: (decisions[k].prefetch_before_idx, decisions[k].read_rank, k) for k in moved}
+    return sorted(moved, key=key.__getitem__)
 
 
 def with_ranks(decisions: Sequence[Decision]) -> list[Decision]:
@@ -89,8 +115,8 @@ def with_ranks(decisions: Sequence[Decision]) -> list[Decision]:
     r = {k: r for r, k in enumerate(queue_order(decisions, "read"))}
     return [
         d
-        if (d.write_rank, d.read_rank) == (w[k], r[k])
-        else dataclasses.replace(d, write_rank=w[k], read_rank=r[k])
+        if (d.write_rank, d.read_rank) == (w.get(k, -1), r.get(k, -1))
+        else dataclasses.replace(d, write_rank=w.get(k, -1), read_rank=r.get(k, -1))
         for k, d in enumerate(decisions)
     ]
 
@@ -127,7 +153,26 @@ class Plan:
 
     @property
     def moved_bytes(self) -> int:
-        return sum(d.nbytes for d in self.decisions)
+        """Bytes offloaded per step (recomputed tensors move nothing)."""
+        return sum(d.nbytes for d in self.decisions if d.action == "offload")
+
+    @property
+    def recomputed_bytes(self) -> int:
+        """Bytes dropped in forward and rebuilt in backward per step."""
+        return sum(d.nbytes for d in self.decisions if d.action == "recompute")
+
+    @property
+    def recompute_s(self) -> float:
+        """Compute spent on rebuilds per step (seconds)."""
+        return sum(d.recompute_us for d in self.decisions if d.action == "recompute") / 1e6
+
+    @property
+    def offloads(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.action == "offload")
+
+    @property
+    def recomputes(self) -> tuple[Decision, ...]:
+        return tuple(d for d in self.decisions if d.action == "recompute")
 
     @property
     def solver(self) -> str:
@@ -154,6 +199,8 @@ class Plan:
             "predicted_stall_s": self.predicted_stall_s,
             "compute_s": self.compute_s,
             "moved_bytes": self.moved_bytes,
+            "recomputed_bytes": self.recomputed_bytes,
+            "recompute_s": self.recompute_s,
             "config": self.config,
             "decisions": [asdict(d) for d in self.decisions],
         }
@@ -322,12 +369,20 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
                 raise PlanError(f"{where}.{key} is {x.get(key)!r}, expected a string")
         if not isinstance(x.get("module", ""), str):
             raise PlanError(f"{where}.module is {x.get('module')!r}, expected a string")
+        action = x.get("action", "offload")  # schema 3; older plans only offload
+        if action not in ACTIONS:
+            raise PlanError(f"{where}.action is {action!r}, expected one of {', '.join(ACTIONS)}")
         _int(x.get("nbytes"), f"{where}.nbytes", 1, _MAX_NBYTES)
-        for key in _DECISION_INTS[1:]:
-            _int(x.get(key), f"{where}.{key}", 0, _MAX_IDX)
-        for key in ("write_rank", "read_rank"):  # schema 2; -1: plan order
-            _int(x.get(key, -1), f"{where}.{key}", -1, _MAX_IDX)
-        if x["tier"] not in hardware.tiers:
+        if action == "recompute":
+            _check_recompute_fields(x, where)
+        else:
+            for key in _DECISION_INTS[1:]:
+                _int(x.get(key), f"{where}.{key}", 0, _MAX_IDX)
+            for key in ("write_rank", "read_rank"):  # schema 2; -1: plan order
+                _int(x.get(key, -1), f"{where}.{key}", -1, _MAX_IDX)
+            if x.get("recompute_us", 0.0) != 0.0:
+                raise PlanError(f"{where}.recompute_us is {x.get('recompute_us')!r}; an offload has 0")
+        if action == "offload" and x["tier"] not in hardware.tiers:
             raise PlanError(
                 f"{where}.tier is {x['tier']!r}, expected one of the plan's hardware tiers "
                 f"({', '.join(hardware.tiers)})"
@@ -335,6 +390,26 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
         if x["name"] in seen:
             raise PlanError(f"{where}: tensor '{x['name']}' has a second decision; a tensor moves once")
         seen.add(x["name"])
+
+
+def _check_recompute_fields(x: dict, where: str) -> None:
+    """The fixed fields of a recompute decision (module docstring)."""
+    for key in ("wait_before_idx", "prefetch_before_idx", "fetch_before_idx"):
+        _int(x.get(key), f"{where}.{key}", 0, _MAX_IDX)
+    for key, want in (("tier", ""), ("offload_after_name", "")):
+        if x.get(key) != want:
+            raise PlanError(f"{where}.{key} is {x.get(key)!r}, expected {want!r} for a recompute decision")
+    for key in ("offload_after_idx", "write_rank", "read_rank"):
+        if x.get(key, -1) != -1 or isinstance(x.get(key, -1), bool):
+            raise PlanError(f"{where}.{key} is {x.get(key)!r}, expected -1 for a recompute decision")
+    if x["prefetch_before_idx"] != x["fetch_before_idx"]:
+        raise PlanError(
+            f"{where}: prefetch_before_idx {x['prefetch_before_idx']} differs from fetch_before_idx "
+            f"{x['fetch_before_idx']}; a recompute decision has one rebuild point"
+        )
+    us = x.get("recompute_us")
+    if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us) or us < 0:
+        raise PlanError(f"{where}.recompute_us is {us!r}, expected a finite number >= 0")
 
 
 def validate_plan(plan: Plan, profile: Profile, *, source: str = "plan") -> None:
@@ -349,7 +424,7 @@ def validate_plan(plan: Plan, profile: Profile, *, source: str = "plan") -> None
         PlanError: the first problem, naming ``source`` and the decision.
     """
     from teraio.planner.lifetimes import analyse
-    from teraio.planner.simulate import _check_decision
+    from teraio.planner.simulate import check_decisions
 
     if plan.fingerprint != profile.fingerprint:
         raise PlanError(
@@ -361,11 +436,10 @@ def validate_plan(plan: Plan, profile: Profile, *, source: str = "plan") -> None
         dup = next(n for n in names if names.count(n) > 1)
         raise PlanError(f"{source}: tensor '{dup}' has more than one decision; a tensor moves once")
     lt = analyse(profile)
-    for dec in plan.decisions:
-        problems, _ = _check_decision(lt, dec, plan.hardware)
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise PlanError(f"{source}: {problems[0]}{more}")
+    problems = check_decisions(lt, plan.decisions, plan.hardware).violations
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise PlanError(f"{source}: {problems[0]}{more}")
     if plan.moved_bytes > profile.activation_bytes():
         raise PlanError(
             f"{source} moves {plan.moved_bytes} bytes but the profile holds only "

@@ -52,8 +52,24 @@ TENSORS_COLUMNS: dict[str, str] = {
     "first_bwd_use_idx": "i",
     "last_use_idx": "i",
 }
-#: Optional tensors columns: ``module`` of the producer; ``aliases`` = saved outputs sharing the storage.
-TENSORS_OPTIONAL: dict[str, str] = {"module": "O", "aliases": "i"}
+#: Optional tensors columns: ``module`` of the producer; ``aliases`` = saved outputs sharing the storage;
+#: and the rebuild recipe of a saved tensor (issue #13), absent = nothing recomputable:
+#:
+#: - ``recompute_us`` (float): compute time to rebuild the tensor in backward from its recompute inputs
+#:   (the forward ops between them and it). NaN = it cannot be recomputed.
+#: - ``recompute_inputs`` (list of str): names of other rows the rebuild reads. Activation rows must then
+#:   be resident when it runs (kept, fetched or rebuilt first); param and input rows always are.
+#: - ``recompute_peak_bytes`` (int): the most bytes the rebuild holds beyond its inputs and its result
+#:   (the intermediates between them).
+TENSORS_OPTIONAL: dict[str, str] = {
+    "module": "O",
+    "aliases": "i",
+    "recompute_us": "f",
+    "recompute_inputs": "O",
+    "recompute_peak_bytes": "i",
+}
+#: The recompute columns (all optional; see ``TENSORS_OPTIONAL``).
+RECOMPUTE_COLUMNS = ("recompute_us", "recompute_inputs", "recompute_peak_bytes")
 
 PHASES = ("fwd", "bwd")
 KINDS = ("activation", "param", "input")
@@ -169,9 +185,86 @@ class Profile:
             raise ProfileError("profile: first_bwd_use_idx must be a backward op")
         if (used_bwd["last_use_idx"] < used_bwd["first_bwd_use_idx"]).any():
             raise ProfileError("profile: last_use_idx precedes first_bwd_use_idx")
+        self._validate_recompute()
         return self
 
+    def _validate_recompute(self) -> None:
+        """The recompute columns: costs finite and non-negative (or NaN), inputs naming other existing
+        rows, and no rebuild that needs itself, directly or through a chain."""
+        t = self.tensors
+        if "recompute_us" in t.columns:
+            us = t["recompute_us"].to_numpy(dtype="float64")
+            bad = np.isinf(us) | (us < 0)
+            if bad.any():
+                row = t["name"].iat[int(np.argmax(bad))]
+                raise ProfileError(
+                    f"profile table 'tensors' column 'recompute_us' is {us[bad][0]!r} for row '{row}'; "
+                    f"expected a finite number >= 0 or NaN (cannot be recomputed)"
+                )
+        if "recompute_peak_bytes" in t.columns and (t["recompute_peak_bytes"] < 0).any():
+            row = t.loc[t["recompute_peak_bytes"] < 0, "name"].iat[0]
+            raise ProfileError(
+                f"profile table 'tensors' column 'recompute_peak_bytes' is negative for row '{row}'"
+            )
+        if "recompute_inputs" not in t.columns:
+            return
+        names = set(t["name"].astype(str))
+        recomputable = (
+            np.isfinite(t["recompute_us"].to_numpy(dtype="float64"))
+            if "recompute_us" in t.columns
+            else np.zeros(len(t), dtype=bool)
+        )
+        edges: dict[str, list[str]] = {}
+        for k, (name, inputs) in enumerate(zip(t["name"].astype(str), t["recompute_inputs"])):
+            inputs = recompute_inputs_of(inputs)
+            if inputs is None:
+                raise ProfileError(
+                    f"profile table 'tensors' column 'recompute_inputs' of row '{name}' is "
+                    f"{t['recompute_inputs'].iat[k]!r}; expected a list of tensor names"
+                )
+            for x in inputs:
+                if x == name:
+                    raise ProfileError(
+                        f"profile table 'tensors' column 'recompute_inputs' of row '{name}' names the row "
+                        f"itself; a tensor cannot be rebuilt from itself"
+                    )
+                if x not in names:
+                    raise ProfileError(
+                        f"profile table 'tensors' column 'recompute_inputs' of row '{name}' names '{x}', "
+                        f"which is not a row of the tensors table"
+                    )
+            if recomputable[k]:
+                edges[name] = list(inputs)
+        # A chain of rebuilds that comes back to where it started would need a tensor to rebuild itself.
+        state: dict[str, int] = {}  # 1: on the current path, 2: done
+        for root in edges:
+            if state.get(root):
+                continue
+            stack = [(root, iter(edges[root]))]
+            state[root] = 1
+            while stack:
+                node, it = stack[-1]
+                nxt = next(it, None)
+                if nxt is None:
+                    state[node] = 2
+                    stack.pop()
+                elif nxt in edges:
+                    if state.get(nxt) == 1:
+                        raise ProfileError(
+                            f"profile table 'tensors' column 'recompute_inputs': row '{nxt}' is rebuilt "
+                            f"from itself through a chain of rebuilds (cycle through '{node}')"
+                        )
+                    if not state.get(nxt):
+                        state[nxt] = 1
+                        stack.append((nxt, iter(edges[nxt])))
+
     # ------------------------------------------------------------------------------------ conveniences
+    @property
+    def has_recompute(self) -> bool:
+        """Whether any row can be recomputed (a finite ``recompute_us``)."""
+        t = self.tensors
+        return "recompute_us" in t.columns and bool(np.isfinite(t["recompute_us"].to_numpy(float)).any())
+
     @property
     def fingerprint(self) -> str:
         return str(self.meta["fingerprint"])
@@ -205,6 +298,10 @@ class Profile:
         self.ops.to_parquet(directory / "ops.parquet", index=False)
         tensors = self.tensors.copy()
         tensors["shape"] = tensors["shape"].map(lambda s: [int(x) for x in s])
+        if "recompute_inputs" in tensors.columns:
+            tensors["recompute_inputs"] = tensors["recompute_inputs"].map(
+                lambda s: [str(x) for x in recompute_inputs_of(s) or ()]
+            )
         tensors.to_parquet(directory / "tensors.parquet", index=False)
         (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True, default=str))
 
@@ -235,11 +332,32 @@ class Profile:
         try:
             if "shape" in tensors.columns:
                 tensors["shape"] = tensors["shape"].map(lambda s: tuple(int(x) for x in s))
+            if "recompute_inputs" in tensors.columns:
+                tensors["recompute_inputs"] = tensors["recompute_inputs"].map(_inputs_or_raw)
             return cls(ops=ops, tensors=tensors, meta=meta).validate()
         except ProfileError as e:
             raise ProfileError(f"profile '{p}': {e}") from None
         except (TypeError, ValueError) as e:  # a column whose values are not what its dtype promised
             raise ProfileError(f"profile '{p}' has malformed values: {e}") from None
+
+
+def recompute_inputs_of(value: Any) -> tuple[str, ...] | None:
+    """A ``recompute_inputs`` cell as a tuple of names: a list, tuple or array of strings; None/NaN is
+    empty. None when the cell is anything else (the caller reports it)."""
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return ()
+    if isinstance(value, (str, bytes)):
+        return None
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if all(isinstance(x, str) for x in value):
+            return tuple(value)
+    return None
+
+
+def _inputs_or_raw(value: Any) -> Any:
+    """Parquet hands lists back as arrays: make them tuples, leave malformed cells for ``validate``."""
+    out = recompute_inputs_of(value)
+    return value if out is None else out
 
 
 def make_profile(
@@ -276,6 +394,17 @@ def make_profile(
     t_df["offloadable"] = t_df["offloadable"].astype(bool)
     if "shape" in t_df.columns:
         t_df["shape"] = t_df["shape"].map(lambda s: tuple(int(x) for x in s))
+    if any(c in t_df.columns for c in RECOMPUTE_COLUMNS):
+        # One recompute column implies the others with their "nothing to rebuild" defaults.
+        if "recompute_us" not in t_df.columns:
+            t_df["recompute_us"] = np.nan
+        t_df["recompute_us"] = t_df["recompute_us"].astype("float64")
+        if "recompute_inputs" not in t_df.columns:
+            t_df["recompute_inputs"] = [() for _ in range(len(t_df))]
+        t_df["recompute_inputs"] = t_df["recompute_inputs"].map(_inputs_or_raw)
+        if "recompute_peak_bytes" not in t_df.columns:
+            t_df["recompute_peak_bytes"] = 0
+        t_df["recompute_peak_bytes"] = t_df["recompute_peak_bytes"].fillna(0).astype("int64")
     meta = dict(meta)
     meta.setdefault("schema_version", SCHEMA_VERSION)
     meta.setdefault("num_fwd_ops", int((ops_df["phase"] == "fwd").sum()))

@@ -9,9 +9,14 @@ The execution model (op boundaries, FIFO channels, queue orders, CPU interferenc
 :mod:`planner.execution`'s, whose :func:`~planner.execution.replay` this module calls; on top of it:
 
 - Memory during op ``i`` = the lifetime analysis' baseline minus every moved tensor absent at ``i``
-  (``wait_before_idx <= i < prefetch_before_idx``). Bytes held by a tier count against its capacity
-  over ops ``offload_after_idx + 1 .. fetch_before_idx``, never against the budget.
-- Step time = compute + stall + interference.
+  (``wait_before_idx <= i < prefetch_before_idx``), plus the lifetimes rebuilds extend and the
+  intermediates of the rebuilds before ``i`` (``Lifetimes.memory_with``). Bytes held by a tier count
+  against its capacity over ops ``offload_after_idx + 1 .. fetch_before_idx``, never against the budget.
+- Step time = compute + rebuilds + stall + interference.
+- Recompute decisions are checked on their own terms: the tensor can be recomputed, is dropped after its
+  last forward use and rebuilt exactly at its effective need (``planner.execution.effective_needs``);
+  and, independently of that rule, every activation its rebuild reads is resident at the rebuild (not
+  away, or rebuilt earlier at the same boundary).
 - Every rule break is a :class:`Violation` record (kind, tensor, message), never a bare string.
 """
 
@@ -23,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 import pandas as pd
 
-from teraio.planner.execution import replay
+from teraio.planner.execution import EffectiveNeeds, rebuild_time, replay
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes, analyse
 from teraio.planner.plan import Decision, Plan, PlanError
@@ -49,6 +54,12 @@ ViolationKind = Literal[
     "phase",  # wait after the end of forward, or read issued in forward
     "queue_order",  # ranks that contradict the issue positions
     "read_before_write",  # read started before the write completed
+    "not_recomputable",  # a recompute decision for a tensor that cannot be recomputed
+    "recompute_fields",  # a recompute decision with a tier, a write position or queue ranks
+    "recompute_cost",  # recompute_us differs from the profile's
+    "fetch_not_at_need",  # rebuilt elsewhere than its effective need, or fetched after a rebuild needs it
+    "input_not_resident",  # a rebuild reads a tensor that is away (or not yet rebuilt) at that moment
+    "recompute_cycle",  # rebuilds that need each other
     "budget",  # peak over the budget
     "capacity",  # a tier holds more than its capacity
     # Found by the checks of a solver's own claims (``planner.solve``, ``planner.solvers.ilp``), never by
@@ -97,6 +108,11 @@ class SimResult:
     tier_peak_bytes: dict[str, int] = field(default_factory=dict)
     budget_bytes: int | None = None
     violations: list[Violation] = field(default_factory=list)
+    #: Compute of the rebuilds per step (part of ``step_s``), and the bytes rebuilt.
+    recompute_s: float = 0.0
+    recomputed_bytes: int = 0
+    #: Rebuild compute before each op (seconds).
+    rebuild_s_per_op: np.ndarray | None = None
 
     @property
     def ok(self) -> bool:
@@ -118,6 +134,8 @@ class SimResult:
             "stall_s": self.stall_s,
             "compute_s": self.compute_s,
             "interference_s": self.interference_s,
+            "recompute_s": self.recompute_s,
+            "recomputed_bytes": self.recomputed_bytes,
             "peak_bytes": self.peak_bytes,
             "peak_idx": self.peak_idx,
             "budget_bytes": self.budget_bytes,
@@ -129,8 +147,11 @@ class SimResult:
         }
 
 
-def _check_decision(lt: Lifetimes, d: Decision, hardware: HardwareModel) -> tuple[list[Violation], bool]:
-    """Rule violations of one decision, and whether it can be simulated at all."""
+def _check_decision(
+    lt: Lifetimes, d: Decision, hardware: HardwareModel, needs: EffectiveNeeds | None = None
+) -> tuple[list[Violation], bool]:
+    """Rule violations of one offload decision, and whether it can be simulated at all. ``needs``: the
+    effective needs of the plan's recomputed tensors (an input of a rebuild is needed earlier)."""
     problems: list[Violation] = []
     n, nf = lt.num_ops, lt.num_fwd_ops
 
@@ -201,6 +222,12 @@ def _check_decision(lt: Lifetimes, d: Decision, hardware: HardwareModel) -> tupl
             f"'{d.name}' used while away: fetched before op {d.fetch_before_idx} but first "
             f"used in backward by op {c.first_bwd_use_idx}",
         )
+    elif needs is not None and d.fetch_before_idx > needs.need(d.name, c.first_bwd_use_idx):
+        bad(
+            "fetch_not_at_need",
+            f"'{d.name}' fetched before op {d.fetch_before_idx} but a rebuild reads it before op "
+            f"{needs.need(d.name, c.first_bwd_use_idx)}",
+        )
     if d.fetch_before_idx < d.prefetch_before_idx:
         bad(
             "order",
@@ -208,6 +235,168 @@ def _check_decision(lt: Lifetimes, d: Decision, hardware: HardwareModel) -> tupl
             f"(op {d.prefetch_before_idx})",
         )
     return problems, True
+
+
+def _check_recompute(lt: Lifetimes, d: Decision) -> tuple[list[Violation], bool]:
+    """Rule violations of one recompute decision that need no other decision, and whether it can be
+    simulated at all."""
+    problems: list[Violation] = []
+    n, nf = lt.num_ops, lt.num_fwd_ops
+
+    def bad(kind: ViolationKind, message: str) -> None:
+        problems.append(Violation(kind, d.name, message))
+
+    if not lt.graph.has_node(("tensor", d.name)):
+        return [
+            Violation("unknown_tensor", d.name, f"decision for '{d.name}': no such tensor in the profile")
+        ], False
+    if not lt.is_candidate(d.name) or not lt.candidate_of(d.name).recomputable:
+        message = (
+            f"recompute decision for '{d.name}': it cannot be recomputed (no rebuild recipe in the "
+            f"profile, or not a saved activation idle between forward and backward)"
+        )
+        return [Violation("not_recomputable", d.name, message)], False
+    for label, idx in (
+        ("wait_before", d.wait_before_idx),
+        ("prefetch_before", d.prefetch_before_idx),
+        ("fetch_before", d.fetch_before_idx),
+    ):
+        if not 0 <= idx < n:
+            message = f"decision for '{d.name}': {label}_idx {idx} is outside the profile's ops 0..{n - 1}"
+            return [Violation("index_range", d.name, message)], False
+        name = getattr(d, f"{label}_name")
+        if name != lt.op_names[idx]:
+            bad(
+                "name_mismatch",
+                f"decision for '{d.name}': {label} names op '{name}' but op {idx} is "
+                f"'{lt.op_names[idx]}' (plan made for another graph?)",
+            )
+    c = lt.candidate_of(d.name)
+    if (d.tier, d.offload_after_idx, d.offload_after_name, d.write_rank, d.read_rank) != ("", -1, "", -1, -1):
+        bad(
+            "recompute_fields",
+            f"recompute decision for '{d.name}' has a tier, a write position or queue ranks "
+            f"(tier {d.tier!r}, offload_after_idx {d.offload_after_idx}, ranks {d.write_rank}/{d.read_rank})",
+        )
+    if d.nbytes != c.nbytes:
+        bad("nbytes", f"'{d.name}' has nbytes {d.nbytes} in the plan but {c.nbytes} in the profile")
+    if not abs(d.recompute_us - c.recompute_us) <= 1e-9 * max(1.0, c.recompute_us):
+        bad(
+            "recompute_cost",
+            f"'{d.name}' has recompute_us {d.recompute_us!r} in the plan but {c.recompute_us!r} in the profile",
+        )
+    if d.wait_before_idx <= c.last_fwd_use_idx:
+        bad(
+            "used_while_away",
+            f"'{d.name}' used while away: dropped before op {d.wait_before_idx} but used in forward by "
+            f"op {c.last_fwd_use_idx}",
+        )
+    if d.wait_before_idx > nf:
+        bad("phase", f"'{d.name}' dropped before op {d.wait_before_idx}, after the end of forward ({nf})")
+    if d.prefetch_before_idx != d.fetch_before_idx:
+        bad(
+            "order",
+            f"'{d.name}' is recomputed with prefetch_before_idx {d.prefetch_before_idx} != "
+            f"fetch_before_idx {d.fetch_before_idx}; a rebuild has one position",
+        )
+    if d.fetch_before_idx <= d.wait_before_idx:
+        bad(
+            "order",
+            f"'{d.name}' rebuilt before op {d.fetch_before_idx}, not after it is dropped (before op "
+            f"{d.wait_before_idx})",
+        )
+    return problems, True
+
+
+@dataclass
+class Checked:
+    """What :func:`check_decisions` found: the violations that need no replay, the decisions that can be
+    simulated (recompute decisions in rebuild order, then offloads), and the effective needs."""
+
+    violations: list[Violation]
+    usable: list[Decision]
+    needs: EffectiveNeeds
+
+
+def check_decisions(
+    lt: Lifetimes, decisions: list[Decision] | tuple[Decision, ...], hardware: HardwareModel
+) -> Checked:
+    """Every rule of the execution model that a plan's positions alone decide (no replay, no budget)."""
+    violations: list[Violation] = []
+    seen: set[str] = set()
+    offloads: list[Decision] = []
+    rebuilt: dict[str, Decision] = {}
+    for d in decisions:
+        if d.name in seen:
+            violations.append(Violation("duplicate", d.name, f"'{d.name}' has more than one decision"))
+            continue
+        seen.add(d.name)
+        if d.action == "recompute":
+            problems, usable = _check_recompute(lt, d)
+            violations.extend(problems)
+            if usable:
+                rebuilt[d.name] = d
+        else:
+            offloads.append(d)
+    needs = lt.effective_needs(rebuilt)
+    for name in needs.cycle:
+        violations.append(
+            Violation("recompute_cycle", name, f"the rebuild of '{name}' needs itself through a chain")
+        )
+        del rebuilt[name]
+    for name in needs.order:
+        d, at = rebuilt[name], needs.first_need_idx[name]
+        if d.fetch_before_idx != at:
+            violations.append(
+                Violation(
+                    "fetch_not_at_need",
+                    name,
+                    f"'{name}' rebuilt before op {d.fetch_before_idx}, not at its effective first backward "
+                    f"need (op {at})",
+                )
+            )
+    usable = [rebuilt[name] for name in needs.order]
+    for d in offloads:
+        problems, ok = _check_decision(lt, d, hardware, needs)
+        violations.extend(problems)
+        if ok:
+            usable.append(d)
+    violations.extend(_check_ranks([d for d in usable if d.action == "offload"]))
+    violations.extend(_inputs_resident(lt, usable, needs))
+    return Checked(violations=violations, usable=usable, needs=needs)
+
+
+def _inputs_resident(lt: Lifetimes, usable: list[Decision], needs: EffectiveNeeds) -> list[Violation]:
+    """Independently of the effective-needs rule: at each rebuild, every activation it reads is there
+    (produced, not away, and, if rebuilt at the same boundary, rebuilt before it)."""
+    out = []
+    by_name = {d.name: d for d in usable}
+    rank = {name: k for k, name in enumerate(needs.order)}
+    for name in needs.order:
+        i = by_name[name].fetch_before_idx
+        for x in needs.inputs.get(name, ()):
+            u = lt.tensor_uses[x]
+            d = by_name.get(x)
+            if u.producer_idx >= i:
+                why = "not produced yet"
+            elif d is None:
+                continue
+            elif d.action == "recompute":
+                if d.fetch_before_idx < i or (d.fetch_before_idx == i and rank[x] < rank[name]):
+                    continue
+                why = f"rebuilt only before op {d.fetch_before_idx}"
+            elif d.fetch_before_idx <= i or i < d.wait_before_idx:
+                continue
+            else:
+                why = f"away until its fetch before op {d.fetch_before_idx}"
+            out.append(
+                Violation(
+                    "input_not_resident",
+                    name,
+                    f"the rebuild of '{name}' before op {i} reads '{x}', which is {why}",
+                )
+            )
+    return out
 
 
 def _check_ranks(decisions: list[Decision]) -> list[Violation]:
@@ -247,23 +436,15 @@ def simulate_decisions(
     """
     lt = lifetimes
     n = lt.num_ops
-    violations: list[Violation] = []
-    seen: set[str] = set()
-    valid: list[Decision] = []
-    for d in decisions:
-        if d.name in seen:
-            violations.append(Violation("duplicate", d.name, f"'{d.name}' has more than one decision"))
-            continue
-        seen.add(d.name)
-        problems, usable = _check_decision(lt, d, hardware)
-        violations.extend(problems)
-        if usable:
-            valid.append(d)
-    violations.extend(_check_ranks(valid))
+    checked = check_decisions(lt, decisions, hardware)
+    violations = checked.violations
+    valid = checked.usable
+    moved = [d for d in valid if d.action == "offload"]
 
     dur_s = lt.duration_us / 1e6
-    rp = replay(valid, hardware, dur_s)
-    for k, d in enumerate(valid):
+    rebuild_s = rebuild_time(valid, n) / 1e6
+    rp = replay(moved, hardware, dur_s, rebuild=rebuild_s if any(d.recomputed for d in valid) else None)
+    for k, d in enumerate(moved):
         if rp.r_start[k] < rp.w_end[k] - STALL_TOLERANCE_S:
             violations.append(
                 Violation(
@@ -288,9 +469,9 @@ def simulate_decisions(
         )
 
     tier_peak: dict[str, int] = {}
-    for tier_name in sorted({d.tier for d in valid}):
+    for tier_name in sorted({d.tier for d in moved}):
         held = np.zeros(n + 1, dtype=np.int64)
-        for d in valid:
+        for d in moved:
             if d.tier == tier_name:
                 held[d.offload_after_idx + 1] += d.nbytes
                 held[d.fetch_before_idx + 1] -= d.nbytes
@@ -306,7 +487,7 @@ def simulate_decisions(
             )
 
     rows = []
-    for k, d in enumerate(valid):
+    for k, d in enumerate(moved):
         rows.append(
             (
                 d.name,
@@ -336,8 +517,8 @@ def simulate_decisions(
 
     compute_s = float(dur_s.sum())
     step_s = rp.step
-    written = sum(d.nbytes for d in valid)
-    ssd_written = sum(d.nbytes for d in valid if d.tier == "ssd")
+    written = sum(d.nbytes for d in moved)
+    ssd_written = sum(d.nbytes for d in moved if d.tier == "ssd")
     tb_per_day = ssd_written / step_s * _SECONDS_PER_DAY / 1e12 if step_s > 0 else 0.0
     return SimResult(
         step_s=step_s,
@@ -357,6 +538,9 @@ def simulate_decisions(
         tier_peak_bytes=tier_peak,
         budget_bytes=budget_bytes,
         violations=violations,
+        recompute_s=float(rebuild_s.sum()),
+        recomputed_bytes=int(sum(d.nbytes for d in valid if d.recomputed)),
+        rebuild_s_per_op=rebuild_s,
     )
 
 

@@ -5,6 +5,15 @@ too, so comparisons are one loop). ``solve`` resolves the budget, rejects budget
 achievable peak (an error naming that peak), runs the solver, and for the "auto" budget searches the
 smallest stall-free peak by bisection over budgets when the solver cannot do it itself. Every plan's
 predicted figures come from the one simulator, through :func:`make_plan`.
+
+Recompute (issue #13): ``Problem.recompute`` says what a solver may do with a saved tensor: ``"off"``
+keep or offload; ``"only"`` keep or recompute (no I/O); ``"joint"`` keep, offload to any tier, or
+recompute, in one budget. The default is :data:`DEFAULT_RECOMPUTE` = ``"off"``: a plan that recomputes
+needs a rewrite that realises recompute in the compiled graphs, which teraio's backend gains in the
+rewrite half of issue #13; until a caller asks for it, plans stay offload-only. (A profile without the
+recompute columns has nothing recomputable, so there every mode plans as ``"off"``.) Solvers declare
+the modes they plan (``register_solver(recompute_modes=...)``); ``greedy`` is TERAIO's offload-only
+baseline and declares ``"off"`` alone.
 """
 
 from __future__ import annotations
@@ -12,8 +21,11 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
 
 from teraio.planner.bounds import StepBound, step_lower_bound
 from teraio.planner.budget import BudgetError, format_size, infeasible, resolve_budget
@@ -25,6 +37,12 @@ from teraio.planner.simulate import STALL_TOLERANCE_S, SimResult, Violation, sim
 
 #: ``progress(fraction_done, message)``; fraction in [0, 1].
 ProgressFn = Callable[[float, str], None]
+
+#: What a solver may do with a saved tensor besides keeping it (module docstring).
+RecomputeMode = Literal["off", "only", "joint"]
+RECOMPUTE_MODES: tuple[str, ...] = ("off", "only", "joint")
+#: The mode when none is asked for (module docstring: why "off").
+DEFAULT_RECOMPUTE: RecomputeMode = "off"
 
 #: Bisection for "auto" stops when the bracket is narrower than this share of the unplanned peak.
 AUTO_RESOLUTION = 0.002
@@ -63,7 +81,25 @@ class Problem:
     #: set, exact solvers stop on it rather than on the wall clock (tests use it; the wall-clock
     #: ``time_limit_s`` still caps them).
     deterministic_time_s: float | None = None
+    #: Keep/offload ("off"), keep/recompute ("only") or all three ("joint"); see the module docstring.
+    recompute: RecomputeMode = DEFAULT_RECOMPUTE
     _bound: StepBound | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def plans_recompute(self) -> bool:
+        """Whether this problem may recompute anything (a mode other than "off" and something recomputable)."""
+        return self.recompute != "off" and bool(self.lifetimes.recomputable)
+
+    @property
+    def plans_offload(self) -> bool:
+        return self.recompute != "only"
+
+    def residual(self, recomputed: Iterable[str]) -> Problem:
+        """The offload-only problem left once ``recomputed`` are rebuilt (``Lifetimes.with_recompute``): its
+        plans, joined with its ``lifetimes.recompute_decisions``, are plans of this problem."""
+        return dataclasses.replace(
+            self, lifetimes=self.lifetimes.with_recompute(recomputed), recompute="off", _bound=None
+        )
 
     @property
     def default_tier(self) -> str:
@@ -87,8 +123,34 @@ class Problem:
     def lower_bound(self) -> StepBound:
         """The bandwidth-window lower bound on any plan's step (``planner.bounds``), computed once."""
         if self._bound is None:
-            self._bound = step_lower_bound(self.lifetimes, self.hardware, self.budget_bytes)
+            self._bound = step_lower_bound(
+                self.lifetimes, self.hardware, self.budget_bytes, recompute=self.recompute
+            )
         return self._bound
+
+    def floor_bytes(self) -> int:
+        """The smallest peak any plan of this problem could reach (:func:`floor_bytes`)."""
+        return floor_bytes(self.lifetimes, self.hardware, self.recompute)
+
+
+def floor_bytes(lt: Lifetimes, hardware: HardwareModel, recompute: RecomputeMode) -> int:
+    """A peak below which no plan exists: every tensor a mode can take away, away over its whole idle
+    interval. Offloading reaches the whole of ``lt.min_feasible_peak_bytes`` (when a tier is available);
+    recompute frees the same intervals, but only of recomputable tensors, and its extended inputs and
+    intermediates only add memory, so for "only" this is a floor, not always reachable."""
+    if recompute != "only":
+        return lt.min_feasible_peak_bytes if hardware.available_tiers() else _floor_of(lt, recompute)
+    return _floor_of(lt, recompute)
+
+
+def _floor_of(lt: Lifetimes, recompute: RecomputeMode) -> int:
+    if recompute == "off" or not lt.num_ops:
+        return lt.baseline_peak_bytes
+    away = np.zeros(lt.num_ops + 1, dtype=np.int64)
+    for c in lt.recomputable:
+        away[c.inactive_start_idx] += c.nbytes
+        away[c.inactive_end_idx + 1] -= c.nbytes
+    return int((lt.baseline_memory_bytes - np.cumsum(away)[: lt.num_ops]).max())
 
 
 SolverFn = Callable[[Problem], Plan]
@@ -102,18 +164,26 @@ class SolverInfo:
     baseline: bool = False
     #: The solver handles ``budget_bytes is None`` itself; otherwise ``solve`` bisects over budgets.
     supports_auto: bool = False
+    #: The recompute modes it plans (``Problem.recompute``).
+    recompute_modes: tuple[str, ...] = ("off",)
 
 
 _REGISTRY: dict[str, SolverInfo] = {}
 
 
 def register_solver(
-    name: str, *, baseline: bool = False, supports_auto: bool = False
+    name: str,
+    *,
+    baseline: bool = False,
+    supports_auto: bool = False,
+    recompute_modes: tuple[str, ...] = ("off",),
 ) -> Callable[[SolverFn], SolverFn]:
-    """Decorator registering ``fn`` as solver ``name``."""
+    """Decorator registering ``fn`` as solver ``name``, planning the recompute modes ``recompute_modes``."""
 
     def deco(fn: SolverFn) -> SolverFn:
-        _REGISTRY[name] = SolverInfo(name=name, fn=fn, baseline=baseline, supports_auto=supports_auto)
+        _REGISTRY[name] = SolverInfo(
+            name=name, fn=fn, baseline=baseline, supports_auto=supports_auto, recompute_modes=recompute_modes
+        )
         return fn
 
     return deco
@@ -195,6 +265,7 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
             "time_limit_s": problem.time_limit_s,
             "workers": problem.workers,
             "min_feasible_peak_bytes": lt.min_feasible_peak_bytes,
+            "recompute": problem.recompute,
         },
     )
 
@@ -210,7 +281,7 @@ def _solve_auto_by_bisection(problem: Problem, fn: SolverFn) -> Plan:
     solver; a heuristic may break it, in which case we still return the best stall-free plan seen).
     """
     lt = problem.lifetimes
-    lo, hi = lt.min_feasible_peak_bytes, lt.baseline_peak_bytes
+    lo, hi = problem.floor_bytes(), lt.baseline_peak_bytes
     best = fn(problem.with_budget(hi))
     step = max(1, int(AUTO_RESOLUTION * lt.baseline_peak_bytes))
     rounds = 0
@@ -243,6 +314,7 @@ def solve(
     *,
     lifetimes: Lifetimes | None = None,
     deterministic_time_s: float | None = None,
+    recompute: RecomputeMode = DEFAULT_RECOMPUTE,
 ) -> Plan:
     """Plan ``profile`` under ``budget`` with solver ``solver``.
 
@@ -251,17 +323,26 @@ def solve(
         hardware: defaults to ``HardwareModel()`` (this project's measured machine).
         lifetimes: ``analyse(profile)`` when the caller already has it.
         deterministic_time_s: stop CP-SAT on its deterministic clock (reproducible results).
+        recompute: "off", "only" or "joint" (module docstring; default :data:`DEFAULT_RECOMPUTE`).
 
     Raises:
         BudgetError: the budget does not parse, is below the smallest achievable peak, or the (non
             baseline) solver found no plan within it; the message names the smallest achievable peak.
-        UnknownSolverError: no solver of that name.
+        UnknownSolverError: no solver of that name, or one that does not plan ``recompute``.
     """
     info = solver_info(solver)
+    if recompute not in RECOMPUTE_MODES:
+        raise UnknownSolverError(f"recompute mode {recompute!r} is none of {', '.join(RECOMPUTE_MODES)}")
+    if recompute not in info.recompute_modes:
+        raise UnknownSolverError(
+            f"solver '{solver}' plans recompute={'/'.join(info.recompute_modes)} only"
+            + (" (TERAIO's offload-only baseline)" if solver == "greedy" else "")
+            + f", not recompute={recompute}; choose another solver or recompute mode"
+        )
     lt = lifetimes if lifetimes is not None else analyse(profile)
     hw = hardware if hardware is not None else HardwareModel()
     budget_bytes = resolve_budget(budget, lt.baseline_peak_bytes)
-    floor = lt.min_feasible_peak_bytes if hw.available_tiers() else lt.baseline_peak_bytes
+    floor = floor_bytes(lt, hw, recompute)
     if budget_bytes is not None and budget_bytes < floor and not info.baseline:
         raise infeasible(budget_bytes, floor, what=f"budget {budget!r} =")
     problem = Problem(
@@ -275,9 +356,11 @@ def solve(
         progress=progress,
         solver=solver,
         deterministic_time_s=deterministic_time_s,
+        recompute=recompute,
     )
     t0 = time.perf_counter()
-    if budget_bytes is None and not info.supports_auto and not info.baseline:
+    auto_itself = info.supports_auto and not problem.plans_recompute
+    if budget_bytes is None and not auto_itself and not info.baseline:
         plan = _solve_auto_by_bisection(problem, info.fn)
     else:
         plan = info.fn(problem)

@@ -15,6 +15,16 @@ out the step of an N-layer decoder-only transformer (pre-LayerNorm, 4x MLP, GELU
   their last forward use), gradient temporaries of each backward op, and parameter gradients from the
   backward op that produces them to the end of the step.
 
+Rebuild recipes (issue #13): with ``recompute`` (the default) every saved activation carries the
+profile's recompute columns, as a tracer would derive them from the graph: a rebuild reads saved tensors
+(and parameters) and re-runs the forward ops between them and the tensor, at those ops' profiled times.
+Norm outputs and statistics rebuild from the norm's input, GELU from the ``up`` output, matmul outputs
+from their input activation and weight, attention from ``qkv`` (explicit attention: probabilities from
+``qkv`` through the scores, which the rebuild holds as its intermediate), each residual sum from the
+previous residual and the branch's saved input through the projection (holding the projection's output),
+the log-softmax from ``ln_f`` through the head (holding the logits). Chains reach back to the layer
+input, so recomputing every saved tensor of a block but its input is activation checkpointing.
+
 Op times come from FLOPs (matmuls, attention) at ``flops_per_s`` and from bytes touched (norms, GELU,
 adds) at ``mem_bw_bytes_per_s``, plus ``op_overhead_us`` each. The defaults are tuned so the mid-size GPT
 measured in docs/measured_facts.md (6 layers, hidden 384, seq 512, batch 8: 0.84 s forward, 1.74 s backward,
@@ -59,6 +69,8 @@ class SynthConfig:
     bwd_factor: float = 2.0
     #: Free-form tags that also go into the fingerprint (e.g. a variant name in a benchmark).
     tags: tuple[str, ...] = field(default_factory=tuple)
+    #: Give saved activations rebuild recipes (the recompute columns; module docstring).
+    recompute: bool = True
 
     @property
     def num_heads(self) -> int:
@@ -91,6 +103,10 @@ class SynthConfig:
         d = asdict(self)
         d["heads"] = self.num_heads
         d["tags"] = list(self.tags)
+        if self.recompute:
+            # Profiles with recipes (the default) keep the hash they had before recipes existed; one
+            # without them is another profile (a plan that recomputes cannot run on it).
+            del d["recompute"]
         d["synth_version"] = SYNTH_VERSION
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
@@ -120,6 +136,14 @@ class _Builder:
         self.cfg = cfg
         self.ops: list[_FwdOp] = []
         self.shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+        #: Saved tensor -> (rows its rebuild reads, forward ops it re-runs, intermediate held: a name or 0).
+        self.recipes: dict[str, tuple[list[str], list[str], str | int]] = {}
+
+    def recipe(self, outs: list[str], inputs: list[str], ops: list[str], held: str | int = 0) -> None:
+        """Rebuild ``outs`` from ``inputs`` by re-running ``ops``, holding ``held`` (a tensor's name:
+        its bytes, or a byte count) beyond the inputs and the result."""
+        for out in outs:
+            self.recipes[out] = (list(inputs), list(ops), held)
 
     def nbytes(self, name: str) -> int:
         shape, dtype = self.shapes[name]
@@ -166,9 +190,12 @@ def _build_forward(cfg: SynthConfig) -> _Builder:
         )
     )
     x = "embed.out"
+    b.recipe([x], ["tokens", "embed.weight", "pos.weight"], ["embed"])
     causal = 0.5 if cfg.causal else 1.0
     for layer in range(cfg.layers):
         p = f"layers.{layer}"
+        b.recipe([f"{p}.ln1.out", f"{p}.ln1.stats"], [x, f"{p}.ln1.weight", f"{p}.ln1.bias"], [f"{p}.ln1"])
+        b.recipe([f"{p}.qkv.out"], [f"{p}.ln1.out", f"{p}.qkv.weight", f"{p}.qkv.bias"], [f"{p}.qkv"])
         b.elementwise(
             f"{p}.ln1",
             f"{p}.ln1",
@@ -206,6 +233,12 @@ def _build_forward(cfg: SynthConfig) -> _Builder:
                     workspace_nbytes=2 * B * nh * 64 * S * FLOAT32_NBYTES,
                 )
             )
+            b.recipe(
+                [f"{p}.attn.out", f"{p}.attn.lse"],
+                [f"{p}.qkv.out"],
+                [f"{p}.attn"],
+                2 * B * nh * 64 * S * FLOAT32_NBYTES,
+            )
         else:
             probs = (B, nh, S, S)
             b.add(
@@ -239,6 +272,10 @@ def _build_forward(cfg: SynthConfig) -> _Builder:
                     [(f"{p}.attn.out", act, "float32")],
                 )
             )
+            b.recipe(
+                [f"{p}.softmax.out"], [f"{p}.qkv.out"], [f"{p}.scores", f"{p}.softmax"], f"{p}.scores.out"
+            )
+            b.recipe([f"{p}.attn.out"], [f"{p}.softmax.out", f"{p}.qkv.out"], [f"{p}.context"])
         b.add(
             _FwdOp(
                 f"{p}.proj",
@@ -253,6 +290,15 @@ def _build_forward(cfg: SynthConfig) -> _Builder:
         )
         b.elementwise(f"{p}.add1", p, "aten.add", [x, f"{p}.proj.out"], [], f"{p}.add1.out", act)
         h = f"{p}.add1.out"
+        b.recipe(
+            [h],
+            [x, f"{p}.attn.out", f"{p}.proj.weight", f"{p}.proj.bias"],
+            [f"{p}.proj", f"{p}.add1"],
+            f"{p}.proj.out",
+        )
+        b.recipe([f"{p}.ln2.out", f"{p}.ln2.stats"], [h, f"{p}.ln2.weight", f"{p}.ln2.bias"], [f"{p}.ln2"])
+        b.recipe([f"{p}.up.out"], [f"{p}.ln2.out", f"{p}.up.weight", f"{p}.up.bias"], [f"{p}.up"])
+        b.recipe([f"{p}.gelu.out"], [f"{p}.up.out"], [f"{p}.gelu"])
         b.elementwise(
             f"{p}.ln2",
             f"{p}.ln2",
@@ -299,6 +345,14 @@ def _build_forward(cfg: SynthConfig) -> _Builder:
         )
         b.elementwise(f"{p}.add2", p, "aten.add", [h, f"{p}.down.out"], [], f"{p}.add2.out", act)
         x = f"{p}.add2.out"
+        b.recipe(
+            [x],
+            [h, f"{p}.gelu.out", f"{p}.down.weight", f"{p}.down.bias"],
+            [f"{p}.down", f"{p}.add2"],
+            f"{p}.down.out",
+        )
+    b.recipe(["ln_f.out", "ln_f.stats"], [x, "ln_f.weight", "ln_f.bias"], ["ln_f"])
+    b.recipe(["loss.logp"], ["ln_f.out", "head.weight"], ["head", "loss"], "head.out")
     b.elementwise(
         "ln_f",
         "ln_f",
@@ -334,6 +388,21 @@ def _build_forward(cfg: SynthConfig) -> _Builder:
         extra_outputs=[("loss.logp", (B, S, V), "float32")],
     )
     return b
+
+
+def _recompute_columns(cfg: SynthConfig, b: _Builder, name: str, op_us: dict[str, float]) -> dict:
+    """The recompute columns of one row (none without ``cfg.recompute``; NaN where no recipe)."""
+    if not cfg.recompute:
+        return {}
+    recipe = b.recipes.get(name)
+    if recipe is None:
+        return {"recompute_us": float("nan"), "recompute_inputs": (), "recompute_peak_bytes": 0}
+    inputs, ops, held = recipe
+    return {
+        "recompute_us": float(sum(op_us[o] for o in ops)),
+        "recompute_inputs": tuple(inputs),
+        "recompute_peak_bytes": int(b.nbytes(held) if isinstance(held, str) else held),
+    }
 
 
 def synth_profile(
@@ -384,6 +453,7 @@ def profile_from_config(cfg: SynthConfig) -> Profile:
             saved_by.setdefault(s, []).append(i)
 
     other = np.zeros(n, dtype=np.int64)
+    op_us = {op.name: op.duration_us for op in fwd}
     tensor_rows = []
     for name, (shape, dtype) in b.shapes.items():
         nbytes = b.nbytes(name)
@@ -398,6 +468,7 @@ def profile_from_config(cfg: SynthConfig) -> Profile:
         module = fwd[prod].module if prod >= 0 else ""
         tensor_rows.append(
             {
+                **_recompute_columns(cfg, b, name, op_us),
                 "name": name,
                 "nbytes": nbytes,
                 "dtype": dtype,
@@ -436,6 +507,7 @@ def profile_from_config(cfg: SynthConfig) -> Profile:
                     "first_bwd_use_idx": j,
                     "last_use_idx": j,
                     "module": op.module,
+                    **_recompute_columns(cfg, b, pname, op_us),
                 }
             )
 

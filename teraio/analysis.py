@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from teraio.planner.plan import Plan
     from teraio.planner.profile import Profile
     from teraio.planner.simulate import SimResult
+    from teraio.planner.solve import RecomputeMode
 
 #: Columns of :func:`plan_table`.
 PLAN_COLUMNS = (
@@ -39,6 +40,8 @@ PLAN_COLUMNS = (
     "decisions",
     "wall_s",
     "violations",
+    "recomputed",
+    "recompute_s",
 )
 
 _MIB = 1024**2
@@ -56,6 +59,8 @@ def profile_summary(profile: Profile, lifetimes: Lifetimes) -> pd.DataFrame:
         ("saved tensors", len(profile.tensors)),
         ("offload candidates", len(lt.candidates)),
         ("candidate bytes", format_size(lt.candidate_bytes)),
+        # Rebuild recipes in the profile (its recompute columns): what recompute could take away.
+        ("recomputable candidates", len(lt.recomputable)),
         ("unplanned peak", f"{format_size(lt.baseline_peak_bytes)} at op {lt.op_name(lt.baseline_peak_idx)}"),
         ("smallest achievable peak", format_size(lt.min_feasible_peak_bytes)),
         ("compute per step", f"{lt.compute_s:.3f} s"),
@@ -90,7 +95,8 @@ def top_inactive_tensors(lifetimes: Lifetimes, n: int = 10) -> pd.DataFrame:
 
 
 def plan_table(plans: Mapping[str, Plan], sims: Mapping[str, SimResult] | None = None) -> pd.DataFrame:
-    """One row per labelled plan: solver, status, budget and the predicted (and re-simulated) figures.
+    """One row per labelled plan: solver, status, budget, the predicted (and re-simulated) figures, and what
+    it recomputes (bytes rebuilt, rebuild seconds per step).
 
     Args:
         plans: label -> Plan.
@@ -113,6 +119,8 @@ def plan_table(plans: Mapping[str, Plan], sims: Mapping[str, SimResult] | None =
                 "decisions": len(plan.decisions),
                 "wall_s": plan.stats.wall_s,
                 "violations": len(sim.violations) if sim is not None else np.nan,
+                "recomputed": format_size(plan.recomputed_bytes),
+                "recompute_s": plan.recompute_s,
             }
         )
     return pd.DataFrame(rows, columns=list(PLAN_COLUMNS))
@@ -124,6 +132,8 @@ def budget_sweep(
     solver: str = "greedy",
     *,
     lifetimes: Lifetimes | None = None,
+    recompute: RecomputeMode = "off",
+    compare_modes: bool = True,
     **solve_kwargs: Any,
 ) -> pd.DataFrame:
     """Plan ``profile`` at each budget and tabulate the predicted peak, step time, stall and bound.
@@ -136,6 +146,9 @@ def budget_sweep(
         budgets: anything :func:`planner.solve.solve` accepts ("50%", 0.5, "512MiB", bytes).
         solver: a registered solver name (an unknown name raises UnknownSolverError).
         lifetimes: ``analyse(profile)`` when the caller already has it.
+        recompute: the recompute mode of each row's plan ("off", "only", "joint").
+        compare_modes: also plan offload only, recompute only and joint (``offload_step_s``,
+            ``recompute_step_s``, ``joint_step_s``; what :func:`plot_recompute_crossover` draws).
         solve_kwargs: passed to :func:`planner.solve.solve` (``hardware``, ``time_limit_s``, ...).
 
     Returns:
@@ -143,7 +156,15 @@ def budget_sweep(
     """
     from teraio.planner.sweep import budget_sweep as sweep
 
-    return sweep(profile, budgets, [solver], lifetimes=lifetimes, **solve_kwargs)
+    return sweep(
+        profile,
+        budgets,
+        [solver],
+        lifetimes=lifetimes,
+        recompute=recompute,
+        compare_modes=compare_modes,
+        **solve_kwargs,
+    )
 
 
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> Axes:
@@ -270,4 +291,28 @@ def plot_sweep(sweep: pd.DataFrame, *, ax: Axes | None = None, title: str = "Bud
     step_ax.plot(x, ok["predicted_step_s"].astype(float), color="black", marker="o", label="step")
     step_ax.set_ylabel("predicted step (s)")
     ax.set_title(title)
+    return ax
+
+
+def plot_recompute_crossover(
+    sweep: pd.DataFrame, *, ax: Axes | None = None, title: str = "Offload, recompute or both"
+) -> Axes:
+    """Plot a :func:`budget_sweep` table's per-mode steps: offload only, recompute only and the joint plan
+    against the budget, so the budget where rebuilding starts to beat moving bytes is visible. A mode
+    with no plan at a budget leaves a gap in its curve."""
+    ax = _new_axes(ax, (7, 3.5))
+    x = np.arange(len(sweep))
+    for col, label, style in (
+        ("offload_step_s", "offload only", {"color": "tab:orange", "marker": "o"}),
+        ("recompute_step_s", "recompute only", {"color": "tab:blue", "marker": "s"}),
+        ("joint_step_s", "joint", {"color": "black", "marker": "^", "lw": 2}),
+    ):
+        ax.plot(x, sweep[col].astype(float), label=label, **style)
+    ax.axhline(float(sweep["compute_s"].iloc[0]), color="grey", ls=":", lw=1, label="compute")
+    ax.set_xticks(x)
+    ax.set_xticklabels(sweep["budget_spec"].tolist())
+    ax.set_xlabel("budget")
+    ax.set_ylabel("predicted step (s)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", fontsize=8)
     return ax

@@ -18,19 +18,24 @@ def test_run_tiny():
         seq=256,
         batch=4,
         time_limit_s=60,
-        deterministic_time_s=1,
+        deterministic_time_s=0.2,
     )
-    assert list(df["solver"]) == ["greedy", "pipeline", "ilp"] * 2
-    assert list(df["hardware"]) == ["io"] * 3 + ["compute"] * 3
+    order = [("greedy", "off"), ("pipeline", "off"), ("ilp", "off")]
+    order += [("pipeline", "only"), ("ilp", "only"), ("pipeline", "joint"), ("ilp", "joint")]
+    assert list(zip(df["solver"], df["recompute"])) == order * 2
+    assert list(df["hardware"]) == ["io"] * 7 + ["compute"] * 7
     assert df["within_budget"].all()
     for _, rows in df.groupby("hardware"):
-        by = rows.set_index("solver")
-        assert by.loc["ilp", "step_s"] <= min(by.loc["greedy", "step_s"], by.loc["pipeline", "step_s"])
-        # One bound per row group, below every plan's step.
-        assert rows["lower_bound_s"].nunique() == 1 and (rows["lower_bound_s"] <= rows["step_s"]).all()
+        by = rows.set_index(["solver", "recompute"])["step_s"]
+        assert by["ilp", "off"] <= min(by["greedy", "off"], by["pipeline", "off"])
+        assert by["ilp", "joint"] <= min(by["ilp", "off"], by["ilp", "only"], by["pipeline", "joint"])
+        # One bound per mode, below every plan's step of that mode.
+        for _, same in rows.groupby("recompute"):
+            assert same["lower_bound_s"].nunique() == 1 and (same["lower_bound_s"] <= same["step_s"]).all()
     assert (df["step_s"] >= df["compute_s"]).all()
     table = bench_planner.to_markdown(df)
-    assert "| synth-2L | io | 80% | ilp |" in table and "overhead / bound" in table
+    assert "| synth-2L | io | 80% | joint | ilp |" in table and "overhead / bound" in table
+    assert "rebuilt MiB" in table
 
 
 def test_cli_json(capsys, tmp_path):

@@ -3,7 +3,8 @@
 ``none`` keeps every tensor in memory (the unplanned peak, no I/O). ``all`` offloads every candidate
 when its last forward use ends, waits for all writes at the end of forward, and prefetches everything
 at the start of backward: the naive schedule (docs/measured_facts.md), which barely lowers the peak because
-every tensor is back in memory for the whole backward.
+every tensor is back in memory for the whole backward. Both ignore recompute: ``all`` offloads only, and
+``none`` is the same plan in every recompute mode.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from teraio.planner.plan import Plan, SolverStats
 from teraio.planner.solve import Problem, make_plan, register_solver
 
 
-@register_solver("none", baseline=True)
+@register_solver("none", baseline=True, recompute_modes=("off", "only", "joint"))
 def solve_none(problem: Problem) -> Plan:
     """Nothing moves."""
     t0 = time.perf_counter()

@@ -1,5 +1,8 @@
 """TERAIO's greedy planner (its Algorithm 1), plus the repair pass it needs when I/O cannot hide.
 
+It is TERAIO's baseline and stays offload-only: it plans ``recompute="off"`` alone (``planner.solve``
+refuses other modes for it), so comparisons with it show what recompute adds.
+
 Legend (TERAIO's notation, in this code's names):
 
 - ``B`` = ``budget``; ``M_i`` = ``mem[i]``, memory during op ``i``; ``E_i = max(0, M_i - B)`` = ``excess[i]``.

@@ -20,6 +20,20 @@ from the same end and a tensor moved once serves both. Only positions decide mem
 the budget by construction (any budget at or above the smallest achievable peak); the simulator then
 says how much it stalls. It runs in O(candidates log candidates + ops) plus numpy slices: well under a
 second at 96 layers. The exact solver uses it as a start.
+
+Recompute (``Problem.recompute``):
+
+- ``"only"``: while some op is over the budget, take the op of largest excess and recompute the
+  recomputable tensors idle there that rebuild cheapest per byte until their bytes cover it; then
+  re-count memory (rebuilds extend their inputs and hold intermediates) and repeat. No I/O at all.
+- ``"joint"``: rebuilding a tensor costs its ``recompute_us`` of compute; offloading it costs its write
+  and read on the channels plus their CPU time. Tensors are ranked by that ratio (rebuild seconds per
+  second of I/O and CPU it replaces), and the plan recomputes every tensor whose ratio is below a
+  threshold and offloads the rest as above, on the residual step (``Lifetimes.with_recompute``). Where
+  I/O hides behind compute a rebuild only costs time, where it does not a cheap rebuild removes stall;
+  which threshold wins depends on the profile and the hardware, so a short grid of thresholds (plus
+  offload only and the recompute-only plan) is judged by the simulator and the fastest plan within the
+  budget is kept: about fifteen simulations, well under a second at 48 layers.
 """
 
 from __future__ import annotations
@@ -27,11 +41,17 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from teraio.planner.budget import BudgetError
 from teraio.planner.plan import Decision, Plan, SolverStats
+from teraio.planner.simulate import SimResult
 from teraio.planner.solve import Problem, make_plan, register_solver
+
+#: Thresholds of the joint plan's grid: recompute where rebuild time / I/O time replaced is below one.
+JOINT_THRESHOLDS = (0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 10.0, float("inf"))
 
 
 def pipeline_decisions(problem: Problem, budget_bytes: int) -> list[Decision]:
@@ -100,14 +120,159 @@ def pipeline_decisions(problem: Problem, budget_bytes: int) -> list[Decision]:
     ]
 
 
-@register_solver("pipeline")
+def recompute_only_set(problem: Problem, budget_bytes: int) -> list[str] | None:
+    """The recompute-only plan's set (module docstring), or None when recomputing cannot meet the budget."""
+    lt = problem.lifetimes
+    rec = sorted(lt.recomputable, key=lambda c: (c.recompute_us / c.nbytes, c.producer_idx))
+    chosen: dict[str, None] = {}
+    mem = lt.baseline_memory_bytes
+    # Every pass covers the worst op's excess at least once more: at most one pass per recomputable.
+    for _ in range(len(rec) + 1):
+        over = mem - budget_bytes
+        k = int(np.argmax(over))
+        if over[k] <= 0:
+            return list(chosen)
+        left = int(over[k])
+        for c in rec:
+            if c.name not in chosen and c.inactive_start_idx <= k <= c.inactive_end_idx:
+                chosen[c.name] = None
+                left -= c.nbytes
+                if left <= 0:
+                    break
+        else:
+            if left > 0:
+                return None  # nothing left to rebuild at the worst op
+        needs = lt.effective_needs(chosen)
+        mem = lt.memory_with([lt.recompute_decision(n, needs) for n in needs.order])
+        # A rebuild whose effective need moved before the worst op frees nothing there; the next pass
+        # adds more, or gives up when none is left.
+    return None
+
+
+def rebuild_ratio(problem: Problem) -> dict[str, float]:
+    """Per recomputable tensor: its rebuild time over the I/O and CPU time offloading it would take on
+    the default tier (the joint plan's ranking)."""
+    tier = problem.hardware.tier(problem.default_tier)
+    out = {}
+    for c in problem.lifetimes.recomputable:
+        io_s = tier.write_s(c.nbytes) + tier.read_s(c.nbytes) + 2 * c.nbytes * tier.cpu_s_per_byte
+        out[c.name] = c.recompute_us / 1e6 / io_s if io_s > 0 else float("inf")
+    return out
+
+
+@dataclass
+class Evaluated:
+    """One recompute set with the offload plan of its residual step, judged by the simulator."""
+
+    recomputed: tuple[str, ...]
+    decisions: list[Decision]
+    sim: SimResult
+    label: str
+
+
+def better(a: SimResult, b: SimResult) -> bool:
+    """Within budget first, then the faster step, then fewer bytes moved and rebuilt."""
+    if a.within_budget != b.within_budget:
+        return a.within_budget
+    if not a.within_budget:
+        return a.peak_bytes < b.peak_bytes
+    if abs(a.step_s - b.step_s) > 1e-9:
+        return a.step_s < b.step_s
+    return a.written_bytes + a.recomputed_bytes < b.written_bytes + b.recomputed_bytes
+
+
+def evaluate(problem: Problem, recomputed, budget_bytes: int, label: str = "") -> Evaluated | None:
+    """Recompute ``recomputed``, offload the residual step's excess with the pipeline (mode "joint") or
+    nothing (mode "only"); None when the residual step cannot meet the budget."""
+    names = tuple(recomputed)
+    if not names:
+        if not problem.plans_offload:
+            sim = problem.simulate([])
+            return Evaluated((), [], sim, label) if sim.peak_bytes <= budget_bytes else None
+        decisions = pipeline_decisions(problem, budget_bytes)
+        return Evaluated((), decisions, problem.simulate(decisions), label)
+    res = problem.residual(names)
+    if problem.plans_offload:
+        if budget_bytes < res.lifetimes.min_feasible_peak_bytes or (
+            not problem.hardware.available_tiers() and budget_bytes < res.lifetimes.baseline_peak_bytes
+        ):
+            return None
+        moved = pipeline_decisions(res, budget_bytes) if problem.hardware.available_tiers() else []
+    else:
+        if budget_bytes < res.lifetimes.baseline_peak_bytes:
+            return None
+        moved = []
+    decisions = [*res.lifetimes.recompute_decisions, *moved]
+    return Evaluated(names, decisions, problem.simulate(decisions), label)
+
+
+def recompute_plans(problem: Problem, budget_bytes: int) -> list[Evaluated]:
+    """Every plan the pipeline judges in its mode (module docstring)."""
+    if not problem.hardware.available_tiers():
+        problem = dataclasses.replace(problem, recompute="only")  # nowhere to offload to
+    out = []
+    if problem.plans_offload:
+        out.append(evaluate(problem, (), budget_bytes, "offload only"))
+    only = recompute_only_set(problem, budget_bytes)
+    if only is not None:
+        out.append(
+            evaluate(dataclasses.replace(problem, recompute="only"), only, budget_bytes, "recompute only")
+        )
+    if problem.recompute == "joint":
+        ratio = rebuild_ratio(problem)
+        seen = {(), tuple(only or ())}
+        for th in JOINT_THRESHOLDS:
+            names = tuple(c.name for c in problem.lifetimes.recomputable if ratio[c.name] <= th)
+            if names in seen:
+                continue
+            seen.add(names)
+            out.append(evaluate(problem, names, budget_bytes, f"rebuild/io <= {th:g}"))
+    return [e for e in out if e is not None]
+
+
+def best_recompute_plan(problem: Problem, budget_bytes: int) -> Evaluated:
+    """The pipeline's plan in the problem's recompute mode (module docstring).
+
+    Raises:
+        BudgetError: recompute only, and recomputing every tensor it can still exceeds the budget.
+    """
+    best = None
+    for e in recompute_plans(problem, budget_bytes):
+        if best is None or better(e.sim, best.sim):
+            best = e
+    if best is None:
+        raise BudgetError(
+            f"recomputing cannot bring the peak within {budget_bytes} bytes (recompute=only); allow "
+            f"offloading (recompute=joint) or a larger budget"
+        )
+    return best
+
+
+@register_solver("pipeline", recompute_modes=("off", "only", "joint"))
 def solve_pipeline(problem: Problem) -> Plan:
     """The constructive plan of the module docstring. For "auto" it plans the smallest achievable peak
     (``solve`` bisects over budgets instead)."""
     t0 = time.perf_counter()
     lt = problem.lifetimes
-    budget = problem.budget_bytes if problem.budget_bytes is not None else lt.min_feasible_peak_bytes
-    decisions = pipeline_decisions(problem, budget)
-    problem.report(1.0, f"pipeline: {len(decisions)} moved")
-    stats = SolverStats(solver="pipeline", status="HEURISTIC", wall_s=time.perf_counter() - t0)
+    budget = problem.budget_bytes if problem.budget_bytes is not None else problem.floor_bytes()
+    extra = {}
+    if problem.plans_recompute:
+        chosen = best_recompute_plan(problem, budget)
+        decisions = chosen.decisions
+        extra["recompute"] = {
+            "mode": problem.recompute,
+            "chosen": chosen.label,
+            "recomputed": len(chosen.recomputed),
+        }
+    elif problem.recompute == "only":
+        if budget < lt.baseline_peak_bytes:
+            raise BudgetError(
+                f"nothing can be recomputed (the profile has no rebuild recipes), so no plan of recompute=only "
+                f"meets a budget below the unplanned peak of {lt.baseline_peak_bytes} bytes"
+            )
+        decisions = []
+    else:
+        decisions = pipeline_decisions(problem, budget)
+    problem.report(1.0, f"pipeline: {len(decisions)} decisions")
+    stats = SolverStats(solver="pipeline", status="HEURISTIC", wall_s=time.perf_counter() - t0, extra=extra)
     return make_plan(problem, decisions, stats)

@@ -78,6 +78,20 @@ def console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def add_recompute_option(p: argparse.ArgumentParser, help_prefix: str = "") -> None:
+    """``--recompute {off,only,joint}``: what the solver may do besides keeping a tensor."""
+    from teraio.planner.solve import DEFAULT_RECOMPUTE, RECOMPUTE_MODES
+
+    p.add_argument(
+        "--recompute",
+        choices=RECOMPUTE_MODES,
+        default=DEFAULT_RECOMPUTE,
+        help=f"{help_prefix}off: keep or offload; only: keep or recompute in backward; joint: keep, offload "
+        f"or recompute in one budget (default {DEFAULT_RECOMPUTE}: plans that recompute need a backend "
+        "that realises recompute)",
+    )
+
+
 def plan_summary(plan) -> dict[str, Any]:
     """The figures ``teraio plan --json`` prints."""
     return {
@@ -92,10 +106,24 @@ def plan_summary(plan) -> dict[str, Any]:
         "predicted_stall_s": plan.predicted_stall_s,
         "compute_s": plan.compute_s,
         "moved_bytes": plan.moved_bytes,
-        "moved_tensors": len(plan.decisions),
+        "moved_tensors": len(plan.offloads),
+        "recompute": plan.config.get("recompute", "off"),
+        "recomputed_tensors": len(plan.recomputes),
+        "recomputed_bytes": plan.recomputed_bytes,
+        "recompute_s": plan.recompute_s,
         "lower_bound_s": plan.stats.lower_bound_s,
         "gap": plan.stats.gap,
     }
+
+
+def recompute_text(plan) -> str:
+    """The plan's rebuilds for a table row: count, bytes and compute per step."""
+    if not plan.recomputes:
+        return "none"
+    return (
+        f"{len(plan.recomputes)} tensors, {format_bytes(plan.recomputed_bytes)} rebuilt in backward, "
+        f"{plan.recompute_s:.4f} s of compute per step"
+    )
 
 
 def bound_text(plan) -> str:
@@ -120,6 +148,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="solver time limit in seconds (default 60)")
     p.add_argument("--workers", type=int, default=2, help="solver worker threads (default 2)")
     p.add_argument("--hardware", help="hardware model JSON (from 'teraio calibrate'); default: built-in")
+    add_recompute_option(p)
     p.add_argument("--out", "-o", required=True, help="plan file to write (JSON)")
     add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -145,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
             time_limit_s=args.time_limit,
             workers=args.workers,
             progress=progress,
+            recompute=args.recompute,
         )
     plan.save(out, overwrite=args.force)
     summary = {**plan_summary(plan), "out": str(out)}
@@ -164,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         f"{plan.compute_s:.4f} s -> {plan.predicted_step_s:.4f} s (stall {plan.predicted_stall_s:.4f} s)",
     )
     t.add_row("lower bound", bound_text(plan))
-    t.add_row("moved", f"{len(plan.decisions)} tensors, {format_bytes(plan.moved_bytes)}")
+    t.add_row("moved", f"{len(plan.offloads)} tensors, {format_bytes(plan.moved_bytes)}")
+    t.add_row("recomputed", recompute_text(plan))
     console().print(t)
     return 0

@@ -1,4 +1,5 @@
-"""``teraio show``: a readable summary of a Plan file: predicted figures and moved tensors by layer.
+"""``teraio show``: a readable summary of a Plan file: predicted figures, and the tensors moved or
+recomputed, by layer. Recompute decisions carry their rebuild time, so no profile is needed.
 
 Layers come from each decision's ``module`` label (stored in the plan by the solvers); ``--profile``
 fills the label for plans whose decisions lack it and checks the plan belongs to that profile.
@@ -11,7 +12,7 @@ import json
 import re
 from collections import defaultdict
 
-from teraio.commands.plan import bound_text, console, load_profile_arg, plan_summary
+from teraio.commands.plan import bound_text, console, load_profile_arg, plan_summary, recompute_text
 from teraio.units import format_bytes
 
 _LAYER_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -31,7 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--profile", help="the plan's profile: checks the plan against it and fills missing layer labels"
     )
-    p.add_argument("--tensors", action="store_true", help="also list every moved tensor")
+    p.add_argument(
+        "--tensors", action="store_true", help="also list every moved or recomputed tensor (action column)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -48,16 +51,38 @@ def run(args: argparse.Namespace) -> int:
     else:
         plan = Plan.load(args.plan)
     by_layer: dict[str, dict] = defaultdict(
-        lambda: {"tensors": 0, "nbytes": 0, "tiers": set(), "first_idx": 1 << 62}
+        lambda: {
+            "tensors": 0,
+            "nbytes": 0,
+            "tiers": set(),
+            "first_idx": 1 << 62,
+            "recomputed": 0,
+            "recomputed_bytes": 0,
+            "recompute_us": 0.0,
+        }
     )
     for d in plan.decisions:
         row = by_layer[layer_of(d.module or modules.get(d.name, ""))]
-        row["first_idx"] = min(row["first_idx"], d.offload_after_idx)
+        # A recompute decision has no write: its drop point orders its layer.
+        row["first_idx"] = min(row["first_idx"], d.wait_before_idx if d.recomputed else d.offload_after_idx)
+        if d.recomputed:
+            row["recomputed"] += 1
+            row["recomputed_bytes"] += d.nbytes
+            row["recompute_us"] += d.recompute_us
+            continue
         row["tensors"] += 1
         row["nbytes"] += d.nbytes
         row["tiers"].add(d.tier)
     layers = [
-        {"layer": k, "tensors": v["tensors"], "nbytes": v["nbytes"], "tiers": sorted(v["tiers"])}
+        {
+            "layer": k,
+            "tensors": v["tensors"],
+            "nbytes": v["nbytes"],
+            "tiers": sorted(v["tiers"]),
+            "recomputed": v["recomputed"],
+            "recomputed_bytes": v["recomputed_bytes"],
+            "recompute_s": v["recompute_us"] / 1e6,
+        }
         for k, v in sorted(by_layer.items(), key=lambda kv: kv[1]["first_idx"])  # in execution order
     ]
     if args.json:
@@ -88,20 +113,31 @@ def run(args: argparse.Namespace) -> int:
         f"(stall {plan.predicted_stall_s:.4f} s)",
     )
     head.add_row("lower bound", bound_text(plan))
-    head.add_row("moved", f"{len(plan.decisions)} tensors, {format_bytes(plan.moved_bytes)} per step")
+    head.add_row("moved", f"{len(plan.offloads)} tensors, {format_bytes(plan.moved_bytes)} per step")
+    head.add_row("recomputed", recompute_text(plan))
     head.add_row("hardware", plan.hardware.name)
     head.add_row("graph", plan.fingerprint[:16])
     con.print(head)
-    t = Table(title="moved tensors by layer")
-    for col in ("layer", "tensors", "bytes", "tiers"):
-        t.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
+    t = Table(title="moved tensors by layer (offloaded and recomputed)")
+    numeric = ("tensors", "bytes", "recomputed", "rebuilt bytes", "rebuild s")
+    for col in ("layer", "tensors", "bytes", "tiers", "recomputed", "rebuilt bytes", "rebuild s"):
+        t.add_column(col, justify="right" if col in numeric else "left")
     for row in layers:
-        t.add_row(row["layer"], str(row["tensors"]), format_bytes(row["nbytes"]), ",".join(row["tiers"]))
+        t.add_row(
+            row["layer"],
+            str(row["tensors"]),
+            format_bytes(row["nbytes"]),
+            ",".join(row["tiers"]),
+            str(row["recomputed"]),
+            format_bytes(row["recomputed_bytes"]),
+            f"{row['recompute_s']:.4f}",
+        )
     con.print(t)
     if args.tensors:
         t = Table(title="decisions")
         for col in (
             "tensor",
+            "action",
             "tier",
             "bytes",
             "write after",
@@ -110,19 +146,23 @@ def run(args: argparse.Namespace) -> int:
             "fetch before",
             "write rank",
             "read rank",
+            "rebuild s",
         ):
             t.add_column(col)
         for d in plan.decisions:
+            # A recompute decision: dropped at "wait before", rebuilt at "fetch before"; no write, no read.
             t.add_row(
                 d.name,
-                d.tier,
+                d.action,
+                d.tier or "-",
                 format_bytes(d.nbytes),
-                f"{d.offload_after_idx} {d.offload_after_name}",
+                "-" if d.recomputed else f"{d.offload_after_idx} {d.offload_after_name}",
                 f"{d.wait_before_idx} {d.wait_before_name}",
-                f"{d.prefetch_before_idx} {d.prefetch_before_name}",
+                "-" if d.recomputed else f"{d.prefetch_before_idx} {d.prefetch_before_name}",
                 f"{d.fetch_before_idx} {d.fetch_before_name}",
-                str(d.write_rank),
-                str(d.read_rank),
+                "-" if d.recomputed else str(d.write_rank),
+                "-" if d.recomputed else str(d.read_rank),
+                f"{d.recompute_us / 1e6:.4f}" if d.recomputed else "-",
             )
         con.print(t)
     return 0

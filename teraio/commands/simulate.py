@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     t = Table(title=f"simulate {args.plan}", show_header=False)
     t.add_row(
         "step",
-        f"{res.step_s:.4f} s (compute {res.compute_s:.4f}, stall {res.stall_s:.4f}, "
-        f"I/O interference {res.interference_s:.4f})",
+        f"{res.step_s:.4f} s (compute {res.compute_s:.4f}, rebuilds {res.recompute_s:.4f}, "
+        f"stall {res.stall_s:.4f}, I/O interference {res.interference_s:.4f})",
     )
     t.add_row(
         "peak",
@@ -107,6 +107,12 @@ def run(args: argparse.Namespace) -> int:
     )
     t.add_row(
         "I/O per step", f"written {format_bytes(res.written_bytes)}, read {format_bytes(res.read_bytes)}"
+    )
+    t.add_row(
+        "recompute per step",
+        f"{format_bytes(res.recomputed_bytes)} rebuilt, {res.recompute_s:.4f} s of compute"
+        if res.recomputed_bytes
+        else "none",
     )
     t.add_row("SSD wear", f"{res.ssd_tb_written_per_day:.2f} TB written per day")
     worst = res.stall_s_per_op.argsort()[::-1][:3]

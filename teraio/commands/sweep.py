@@ -12,6 +12,7 @@ import json
 
 from teraio.commands.plan import (
     add_force_option,
+    add_recompute_option,
     console,
     load_hardware_arg,
     load_profile_arg,
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="time limit per solve in seconds")
     p.add_argument("--workers", type=int, default=2, help="solver worker threads")
     p.add_argument("--hardware", help="hardware model JSON; default: built-in")
+    add_recompute_option(p, "the mode of each row's plan (the per-mode step columns plan all three): ")
     p.add_argument("--out", help="write the table as CSV here")
     add_force_option(p)
     p.add_argument("--json", action="store_true", help="print the table as JSON records")
@@ -72,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             time_limit_s=args.time_limit,
             workers=args.workers,
             progress=progress,
+            recompute=args.recompute,
         )
     if args.out is not None:
         with atomic_writer(args.out, overwrite=args.force) as f:
@@ -94,12 +97,22 @@ def run(args: argparse.Namespace) -> int:
         "gap",
         "slowdown",
         "moved",
+        "rebuilt",
         "solve s",
+        "offload s",
+        "recompute s",
+        "joint s",
     ):
         t.add_column(col)
-    for r in df.itertuples():
+
+    def step(value) -> str:
+        return "-" if pd.isna(value) else f"{value:.4f}"
+
+    modes = [step(r.offload_step_s) for r in df.itertuples()]
+    for k, r in enumerate(df.itertuples()):
+        per_mode = (modes[k], step(r.recompute_step_s), step(r.joint_step_s))
         if pd.isna(r.predicted_peak_bytes):  # no plan for this budget
-            t.add_row(r.solver, r.budget_spec, r.status, *["-"] * 9)
+            t.add_row(r.solver, r.budget_spec, r.status, *["-"] * 10, *per_mode)
             continue
         t.add_row(
             r.solver,
@@ -113,7 +126,9 @@ def run(args: argparse.Namespace) -> int:
             "-" if pd.isna(r.gap) else f"{100 * r.gap:.1f}%",
             f"{r.slowdown:.3f}",
             format_bytes(r.moved_bytes),
+            format_bytes(r.recomputed_bytes),
             f"{r.solve_s:.2f}",
+            *per_mode,
         )
     console().print(t)
     for r in df.itertuples():

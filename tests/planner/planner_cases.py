@@ -98,3 +98,59 @@ def ssd_only(
         },
         name="test",
     )
+
+
+def rebuilt(row: dict, recompute_us: float, inputs: tuple[str, ...] = (), peak_bytes: int = 0) -> dict:
+    """``row`` with a rebuild recipe (the profile's recompute columns)."""
+    return {
+        **row,
+        "recompute_us": float(recompute_us),
+        "recompute_inputs": inputs,
+        "recompute_peak_bytes": peak_bytes,
+    }
+
+
+def chain(duration_us: float = 1000.0, fingerprint: str = "chain") -> Profile:
+    """4 forward and 4 backward ops of ``duration_us``; rebuild recipes that chain.
+
+    - ``x`` (100 MB, op 0) dies in forward (last use op 1): no candidate, but ``c``'s rebuild reads it.
+    - ``a`` (100 MB, op 0, idle 2..6) rebuilds from param ``w`` in 500 us.
+    - ``b`` (100 MB, op 1, idle 3..5) rebuilds from ``a`` in 300 us, holding 50 MB meanwhile.
+    - ``c`` (100 MB, op 2, idle 4..4) rebuilds from ``x`` and ``b`` in 200 us.
+
+    Unplanned memory per op (MB): 200 300 300 300 | 300 300 200 100.
+    """
+    nan = float("nan")
+    tensors = [
+        rebuilt(param("w", MB), nan),
+        rebuilt(act("x", 100 * MB, 0, 1, -1, last_use=1), nan),
+        rebuilt(act("a", 100 * MB, 0, 1, 7), 500.0, ("w",)),
+        rebuilt(act("b", 100 * MB, 1, 2, 6), 300.0, ("a",), 50 * MB),
+        rebuilt(act("c", 100 * MB, 2, 3, 5), 200.0, ("x", "b")),
+    ]
+    return make_profile(ops_rows([duration_us] * 8, 4), tensors, {"fingerprint": fingerprint})
+
+
+def block(
+    h1_us: float = 100.0,
+    h2_us: float = 200.0,
+    duration_us: float = 1000.0,
+    fingerprint: str = "block",
+    x_offloadable: bool = True,
+) -> Profile:
+    """A block rebuildable from its input, as activation checkpointing sees it: 4 forward and 4 backward
+    ops of ``duration_us``; 100 MB each.
+
+    - ``x`` (op 0, used again by op 7): the block input, not recomputable.
+    - ``h1`` (op 1, idle 2..5) rebuilds from ``x`` in ``h1_us``; ``h2`` (op 2, idle 3..4) from ``h1`` in
+      ``h2_us``.
+
+    Unplanned memory per op (MB): 100 200 300 300 | 300 300 200 100.
+    """
+    nan = float("nan")
+    tensors = [
+        rebuilt(act("x", 100 * MB, 0, 1, 7, offloadable=x_offloadable), nan),
+        rebuilt(act("h1", 100 * MB, 1, 1, 6), h1_us, ("x",)),
+        rebuilt(act("h2", 100 * MB, 2, 2, 5), h2_us, ("h1",)),
+    ]
+    return make_profile(ops_rows([duration_us] * 8, 4), tensors, {"fingerprint": fingerprint})

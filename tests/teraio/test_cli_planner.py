@@ -82,7 +82,17 @@ def test_plan_json_then_simulate_show_roundtrip(files, capsys):
     assert f"{res['lower_bound_s']:.4f} s (gap" in out
     code, out, _ = _run(capsys, "show", tmp / "p.json", "--profile", prof, "--json", "--tensors")
     shown = json.loads(out)
-    assert shown["layers"] == [{"layer": "blocks.0", "tensors": 1, "nbytes": 100 * MB, "tiers": ["ssd"]}]
+    assert shown["layers"] == [
+        {
+            "layer": "blocks.0",
+            "tensors": 1,
+            "nbytes": 100 * MB,
+            "tiers": ["ssd"],
+            "recomputed": 0,
+            "recomputed_bytes": 0,
+            "recompute_s": 0.0,
+        }
+    ]
     assert shown["decisions"][0]["name"] == "t0"
     assert (shown["decisions"][0]["write_rank"], shown["decisions"][0]["read_rank"]) == (0, 0)
     assert (shown["lower_bound_s"], shown["gap"]) == (res["lower_bound_s"], res["gap"])

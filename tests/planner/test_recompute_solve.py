@@ -1,0 +1,130 @@
+"""Solvers with recompute: hand-computed small cases, the modes' contracts, and the residual step."""
+
+from __future__ import annotations
+
+import pytest
+
+from teraio.planner.budget import BudgetError
+from teraio.planner.lifetimes import analyse
+from teraio.planner.simulate import simulate
+from teraio.planner.solve import Problem, UnknownSolverError, solve
+from teraio.planner.solvers.pipeline import evaluate
+from teraio.planner.synth import synth_profile
+from tests.planner.planner_cases import MB, block, ssd_only
+
+SLOW_SSD = ssd_only(write_bw=0.1e9, read_bw=0.1e9)  # 100 MB: 1 s each way
+FAST_SSD = ssd_only(write_bw=1e12, read_bw=1e12)  # 100 MB: 0.1 ms each way
+ILP = {"time_limit_s": 60, "deterministic_time_s": 1, "workers": 1}
+
+
+def _kw(solver):
+    return ILP if solver == "ilp" else {}
+
+
+@pytest.mark.parametrize("solver", ["pipeline", "ilp"])
+def test_recompute_clearly_better_than_offload_when_io_bound(solver):
+    # 200 MB budget: h1 must be away over ops 2..5. Offloading it stalls about 2 s on this SSD; rebuilding
+    # it from x costs 0.1 ms.
+    p = block()
+    off = solve(p, 200 * MB, solver, SLOW_SSD, recompute="off", **_kw(solver))
+    joint = solve(p, 200 * MB, solver, SLOW_SSD, recompute="joint", **_kw(solver))
+    assert off.predicted_step_s > 1.0
+    assert [(d.name, d.action, d.fetch_before_idx) for d in joint.decisions] == [("h1", "recompute", 6)]
+    assert joint.predicted_step_s == pytest.approx(0.0081, abs=1e-12)
+    assert joint.predicted_peak_bytes == 200 * MB and joint.recompute_s == pytest.approx(1e-4)
+    only = solve(p, 200 * MB, solver, SLOW_SSD, recompute="only", **_kw(solver))
+    assert only.decisions == joint.decisions
+
+
+@pytest.mark.parametrize("solver", ["pipeline", "ilp"])
+def test_recompute_clearly_worse_than_offload_when_io_hides(solver):
+    # Rebuilding h1 takes 1 s; a 0.1 ms write and read hide behind 1 ms ops (of h1 or of x: both are idle
+    # at op 2, where one must go).
+    p = block(h1_us=1e6)
+    joint = solve(p, 200 * MB, solver, FAST_SSD, recompute="joint", **_kw(solver))
+    assert [d.action for d in joint.decisions] == ["offload"]
+    assert joint.predicted_step_s == pytest.approx(0.008, abs=1e-12) and joint.recompute_s == 0
+    only = solve(p, 200 * MB, solver, FAST_SSD, recompute="only", **_kw(solver))
+    assert only.predicted_step_s == pytest.approx(1.008)
+
+
+def test_a_chain_that_would_bring_its_inputs_back_early_is_not_worth_it():
+    # Recomputing h2 needs h1 back at op 5 instead of 6, and h1's rebuild needs x there too: op 5 holds
+    # x, h1 and h2 again (300 MB), over a 200 MB budget whatever else moves.
+    p = block()
+    lt = analyse(p)
+    prob = Problem(p, lt, FAST_SSD, 200 * MB, "200MB", recompute="joint")
+    res = lt.with_recompute(["h1", "h2"])
+    assert res.baseline_memory_bytes[5] == 300 * MB
+    assert res.candidate_of("x").first_bwd_use_idx == 5  # needed by h1's rebuild, not first at op 7
+    assert res.min_feasible_peak_bytes == 300 * MB
+    assert evaluate(prob, ("h1", "h2"), 200 * MB) is None
+    # Recomputing h2 alone: an offloaded h1 comes back before op 5, where h2's rebuild reads it; then op 5
+    # holds h1 and h2, and x must be away there instead.
+    res = lt.with_recompute(["h2"])
+    h1 = res.decision("h1", offload_after_idx=1)
+    assert h1.fetch_before_idx == 5
+    sim = prob.simulate([*res.recompute_decisions, h1])
+    assert sim.broken_rules() == [] and sim.memory_bytes[5] == 300 * MB
+    mixed = evaluate(prob, ("h2",), 200 * MB)
+    assert mixed.sim.within_budget and mixed.sim.broken_rules() == []
+    away = {d.name: d for d in mixed.decisions if d.action == "offload"}
+    assert away["x"].wait_before_idx <= 5 < away["x"].prefetch_before_idx
+    assert "h1" not in away or away["h1"].fetch_before_idx <= 5
+
+
+def test_modes_and_their_contracts():
+    p = block()
+    with pytest.raises(UnknownSolverError, match="TERAIO's offload-only baseline"):
+        solve(p, 200 * MB, "greedy", SLOW_SSD, recompute="joint")
+    with pytest.raises(UnknownSolverError, match="recompute mode 'sometimes'"):
+        solve(p, 200 * MB, "pipeline", SLOW_SSD, recompute="sometimes")
+    # Recompute only cannot take x away: op 1 holds x and h1 with nothing idle... 150 MB is below its floor.
+    with pytest.raises(BudgetError, match="smallest achievable peak"):
+        solve(p, 150 * MB, "pipeline", SLOW_SSD, recompute="only")
+    # The default is "off": nothing is recomputed unless asked.
+    assert all(d.action == "offload" for d in solve(p, 200 * MB, "pipeline", SLOW_SSD).decisions)
+    # "none" plans every mode (the same empty plan).
+    assert solve(p, 300 * MB, "none", SLOW_SSD, recompute="joint").decisions == ()
+
+
+def test_profiles_without_recipes_plan_every_mode_as_offload_only():
+    p = synth_profile(layers=2, hidden=64, seq=64, batch=2, vocab=128, recompute=False)
+    off = solve(p, "60%", "pipeline", recompute="off")
+    joint = solve(p, "60%", "pipeline", recompute="joint")
+    assert joint.decisions == off.decisions
+    with pytest.raises(BudgetError):
+        solve(p, "60%", "pipeline", recompute="only")
+
+
+@pytest.mark.parametrize("mode", ["only", "joint"])
+def test_auto_budget_with_recompute_is_stall_free(mode):
+    p = synth_profile(layers=2, hidden=64, seq=64, batch=2, vocab=128)
+    plan = solve(p, "auto", "pipeline", recompute=mode)
+    assert plan.predicted_stall_s == 0 and plan.predicted_peak_bytes == plan.budget_bytes
+    assert simulate(p, plan).broken_rules() == []
+
+
+def test_joint_pipeline_is_fast_and_reports_its_choice():
+    p = synth_profile(layers=12)
+    io = ssd_only(write_bw=0.3e9, read_bw=0.2e9)
+    plan = solve(p, "30%", "pipeline", io, recompute="joint")
+    assert plan.stats.wall_s < 2.0  # well under a second on a quiet machine
+    assert plan.stats.extra["recompute"]["mode"] == "joint"
+    off = solve(p, "30%", "pipeline", io, recompute="off")
+    only = solve(p, "30%", "pipeline", io, recompute="only")
+    assert plan.predicted_step_s <= min(off.predicted_step_s, only.predicted_step_s)
+    # I/O-bound at 30%: recomputing some tensors beats moving them all.
+    assert plan.recomputed_bytes > 0 and plan.predicted_step_s < 0.9 * off.predicted_step_s
+
+
+def test_ilp_joint_reports_what_is_exact_and_what_is_searched():
+    p = synth_profile(layers=3, hidden=64, seq=128, batch=4, vocab=128)
+    io = ssd_only(write_bw=0.3e9, read_bw=0.2e9)
+    plan = solve(p, "40%", "ilp", io, recompute="joint", **{**ILP, "deterministic_time_s": 0.3})
+    extra = plan.stats.extra
+    assert "CP-SAT" in extra["exact"] and "recompute set" in extra["searched"]
+    sources = extra["recompute"]["sources"]
+    assert "ilp offload only" in sources and extra["recompute"]["chosen"] in sources
+    assert plan.predicted_step_s <= min(s for s in sources.values() if s is not None) + 1e-12
+    assert plan.stats.lower_bound_s <= plan.predicted_step_s
