@@ -13,6 +13,9 @@ from teraio.run_dir import refuse_foreign_run_dir
 OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
+RecomputeOption = Literal["off", "only", "joint"]
+#: Solvers that plan offload only (TERAIO's greedy baseline, and moving everything): no recompute.
+OFFLOAD_ONLY_SOLVERS = ("greedy", "all")
 
 
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -41,7 +44,18 @@ class BackendConfig:
     checksum: bool = True  # verify every fetched chunk (crc32c); False opts out
     measure_memory: bool = True  # measure one running step's peak with the torch profiler
     max_shapes: int = 8  # per dynamic graph: shapes profiled and planned; later shapes run unplanned
+    #: Whether plans may rebuild saved tensors in backward instead of keeping or offloading them: "joint"
+    #: (keep, offload or recompute, whichever is fastest under the budget), "only" (no offload), "off".
+    #: None: "joint" with the solvers that plan recompute, "off" with the offload-only baselines.
+    recompute: RecomputeOption | None = None
     runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
+
+    @property
+    def recompute_mode(self) -> RecomputeOption:
+        """The recompute mode plans are made with (the option, or its default for the solver)."""
+        if self.recompute is not None:
+            return self.recompute
+        return "off" if self.solver in OFFLOAD_ONLY_SOLVERS else "joint"
 
     def check_run_dir(self) -> None:
         """Refuse, in one line, a ``run_dir`` that is a non-empty directory teraio did not write (the
@@ -51,6 +65,8 @@ class BackendConfig:
     def __post_init__(self) -> None:
         _check_choice("inner", self.inner, InnerCompiler)
         _check_choice("on_plan_mismatch", self.on_plan_mismatch, OnPlanMismatch)
+        if self.recompute is not None:
+            _check_choice("recompute", self.recompute, RecomputeOption)
         if self.io_backend is not None:
             _check_choice("io_backend", self.io_backend, IOBackendName)
         if isinstance(self.tiers, str):

@@ -45,7 +45,8 @@ from teraio.config import BackendConfig
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
-from teraio.profiler import StepProfiler
+from teraio.profiler import StepProfiler, classify_inputs
+from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.steps import InvocationEnd, StepRecord, StepTracker
@@ -127,6 +128,7 @@ class GraphRunner:
         self.invocations = 0
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
+        self._call_params: frozenset[int] | None = None  # inputs of the first call that are parameters
         self._training = False
         self.phase = Phase.PROFILING
         self._compiled = compile_graph(
@@ -217,6 +219,12 @@ class GraphRunner:
             self.profile = self.profiler.build_profile({"inner": self.cfg.inner})
             self.backend._save_profile(self)
 
+    def _param_positions(self) -> frozenset[int]:
+        """Which forward inputs are parameters: as profiled, else as the first call passed them."""
+        if self.profile is not None and "param_positions" in self.profile.meta:
+            return frozenset(int(i) for i in self.profile.meta["param_positions"])
+        return self._call_params or frozenset()
+
     def compile_final(self) -> None:
         """Recompile with the plan's migration ops (or none), for every later forward."""
         plan = self.plan if self.cfg.enabled and self.plan is not None and self.plan.decisions else None
@@ -227,9 +235,9 @@ class GraphRunner:
             analysis = analyse_saved(step)
             # Note: [Migration ops sit between kernels] in teraio.segments
             segmentation = Segmentation.of(analysis, granularity_for(self.cfg.inner))
-            check_plan(
-                coarsen(analysis, segmentation, step.saved_nodes), plan
-            )  # completely, before a byte is reserved
+            rebuild = recipes(step, analysis, self._param_positions()) if plan.recomputes else None
+            # Completely, before a byte is reserved.
+            check_plan(coarsen(analysis, segmentation, step.saved_nodes), plan, rebuild)
             engine_id = self.backend.engine_id_for(plan)
             self.rewrite = apply_plan(
                 step,
@@ -238,6 +246,7 @@ class GraphRunner:
                 key_prefix=f"g{self.graph_id}",
                 analysis=analysis,
                 segmentation=segmentation,
+                recipe_by_group=rebuild,
             )
             return self.rewrite.step
 
@@ -252,18 +261,16 @@ class GraphRunner:
         )
         self.phase = Phase.RUNNING
         self.profiler = None if self.profile is not None else self.profiler
-        log.info(
-            "running %s with %s",
-            self.name,
-            f"{len(plan.decisions)} tensors moved per step ({_fmt(plan.moved_bytes)})"
-            if plan
-            else "no migration",
-        )
+        log.info("running %s with %s", self.name, describe_plan(plan) if plan else "no migration")
 
     # ------------------------------------------------------------------------------------- calling
     def __call__(self, *args: Any) -> Any:
         if self._pending_error is not None:
             raise self._pending_error
+        if self._call_params is None:
+            self._call_params = frozenset(
+                i for i, kind in enumerate(classify_inputs(list(args))) if kind == "param"
+            )
         if self.phase is Phase.INFERENCE or not torch.is_grad_enabled():
             return self._compiled(*args)
         if self.phase is Phase.PROFILING:
@@ -319,6 +326,19 @@ def _device_of(example_inputs: list[Any]) -> str:
     tensor does not make a CUDA graph "cpu"), else the first tensor's, else "cpu"."""
     devices = [a.device for a in example_inputs if isinstance(a, torch.Tensor)]
     return str(next((d for d in devices if d.type != "cpu"), devices[0] if devices else "cpu"))
+
+
+def describe_plan(plan: Plan) -> str:
+    """What a plan does per step, in words: "offloads 12 tensors (1.2 MiB), recomputes 3 (96 KiB, 4 ms)"."""
+    offloaded = len(plan.decisions) - len(plan.recomputes)
+    parts = []
+    if offloaded or not plan.recomputes:
+        parts.append(f"offloads {offloaded} tensors ({_fmt(plan.moved_bytes)})")
+    if plan.recomputes:
+        parts.append(
+            f"recomputes {len(plan.recomputes)} ({_fmt(plan.recomputed_bytes)}, {plan.recompute_s * 1e3:.0f} ms)"
+        )
+    return ", ".join(parts) + " per step"
 
 
 def _fmt(nbytes: int | float | None) -> str:
@@ -566,15 +586,16 @@ class TeraioBackend:
             solver=solver or self.cfg.solver,
             hardware=self.hardware_model(),
             time_limit_s=float(self.cfg.time_limit),
+            # The fast plans of the budget search are greedy's: offload only.
+            recompute="off" if solver == "greedy" else self.cfg.recompute_mode,
         )
         log.log(
             logging.DEBUG if quiet else logging.INFO,
-            "%s: plan by %s in %.1f s moves %d tensors (%s); predicted peak %s, step %.3f s",
+            "%s: plan by %s in %.1f s %s; predicted peak %s, step %.3f s",
             runner.name,
             plan.solver,
             time.perf_counter() - t0,
-            len(plan.decisions),
-            _fmt(plan.moved_bytes),
+            describe_plan(plan),
             _fmt(plan.predicted_peak_bytes),
             plan.predicted_step_s,
         )

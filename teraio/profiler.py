@@ -284,6 +284,11 @@ class StepProfiler:
         seg_duration = [sum(durations[j] for j in seg.members(i)) for i in range(seg.num_total)]
         seg_live = [max(live[j] for j in seg.members(i)) for i in range(seg.num_total)]
 
+        from teraio.recompute import recipes, recompute_columns
+
+        # How each saved activation could be rebuilt in backward (teraio.recompute), at profiled cost.
+        params = frozenset(i for i, kind in enumerate(self.input_kinds or []) if kind == "param")
+        rebuild = recompute_columns(a, recipes(self.step, a, params), durations)
         kinds = self.input_kinds or []
         fw_placeholders = [n for n in self.step.fw_gm.graph.nodes if n.op == "placeholder"]
         tensor_rows = []
@@ -312,6 +317,7 @@ class StepProfiler:
                     "last_use_idx": last_use,
                     "module": g.module,
                     "aliases": len(g.members),
+                    **rebuild[g.name],
                 }
             )
             if kind == "activation":
@@ -352,6 +358,8 @@ class StepProfiler:
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
             "census_peak_bytes": int(max(live)) if live else 0,
+            # Which forward placeholders are parameters (the rewrite may save them for a rebuild).
+            "param_positions": sorted(params),
             "census_after_fwd_bytes": int(self.fwd_runs[0].live_bytes[-1])
             if self.fwd_runs[0].live_bytes
             else 0,

@@ -33,6 +33,7 @@ import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
 from teraio.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
 from teraio.errors import TeraioError
 from teraio.planner.plan import Decision, Plan, queue_order
+from teraio.recompute import RebuildAt, Recipe, apply_recompute
 from teraio.segments import Segmentation, is_extern, offload_source
 
 
@@ -183,6 +184,43 @@ class _AnchorIndex:
         return [nearest] if deepest is nearest else [nearest, deepest]
 
 
+def _rebuild(
+    step: CapturedStep,
+    a: StepAnalysis,
+    seg: Segmentation,
+    plan: Plan,
+    recipe_by_group: dict[str, Recipe] | None,
+    fetched: dict[str, fx.Node],
+    fw_mode: Any,
+    bw_mode: Any,
+    outputs: list[fx.Node],
+) -> None:
+    """The plan's recompute decisions, inputs first (``teraio.recompute``)."""
+    assert recipe_by_group is not None, "checked by check_plan"
+    nf = seg.num_fwd
+    rec = {d.name: d for d in plan.recomputes}
+    order: list[str] = []
+
+    def visit(name: str, seen: set[str]) -> None:
+        if name in order or name in seen:
+            return
+        seen.add(name)
+        for x in recipe_by_group[name].input_groups:
+            if x in rec:
+                visit(x, seen)
+        order.append(name)
+
+    for name in sorted(rec, key=lambda n: (rec[n].fetch_before_idx, n)):
+        visit(name, set())
+    bw_saved = step.bw_saved_placeholders
+    # What backward holds over each saved storage at the rebuild points: the kept placeholders and the
+    # fetched buffers (a rebuilt storage is added when it is rebuilt).
+    base: dict[str, fx.Node] = {g.name: bw_saved[g.members[0]] for g in a.groups if g.members}
+    base.update(fetched)
+    rebuilds = [RebuildAt(n, seg.bw_first[rec[n].fetch_before_idx - nf]) for n in order]
+    apply_recompute(step, a, rebuilds, recipe_by_group, base, fw_mode, bw_mode, outputs)
+
+
 def _realize_where_computed(step: CapturedStep, moved: list[SavedGroup]) -> None:
     """Note: [Outputs are realised where they are computed]
 
@@ -228,35 +266,50 @@ def _insert(graph: fx.Graph, mode, before: fx.Node, target: Any, args: tuple, na
     return node
 
 
-def check_decision(d: Decision, g: SavedGroup, num_fwd_ops: int, num_ops: int) -> None:
-    """Positions that a correct plan must respect (the planner's simulator checks the same)."""
+def check_decision(
+    d: Decision, g: SavedGroup, num_fwd_ops: int, num_ops: int, needed_at: int | None = None
+) -> None:
+    """Positions that a correct plan must respect (the planner's simulator checks the same).
+
+    ``needed_at``: the earliest backward op at which a rebuild of another tensor reads this one (it
+    must then be back, or rebuilt, by then).
+    """
     problems = []
     if g.producer is None:
         problems.append("it is not produced by a forward op (a parameter or input)")
-    if not (g.producer_idx <= d.offload_after_idx < num_fwd_ops):
-        problems.append(
-            f"offload_after_idx {d.offload_after_idx} is not in [{g.producer_idx}, {num_fwd_ops})"
-        )
-    if not (max(g.last_fwd_use_idx, d.offload_after_idx) < d.wait_before_idx <= num_fwd_ops):
-        problems.append(
-            f"wait_before_idx {d.wait_before_idx} is not after its last forward use "
-            f"{g.last_fwd_use_idx} and within the forward"
-        )
-    if g.first_bwd_use_idx >= 0:
-        if d.fetch_before_idx != g.first_bwd_use_idx:
+    # Where backward first needs it: its own first use, or a rebuild that reads it, whichever is first.
+    uses = [x for x in (g.first_bwd_use_idx, needed_at) if x is not None and x >= 0]
+    need = min(uses) if uses else -1
+    if d.recomputed:
+        if not (g.last_fwd_use_idx < d.wait_before_idx <= num_fwd_ops):
+            problems.append(f"wait_before_idx {d.wait_before_idx} is not after its last forward use")
+        if need >= 0 and not (num_fwd_ops <= d.prefetch_before_idx == d.fetch_before_idx <= need):
+            problems.append(f"it is not rebuilt in backward before it is first needed (op {need})")
+    else:
+        if not (g.producer_idx <= d.offload_after_idx < num_fwd_ops):
             problems.append(
-                f"fetch_before_idx {d.fetch_before_idx} is not its first backward use {g.first_bwd_use_idx}"
+                f"offload_after_idx {d.offload_after_idx} is not in [{g.producer_idx}, {num_fwd_ops})"
             )
-        if not (num_fwd_ops <= d.prefetch_before_idx <= d.fetch_before_idx < num_ops):
+        if not (max(g.last_fwd_use_idx, d.offload_after_idx) < d.wait_before_idx <= num_fwd_ops):
             problems.append(
-                f"prefetch_before_idx {d.prefetch_before_idx} is not a backward op at or before "
-                f"fetch_before_idx {d.fetch_before_idx}"
+                f"wait_before_idx {d.wait_before_idx} is not after its last forward use "
+                f"{g.last_fwd_use_idx} and within the forward"
             )
+        if need >= 0:
+            if d.fetch_before_idx != need:
+                problems.append(
+                    f"fetch_before_idx {d.fetch_before_idx} is not where it is first needed ({need})"
+                )
+            if not (num_fwd_ops <= d.prefetch_before_idx <= d.fetch_before_idx < num_ops):
+                problems.append(
+                    f"prefetch_before_idx {d.prefetch_before_idx} is not a backward op at or before "
+                    f"fetch_before_idx {d.fetch_before_idx}"
+                )
     if problems:
         raise PlanMismatchError(f"plan decision for '{d.name}' is invalid: {'; '.join(problems)}")
 
 
-def check_plan(a: StepAnalysis, plan: Plan) -> None:
+def check_plan(a: StepAnalysis, plan: Plan, recipe_by_group: dict[str, Recipe] | None = None) -> None:
     """Everything a plan must agree on with the captured graph, checked before anything runs it.
 
     Raises:
@@ -270,6 +323,16 @@ def check_plan(a: StepAnalysis, plan: Plan) -> None:
         )
     groups = {g.name: g for g in a.groups}
     num_ops = len(a.fw_ops) + len(a.bw_ops)
+    # Where rebuilds read other tensors (teraio.recompute): those must be back by then.
+    needed_at: dict[str, int] = {}
+    for d in plan.recomputes:
+        recipe = (recipe_by_group or {}).get(d.name)
+        if recipe is None:
+            raise PlanMismatchError(
+                f"plan recomputes '{d.name}', which this graph cannot rebuild exactly; re-profile and re-plan"
+            )
+        for x in recipe.input_groups:
+            needed_at[x] = min(needed_at.get(x, d.fetch_before_idx), d.fetch_before_idx)
     for d in plan.decisions:
         g = groups.get(d.name)
         if g is None:
@@ -278,7 +341,7 @@ def check_plan(a: StepAnalysis, plan: Plan) -> None:
             raise PlanMismatchError(
                 f"plan decision for '{d.name}' says {d.nbytes} bytes but the tensor has {g.nbytes}; re-plan"
             )
-        check_decision(d, g, a.num_fwd_ops, num_ops)
+        check_decision(d, g, a.num_fwd_ops, num_ops, needed_at.get(d.name))
 
 
 def apply_plan(
@@ -288,18 +351,21 @@ def apply_plan(
     key_prefix: str,
     analysis: StepAnalysis | None = None,
     segmentation: Segmentation | None = None,
+    recipe_by_group: dict[str, Recipe] | None = None,
 ) -> RewriteResult:
-    """Insert the plan's migration ops into ``step``'s graphs (in place) and return them.
+    """Insert the plan's migration ops and rebuilds into ``step``'s graphs (in place) and return them.
 
     ``segmentation`` says what the plan's op indices count (Note: [Migration ops sit between kernels]
-    in ``teraio.segments``); by default single ops.
+    in ``teraio.segments``); by default single ops. ``recipe_by_group``: how each recomputed tensor is
+    rebuilt (``teraio.recompute.recipes``); required when the plan recomputes anything.
     """
     from teraio.segments import coarsen
 
     a = analysis or analyse_saved(step)
     seg = segmentation or Segmentation.of(a, "op")
-    check_plan(coarsen(a, seg, step.saved_nodes), plan)
+    check_plan(coarsen(a, seg, step.saved_nodes), plan, recipe_by_group)
     groups = {g.name: (i, g) for i, g in enumerate(a.groups)}
+    offloads = [d for d in plan.decisions if not d.recomputed]
     nf = seg.num_fwd  # the plan's forward indices are below this
     fused = seg.granularity != "op"
     fw_graph, bw_graph = step.fw_gm.graph, step.bw_gm.graph
@@ -327,8 +393,8 @@ def apply_plan(
     last_prefetch_at: dict[int, fx.Node] = {}
     first_fetch_at: dict[int, fx.Node] = {}
     tokens: dict[int, fx.Node] = {}
-    for k in queue_order(plan.decisions, "write"):
-        d = plan.decisions[k]
+    for k in queue_order(offloads, "write"):
+        d = offloads[k]
         g = groups[d.name][1]
         owner = offload_source(step.saved_nodes, g, seg.granularity)
         key = f"{key_prefix}/{g.name}"
@@ -365,8 +431,9 @@ def apply_plan(
             outputs[saved_pos0 + pos] = tok
         tokens[k] = tok
 
-    for k in queue_order(plan.decisions, "read"):
-        d = plan.decisions[k]
+    fetched: dict[str, fx.Node] = {}  # group name -> the fetched buffer over its whole storage
+    for k in queue_order(offloads, "read"):
+        d = offloads[k]
         g = groups[d.name][1]
         key = f"{key_prefix}/{g.name}"
         tok = tokens[k]
@@ -410,6 +477,7 @@ def apply_plan(
             f"teraio_fetch_{g.name}",
         )
         first_fetch_at.setdefault(d.fetch_before_idx, flat)
+        fetched[g.name] = flat
         for pos in g.members:
             member_ph = bw_placeholders[pos]
             v = old_vals[pos]
@@ -427,8 +495,10 @@ def apply_plan(
             )
         moved_bytes += g.nbytes
 
+    if plan.recomputes:
+        _rebuild(step, a, seg, plan, recipe_by_group, fetched, fw_mode, bw_mode, outputs)
     if fused:
-        _realize_where_computed(step, [groups[d.name][1] for d in plan.decisions])
+        _realize_where_computed(step, [groups[d.name][1] for d in offloads])
     fw_out.update_arg(0, tuple(outputs))
     for gm in (step.fw_gm, step.bw_gm):
         gm.graph.lint()
@@ -439,17 +509,18 @@ def apply_plan(
 
 
 def _ensure_nothing_moved_is_saved(step: CapturedStep, a: StepAnalysis, plan: Plan) -> None:
-    moved = {d.name for d in plan.decisions}
-    for pos, node in enumerate(step.saved_nodes):
-        gi = a.saved_group_of[pos]
-        if (
-            gi is not None
-            and a.groups[gi].name in moved
-            and node.target is not torch.ops.teraio.wait_write.default
-        ):
-            raise TeraioError(
-                f"rewrite left saved output {node.name} of moved tensor {a.groups[gi].name} in memory"
-            )
+    """No saved output still holds a moved or rebuilt storage (it would stay in memory)."""
+    groups = {g.name: g for g in a.groups}
+    gone = {
+        StorageWeakRef(groups[d.name].producer.meta["val"].untyped_storage()): d.name for d in plan.decisions
+    }
+    for node in step.saved_nodes:
+        v = node.meta.get("val")
+        if node.target is torch.ops.teraio.wait_write.default or not isinstance(v, torch.Tensor):
+            continue
+        name = gone.get(StorageWeakRef(v.untyped_storage()))
+        if name is not None:
+            raise TeraioError(f"rewrite left saved output {node.name} of moved tensor {name} in memory")
 
 
 def _ensure_moved_die_at_their_wait(fw_gm: fx.GraphModule, moved: frozenset[StorageWeakRef]) -> None:
