@@ -8,12 +8,13 @@ predicted figures come from the one simulator, through :func:`make_plan`.
 
 Recompute (issue #13): ``Problem.recompute`` says what a solver may do with a saved tensor: ``"off"``
 keep or offload; ``"only"`` keep or recompute (no I/O); ``"joint"`` keep, offload to any tier, or
-recompute, in one budget. The default is :data:`DEFAULT_RECOMPUTE` = ``"off"``: a plan that recomputes
-needs a rewrite that realises recompute in the compiled graphs, which teraio's backend gains in the
-rewrite half of issue #13; until a caller asks for it, plans stay offload-only. (A profile without the
-recompute columns has nothing recomputable, so there every mode plans as ``"off"``.) Solvers declare
-the modes they plan (``register_solver(recompute_modes=...)``); ``greedy`` is TERAIO's offload-only
-baseline and declares ``"off"`` alone.
+recompute, in one budget. Solvers declare the modes they plan (``register_solver(recompute_modes=...)``);
+``greedy`` is TERAIO's offload-only baseline and declares ``"off"`` alone. ``solve`` plans ``"off"``
+unless asked (a library call opts in); the tools (the backend's ``recompute`` option, ``teraio plan``
+and ``teraio sweep``) default to :func:`default_recompute`: the most a solver plans, ``"joint"`` where it
+can, else ``"off"``.
+(A profile without the recompute columns has nothing recomputable, so there every mode plans as
+``"off"``.)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ ProgressFn = Callable[[float, str], None]
 #: What a solver may do with a saved tensor besides keeping it (module docstring).
 RecomputeMode = Literal["off", "only", "joint"]
 RECOMPUTE_MODES: tuple[str, ...] = ("off", "only", "joint")
-#: The mode when none is asked for (module docstring: why "off").
+#: The mode ``solve`` plans when none is asked for (the tools' default is :func:`default_recompute`).
 DEFAULT_RECOMPUTE: RecomputeMode = "off"
 
 #: Bisection for "auto" stops when the bracket is narrower than this share of the unplanned peak.
@@ -204,6 +205,12 @@ def solver_info(name: str) -> SolverInfo:
 def get_solver(name: str) -> SolverFn:
     """The registered solver function ``name``; UnknownSolverError naming the choices otherwise."""
     return solver_info(name).fn
+
+
+def default_recompute(solver: str) -> RecomputeMode:
+    """The tools' recompute mode for a solver when the user names none: "joint" where it plans it, else
+    "off" (TERAIO's greedy baseline and "all" plan offload only)."""
+    return "joint" if "joint" in solver_info(solver).recompute_modes else "off"
 
 
 def solver_names() -> list[str]:

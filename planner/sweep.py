@@ -23,7 +23,14 @@ from teraio.planner.budget import BudgetError
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import Lifetimes, analyse
 from teraio.planner.profile import Profile
-from teraio.planner.solve import DEFAULT_RECOMPUTE, ProgressFn, RecomputeMode, solve, solver_info
+from teraio.planner.solve import (
+    DEFAULT_RECOMPUTE,
+    ProgressFn,
+    RecomputeMode,
+    default_recompute,
+    solve,
+    solver_info,
+)
 
 #: Status of a row whose budget no plan met.
 NO_PLAN = "NO PLAN"
@@ -67,7 +74,7 @@ def budget_sweep(
     *,
     lifetimes: Lifetimes | None = None,
     progress: ProgressFn | None = None,
-    recompute: RecomputeMode = DEFAULT_RECOMPUTE,
+    recompute: RecomputeMode | None = DEFAULT_RECOMPUTE,
     compare_modes: bool = True,
     **solve_kwargs: Any,
 ) -> pd.DataFrame:
@@ -78,7 +85,8 @@ def budget_sweep(
         solvers: registered solver names (an unknown name raises UnknownSolverError).
         lifetimes: ``analyse(profile)`` when the caller already has it.
         progress: called with (fraction done, "solver @ budget") before each solve.
-        recompute: the mode of each row's plan (module docstring).
+        recompute: the mode of each row's plan (module docstring); None: each solver's default
+            (:func:`planner.solve.default_recompute`).
         compare_modes: also plan every recompute mode the solver plans, for the per-mode step columns.
         solve_kwargs: passed to :func:`planner.solve.solve` (``time_limit_s``, ``workers``, ...).
 
@@ -91,7 +99,9 @@ def budget_sweep(
     total = max(1, len(budgets) * len(solvers))
     for s_i, solver in enumerate(solvers):
         modes = solver_info(solver).recompute_modes
-        mode = recompute if recompute in modes else "off"
+        mode = (
+            default_recompute(solver) if recompute is None else (recompute if recompute in modes else "off")
+        )
         for b_i, budget in enumerate(budgets):
             if progress is not None:
                 progress((s_i * len(budgets) + b_i) / total, f"{solver} @ {budget}")

@@ -14,8 +14,6 @@ OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
 RecomputeOption = Literal["off", "only", "joint"]
-#: Solvers that plan offload only (TERAIO's greedy baseline, and moving everything): no recompute.
-OFFLOAD_ONLY_SOLVERS = ("greedy", "all")
 
 
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -46,16 +44,10 @@ class BackendConfig:
     max_shapes: int = 8  # per dynamic graph: shapes profiled and planned; later shapes run unplanned
     #: Whether plans may rebuild saved tensors in backward instead of keeping or offloading them: "joint"
     #: (keep, offload or recompute, whichever is fastest under the budget), "only" (no offload), "off".
-    #: None: "joint" with the solvers that plan recompute, "off" with the offload-only baselines.
+    #: None: each solver's default (teraio.planner.solve.default_recompute): "joint" with the solvers that
+    #: plan recompute, "off" with the offload-only baselines.
     recompute: RecomputeOption | None = None
     runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
-
-    @property
-    def recompute_mode(self) -> RecomputeOption:
-        """The recompute mode plans are made with (the option, or its default for the solver)."""
-        if self.recompute is not None:
-            return self.recompute
-        return "off" if self.solver in OFFLOAD_ONLY_SOLVERS else "joint"
 
     def check_run_dir(self) -> None:
         """Refuse, in one line, a ``run_dir`` that is a non-empty directory teraio did not write (the

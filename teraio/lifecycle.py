@@ -577,17 +577,18 @@ class TeraioBackend:
     def _solve(
         self, runner: GraphRunner, budget: int | str, solver: str | None = None, quiet: bool = False
     ) -> Plan:
-        from teraio.planner.solve import solve
+        from teraio.planner.solve import default_recompute, solve
 
+        name = solver or self.cfg.solver
         t0 = time.perf_counter()
         plan = solve(
             runner.profile,
             budget=budget,
-            solver=solver or self.cfg.solver,
+            solver=name,
             hardware=self.hardware_model(),
             time_limit_s=float(self.cfg.time_limit),
             # The fast plans of the budget search are greedy's: offload only.
-            recompute="off" if solver == "greedy" else self.cfg.recompute_mode,
+            recompute="off" if solver == "greedy" else (self.cfg.recompute or default_recompute(name)),
         )
         log.log(
             logging.DEBUG if quiet else logging.INFO,

@@ -80,15 +80,15 @@ def console():
 
 def add_recompute_option(p: argparse.ArgumentParser, help_prefix: str = "") -> None:
     """``--recompute {off,only,joint}``: what the solver may do besides keeping a tensor."""
-    from teraio.planner.solve import DEFAULT_RECOMPUTE, RECOMPUTE_MODES
+    from teraio.planner.solve import RECOMPUTE_MODES
 
     p.add_argument(
         "--recompute",
         choices=RECOMPUTE_MODES,
-        default=DEFAULT_RECOMPUTE,
+        default=None,
         help=f"{help_prefix}off: keep or offload; only: keep or recompute in backward; joint: keep, offload "
-        f"or recompute in one budget (default {DEFAULT_RECOMPUTE}: plans that recompute need a backend "
-        "that realises recompute)",
+        "or recompute in one budget (default: joint with the solvers that plan it, ilp and pipeline; off "
+        "with the offload-only baselines greedy and all)",
     )
 
 
@@ -156,7 +156,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from teraio.planner.solve import solve
+    from teraio.planner.solve import default_recompute, solve
 
     if args.time_limit <= 0:
         raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             time_limit_s=args.time_limit,
             workers=args.workers,
             progress=progress,
-            recompute=args.recompute,
+            recompute=args.recompute or default_recompute(args.solver),
         )
     plan.save(out, overwrite=args.force)
     summary = {**plan_summary(plan), "out": str(out)}

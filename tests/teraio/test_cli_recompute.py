@@ -35,9 +35,13 @@ def test_plan_show_simulate_with_recompute(files, capsys):
     doc = json.loads((tmp / "p.json").read_text())
     assert doc["schema_version"] == 3 and doc["recomputed_bytes"] == 100 * MB
     assert doc["decisions"][0]["action"] == "recompute" and doc["decisions"][0]["recompute_us"] == 100.0
-    # Without --recompute the plan only offloads (the default is off).
-    code, out, _ = _run(capsys, *args, "-o", tmp / "off.json")
+    # Without --recompute, a solver that plans recompute plans joint; --recompute off only offloads.
+    code, out, _ = _run(capsys, *args, "-o", tmp / "default.json")
+    assert json.loads(out)["recompute"] == "joint" and json.loads(out)["recomputed_tensors"] == 1
+    code, out, _ = _run(capsys, *args, "--recompute", "off", "-o", tmp / "off.json")
     assert json.loads(out)["recomputed_tensors"] == 0 and json.loads(out)["predicted_step_s"] > 1.0
+    code, out, _ = _run(capsys, *args[:-3], "--solver", "greedy", "--json", "-o", tmp / "greedy.json")
+    assert code == 0 and json.loads(out)["recompute"] == "off"  # TERAIO's baseline plans offload only
 
     # show needs no profile to say what is recomputed and what it costs.
     code, out, _ = _run(capsys, "show", tmp / "p.json", "--tensors")
@@ -124,7 +128,8 @@ def test_sweep_shows_the_three_modes(files, capsys):
     assert p.loc["75%", "offload_step_s"] > 1.0
     assert p.loc["75%", "recompute_step_s"] == pytest.approx(0.0081)
     assert p.loc["75%", "joint_step_s"] == pytest.approx(0.0081)
-    assert p.loc["75%", "recompute"] == "off" and p.loc["75%", "recomputed_bytes"] == 0
+    # Each solver's rows are planned in its default mode: joint for pipeline.
+    assert p.loc["75%", "recompute"] == "joint" and p.loc["75%", "recomputed_bytes"] == 100 * MB
     g = df[df.solver == "greedy"].set_index("budget_spec")
     assert g["recompute_step_s"].isna().all() and g["joint_step_s"].isna().all()
     # 50%: no plan of any mode (x and h1 are both alive at op 1).
