@@ -5,8 +5,8 @@ this project's virtio disk writes 1.3-2.3 GB/s but reads 0.7-1.25 GB/s, varying 
 ``teraio calibrate DIR`` times, in one run: the runtime engine's own write and read of a test tensor
 (``runtime.Engine`` with the posix backend: what offloading will actually achieve, chunking and
 staging copies included) and raw aligned ``O_DIRECT`` pwrite/pread of the same size (the disk's
-baseline), plus the latency of one 4 KiB direct request. Medians of several repeats go into the SSD
-tier of a HardwareModel. A directory on tmpfs/ramfs is flagged: offloading there saves no memory.
+baseline), plus the latency of one 4 KiB request through the engine (and, for reference, one raw
+direct request). Medians of several repeats go into the SSD tier of a HardwareModel. A directory on tmpfs/ramfs is flagged: offloading there saves no memory.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from teraio.planner.hardware import HardwareModel
 log = logging.getLogger(__name__)
 
 PAGE_NBYTES = 4096
+LATENCY_REPEATS = 16
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
@@ -48,6 +49,9 @@ class Calibration:
     read_latency_s: float
     direct_write_bw_bytes_per_s: float
     direct_read_bw_bytes_per_s: float
+    #: One 4 KiB O_DIRECT request (the disk alone); the model's latencies are the engine's own when it ran.
+    direct_write_latency_s: float = 0.0
+    direct_read_latency_s: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -227,6 +231,7 @@ def calibrate(
     finally:
         path.unlink(missing_ok=True)
         os.rmdir(scratch)
+    direct_lat_w, direct_lat_r = lat_w, lat_r
     direct_w = nbytes / statistics.median(samples["direct_write_s"])
     direct_r = nbytes / statistics.median(samples["direct_read_s"])
     method, write_bw, read_bw = "O_DIRECT", direct_w, direct_r
@@ -242,6 +247,13 @@ def calibrate(
             method = f"runtime.Engine(posix, {io_path})"
             write_bw = nbytes / statistics.median(writes)
             read_bw = nbytes / statistics.median(reads)
+            # The latency a transfer really pays: one page through the engine (request, I/O thread,
+            # checksum, completion), not the disk alone, which was several times less here. With many
+            # small tensors (a small model) this fixed cost is most of the I/O time.
+            small_w, small_r, _ = _engine_round_trip(d, PAGE_NBYTES, LATENCY_REPEATS)
+            samples["engine_page_write_s"], samples["engine_page_read_s"] = small_w, small_r
+            direct_lat_w, direct_lat_r = lat_w, lat_r
+            lat_w, lat_r = statistics.median(small_w), statistics.median(small_r)
     return Calibration(
         dir=str(d),
         nbytes=nbytes,
@@ -255,6 +267,8 @@ def calibrate(
         read_latency_s=lat_r,
         direct_write_bw_bytes_per_s=direct_w,
         direct_read_bw_bytes_per_s=direct_r,
+        direct_write_latency_s=direct_lat_w,
+        direct_read_latency_s=direct_lat_r,
         samples=samples,
         warnings=warnings,
     )

@@ -5,6 +5,8 @@
 - ``teraio``: profile, plan for the memory budget, recompile with migration ops, train.
 - ``checkpoint``: full activation checkpointing (``torch.utils.checkpoint`` per block), compiled the
   same way: the classic alternative that trades memory for recomputation.
+- ``teraio@checkpoint``: teraio with a budget equal to the ``checkpoint`` method's measured peak (so it
+  runs after it): keep, offload and recompute planned together against checkpointing on its own ground.
 
 Every method trains a fresh copy of the same initial weights on the same batches with AdamW. Step times
 are medians over the measured steps (profiling, compile and the memory-measurement step excluded); peak
@@ -29,7 +31,9 @@ from teraio.measure import MemoryRecorder
 from teraio.models import GPT, build_gpt, synthetic_batch
 from teraio.runtime.config import default_offload_dir
 
-METHODS = ("no-offload", "teraio", "checkpoint")
+METHODS = ("no-offload", "teraio", "checkpoint", "teraio@checkpoint")
+#: The teraio method whose budget is the checkpoint method's measured peak.
+AT_CHECKPOINT = "teraio@checkpoint"
 
 
 @dataclass
@@ -47,6 +51,7 @@ class DemoConfig:
     profile_steps: int = 4
     lr: float = 1e-4
     checksum: bool = True  # per-chunk crc32c of offloaded bytes, verified on read (the runtime default)
+    hardware: str | None = None  # a HardwareModel JSON (teraio calibrate) for teraio's plans
     on_row: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
 
 
@@ -103,20 +108,23 @@ class _Method:
         return dt, fwd_bwd_s
 
 
-def _setup(method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None) -> _Method:
+def _setup(
+    method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None, budget: str | int | None = None
+) -> _Method:
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    if method == "teraio":
+    if method in ("teraio", AT_CHECKPOINT):
         be = TeraioBackend(
-            memory_budget=cfg.budget,
+            memory_budget=budget if budget is not None else cfg.budget,
             solver=cfg.solver,
             time_limit=cfg.time_limit,
             inner=cfg.inner,
             offload_dirs=[offload_dir] if offload_dir else None,
             profile_steps=cfg.profile_steps,
-            run_dir=f"{cfg.run_dir}/teraio" if cfg.run_dir else None,
+            run_dir=f"{cfg.run_dir}/{method}" if cfg.run_dir else None,
             measure_memory=False,
             checksum=cfg.checksum,
+            hardware=cfg.hardware,
         )
         runnable: torch.nn.Module = model
     else:
@@ -130,6 +138,7 @@ def _setup(method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None) -> 
 def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
     stats = m.backend.stats()
     plan = m.backend.runners[0].plan if m.backend.runners else None
+
     profile = m.backend.runners[0].profile if m.backend.runners else None
     n = len(m.times) + 1  # the timed steps and the memory-measurement step
     moved = stats["offloaded_bytes"] - m.io_before.get("offloaded_bytes", 0)
@@ -164,6 +173,8 @@ def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
             solver=plan.solver,
             solver_status=plan.stats.status,
             io_path=stats.get("io_path"),
+            recomputed_bytes=plan.recomputed_bytes,
+            recompute_s=plan.recompute_s,
         )
     return row
 
@@ -182,9 +193,18 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     warmup = cfg.profile_steps + 1  # profiling steps, then the step that plans and compiles
     methods: list[_Method] = []
     torch._dynamo.reset()
+    if AT_CHECKPOINT in cfg.methods and (
+        "checkpoint" not in cfg.methods or cfg.methods.index("checkpoint") > cfg.methods.index(AT_CHECKPOINT)
+    ):
+        raise ValueError(
+            f"{AT_CHECKPOINT} needs the checkpoint method before it: its measured peak is the budget"
+        )
     try:
         for name in cfg.methods:
-            m = _setup(name, base, cfg, offload_dir)
+            budget = None
+            if name == AT_CHECKPOINT:
+                budget = next(m.peak_bytes for m in methods if m.name == "checkpoint")
+            m = _setup(name, base, cfg, offload_dir, budget)
             methods.append(m)
             for step in range(warmup):
                 m.step(step, cfg)
@@ -218,7 +238,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "activation_bytes": next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None),
         "torch_version": torch.__version__,
     }
-    if "no-offload" in by_name and "teraio" in by_name:
-        a, b = by_name["no-offload"].losses, by_name["teraio"].losses
-        result["losses_bit_identical"] = len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    if "no-offload" in by_name:
+        a = by_name["no-offload"].losses
+        same = {
+            n: len(a) == len(by_name[n].losses)
+            and all(torch.equal(x, y) for x, y in zip(a, by_name[n].losses))
+            for n in ("teraio", AT_CHECKPOINT)
+            if n in by_name
+        }
+        if same:
+            result["losses_bit_identical"] = all(same.values())
+            result["losses_bit_identical_by_method"] = same
     return result

@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
         f"{cal.direct_read_bw_bytes_per_s / 1e9:.2f} GB/s (raw baseline)"
     )
     print(
-        f"  latency write {cal.write_latency_s * 1e6:.0f} us, read {cal.read_latency_s * 1e6:.0f} us (4 KiB)"
+        f"  latency write {cal.write_latency_s * 1e6:.0f} us, read {cal.read_latency_s * 1e6:.0f} us (4 KiB via the "
+        f"model's method; O_DIRECT alone {cal.direct_write_latency_s * 1e6:.0f} / {cal.direct_read_latency_s * 1e6:.0f} us)"
     )
     for w in cal.warnings:
         print(f"  warning: {w}")

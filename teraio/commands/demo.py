@@ -34,12 +34,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds")
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"], help="inner compiler")
     p.add_argument(
+        "--hardware", default=None, help="HardwareModel JSON for teraio's plans (teraio calibrate)"
+    )
+    p.add_argument(
         "--offload-dir",
         default=None,
         help="where offloaded bytes go (default: the per-user $XDG_CACHE_HOME/teraio/offload; the run's "
         "files are removed after it, and a killed run's at the next start)",
     )
-    p.add_argument("--methods", default="no-offload,teraio,checkpoint", help="comma list of methods to run")
+    p.add_argument(
+        "--methods",
+        default="no-offload,teraio,checkpoint,teraio@checkpoint",
+        help="comma list of methods to run, in order (teraio@checkpoint: teraio with the checkpoint "
+        "method's measured peak as its budget, so it comes after checkpoint)",
+    )
     p.add_argument("--run-dir", default=None, help="write profile, plan, config and stats here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
@@ -60,8 +68,9 @@ def check_run_dir(path: str) -> None:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
         raise UserInputError(f"--run-dir '{p}' cannot be written (no writable directory at '{probe}')")
-    # The demo's backend writes into RUN_DIR/teraio: refuse a foreign one now, not after the first method.
-    refuse_foreign_run_dir(p / "teraio", option="--run-dir")
+    # The demo's backends write into RUN_DIR/<method>: refuse a foreign one now, not after a method ran.
+    for method in ("teraio", "teraio@checkpoint"):
+        refuse_foreign_run_dir(p / method, option="--run-dir")
 
 
 def _table(result: dict[str, Any]) -> None:
@@ -81,6 +90,7 @@ def _table(result: dict[str, Any]) -> None:
         "fwd+bwd s",
         "overhead",
         "moved/step",
+        "rebuilt/step",
         "I/O GB/s",
         "predicted peak",
         "predicted step s",
@@ -95,6 +105,7 @@ def _table(result: dict[str, Any]) -> None:
             f"{r['fwd_bwd_s']:.3f}",
             f"{r.get('overhead', float('nan')):+.1%}",
             format_bytes(r["moved_bytes_per_step"]) if r["moved_bytes_per_step"] else "-",
+            format_bytes(r["recomputed_bytes"]) if r.get("recomputed_bytes") else "-",
             f"{r['io_gb_per_s']:.2f}" if r["io_gb_per_s"] else "-",
             format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "-",
             f"{r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-",
@@ -104,11 +115,12 @@ def _table(result: dict[str, Any]) -> None:
     acts = next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None)
     if acts:
         console.print(f"saved activations without offload: {format_bytes(acts)}")
-    tr = next((r for r in rows if r["method"] == "teraio"), None)
-    if tr is not None and "predicted_peak_bytes" in tr:
+    for tr in rows:
+        if "predicted_peak_bytes" not in tr:
+            continue
         console.print(
-            f"teraio: plan by {tr['solver']} ({tr['solver_status']}), io path {tr.get('io_path')}; measured/predicted "
-            f"peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, forward+backward "
+            f"{tr['method']}: plan by {tr['solver']} ({tr['solver_status']}), io path {tr.get('io_path')}; "
+            f"measured/predicted peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, forward+backward "
             f"{tr['fwd_bwd_s'] / tr['predicted_step_s']:.2f} (predicted {tr['predicted_step_s']:.3f} s)"
         )
     if "losses_bit_identical" in result:
@@ -119,11 +131,17 @@ def _table(result: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    from teraio.demo import METHODS, DemoConfig, run_demo
+    from teraio.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
 
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise UserInputError(f"--methods: unknown {bad or methods}; choose from {', '.join(METHODS)}")
+    if AT_CHECKPOINT in methods and (
+        "checkpoint" not in methods or methods.index("checkpoint") > methods.index(AT_CHECKPOINT)
+    ):
+        raise UserInputError(
+            f"--methods: {AT_CHECKPOINT} needs checkpoint before it (its measured peak is the budget)"
+        )
     if args.steps < 1:
         raise UserInputError("--steps must be at least 1")
     # The budget and solver are used only after the first method has run and teraio's has profiled:
@@ -152,7 +170,12 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+    if args.hardware is not None:
+        from teraio.commands.plan import load_hardware_arg
+
+        load_hardware_arg(args.hardware)  # a bad file fails now, in one line, not after a method ran
     cfg = DemoConfig(
+        hardware=args.hardware,
         model=args.model,
         steps=args.steps,
         budget=args.budget,

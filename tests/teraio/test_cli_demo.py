@@ -18,7 +18,7 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     result = json.loads(capsys.readouterr().out)
     assert json.loads(out_file.read_text()) == result
     rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == ["no-offload", "teraio", "checkpoint"]
+    assert list(rows) == ["no-offload", "teraio", "checkpoint", "teraio@checkpoint"]
     for row in rows.values():
         assert row["peak_bytes"] > 0 and row["step_s"] > 0 and 0 < row["fwd_bwd_s"] <= row["step_s"]
         assert len(row["step_times_s"]) == 2
@@ -33,8 +33,19 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     assert teraio["predicted_peak_bytes"] > 0 and teraio["predicted_step_s"] > 0
     assert teraio["moved_bytes_per_step"] > 0
     assert teraio["peak_bytes"] < rows["no-offload"]["peak_bytes"]
+    # teraio at checkpointing's own measured peak: within 5% of it, exact (issue #13).
+    at = rows["teraio@checkpoint"]
+    assert at["budget_bytes"] == rows["checkpoint"]["peak_bytes"]
+    assert at["peak_bytes"] <= 1.05 * rows["checkpoint"]["peak_bytes"]
     assert result["losses_bit_identical"] is True
+    assert result["losses_bit_identical_by_method"] == {"teraio": True, "teraio@checkpoint": True}
     assert list(offload_dir.iterdir()) == [], "the runtime left files in --offload-dir"
+
+
+def test_demo_refuses_teraio_at_checkpoint_without_checkpoint_first(capsys) -> None:
+    assert main([*TINY, "--methods", "no-offload,teraio@checkpoint,checkpoint"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs checkpoint before it" in err
 
 
 def test_demo_table_names_every_method_and_figure(capsys) -> None:
