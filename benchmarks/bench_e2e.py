@@ -1,4 +1,5 @@
-"""End-to-end benchmark: the demo's three methods (no offload, teraio, checkpointing) in one run.
+"""End-to-end benchmark: the demo's four methods in one run (no offload, teraio, checkpointing, and
+teraio with the checkpoint method's measured peak as its budget).
 
 A thin wrapper over ``teraio.demo.run_demo`` that adds machine and version info and writes the rows as
 JSON/CSV. Step times are medians of the timed steps, which run in rounds (one step of each method per

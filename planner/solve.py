@@ -47,6 +47,8 @@ DEFAULT_RECOMPUTE: RecomputeMode = "off"
 
 #: Bisection for "auto" stops when the bracket is narrower than this share of the unplanned peak.
 AUTO_RESOLUTION = 0.002
+#: The least wall time a round of that bisection gets, however little of the time limit is left.
+MIN_ROUND_TIME_S = 0.5
 #: A lower bound may exceed a plan's simulated step by this share only (float sums in another order);
 #: beyond it, ``make_plan`` raises SolverBugError instead of clamping the bound to the step.
 BOUND_REL_TOLERANCE = 1e-9
@@ -289,15 +291,27 @@ def _solve_auto_by_bisection(problem: Problem, fn: SolverFn) -> Plan:
     """
     lt = problem.lifetimes
     lo, hi = problem.floor_bytes(), lt.baseline_peak_bytes
-    best = fn(problem.with_budget(hi))
     step = max(1, int(AUTO_RESOLUTION * lt.baseline_peak_bytes))
     rounds = 0
     total = max(1, (max(hi - lo, 1) // step).bit_length())
+    # The time limits are for the whole search, not per round: a user's time_limit bounds the call.
+    deadline = time.perf_counter() + problem.time_limit_s
+
+    def limited(budget_bytes: int, rounds_left: int) -> Problem:
+        share = 1 / max(1, rounds_left)
+        det = problem.deterministic_time_s
+        return dataclasses.replace(
+            problem.with_budget(budget_bytes),
+            time_limit_s=max(MIN_ROUND_TIME_S, (deadline - time.perf_counter()) * share),
+            deterministic_time_s=None if det is None else det / (total + 1),
+        )
+
+    best = fn(limited(hi, total + 1))
     while hi - lo > step:
         mid = (lo + hi) // 2
         problem.report(rounds / total, f"auto: trying budget {format_size(mid)}")
         try:
-            plan = fn(problem.with_budget(mid))
+            plan = fn(limited(mid, total - rounds))
         except BudgetError:
             plan = None
         if plan is not None and _stall_free(plan):

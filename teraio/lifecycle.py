@@ -336,7 +336,7 @@ def describe_plan(plan: Plan) -> str:
         parts.append(f"offloads {offloaded} tensors ({_fmt(plan.moved_bytes)})")
     if plan.recomputes:
         parts.append(
-            f"recomputes {len(plan.recomputes)} ({_fmt(plan.recomputed_bytes)}, {plan.recompute_s * 1e3:.0f} ms)"
+            f"recomputes {len(plan.recomputes)} ({_fmt(plan.recomputed_bytes)}, {plan.recompute_s * 1e3:.1f} ms)"
         )
     return ", ".join(parts) + " per step"
 

@@ -52,6 +52,12 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
         "the demo config trains for minutes; the tiny GPT exercises the same path",
     ),
     (r"builtin:demo\b", "builtin:tiny", "shell", "the demo GPT takes minutes to profile"),
+    (
+        r"--solver ilp --time-limit 60\b",
+        "--solver ilp --time-limit 5",
+        "shell",
+        "CP-SAT does not prove the tiny GPT's joint plan optimal: it would use its whole 60 s",
+    ),
     (r"\bteraio profile ", "teraio profile --inner eager ", "shell", "an Inductor compile takes 20-40 s"),
     (
         r"\bteraio calibrate ",

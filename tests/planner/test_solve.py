@@ -168,6 +168,28 @@ def test_register_a_solver_and_infeasible_result_is_an_error():
         solve_mod._REGISTRY.pop("test-lazy")
 
 
+def test_auto_by_bisection_shares_one_time_limit_across_its_rounds():
+    # "auto" for a solver that cannot search budgets itself bisects: the user's time limit (and the
+    # deterministic one) bound the whole search, not each of its ~10 rounds.
+    seen: list[tuple[float, float | None]] = []
+
+    @register_solver("test-timed")
+    def timed(problem: Problem) -> Plan:
+        seen.append((problem.time_limit_s, problem.deterministic_time_s))
+        return make_plan(problem, [], SolverStats(solver="test-timed", status="HEURISTIC"))
+
+    try:
+        solve(pyramid(), "auto", "test-timed", FAST, time_limit_s=10, deterministic_time_s=2)
+    finally:
+        from teraio.planner import solve as solve_mod
+
+        solve_mod._REGISTRY.pop("test-timed")
+    assert len(seen) > 3
+    # Each round gets a share of what is left; rounds that return at once leave the rest to the next.
+    assert all(limit <= 10 for limit, _ in seen) and seen[0][0] < 10 / 3
+    assert sum(det for _, det in seen) <= 2 + 1e-9
+
+
 def test_progress_is_reported():
     seen = []
     solve(pyramid(), "auto", "greedy", FAST, progress=lambda f, m: seen.append((f, m)))
