@@ -18,7 +18,15 @@ AUTO = "auto"
 
 
 class BudgetError(ValueError):
-    """A size or budget does not parse, or cannot be met. The message says what to type instead."""
+    """A size or budget does not parse, or cannot be met. The message says what to type instead.
+
+    ``smallest_peak_bytes``: for a budget that cannot be met, the smallest achievable peak (else None),
+    so a caller can plan for that instead without parsing the message.
+    """
+
+    def __init__(self, message: str, smallest_peak_bytes: int | None = None) -> None:
+        super().__init__(message)
+        self.smallest_peak_bytes = smallest_peak_bytes
 
 
 def infeasible(budget_bytes: int, min_feasible_peak_bytes: int, what: str = "budget") -> BudgetError:
@@ -26,7 +34,8 @@ def infeasible(budget_bytes: int, min_feasible_peak_bytes: int, what: str = "bud
     return BudgetError(
         f"{what} {format_size(budget_bytes)} ({budget_bytes} bytes) cannot be met: the smallest achievable "
         f"peak is {format_size(min_feasible_peak_bytes)} ({min_feasible_peak_bytes} bytes); "
-        f"use a budget of at least that"
+        f"use a budget of at least that",
+        smallest_peak_bytes=int(min_feasible_peak_bytes),
     )
 
 

@@ -150,5 +150,6 @@ def _raise_infeasible(smallest: int, budget_bytes: int, min_peak, graph, describ
         f"memory_budget {format_size(budget_bytes)} cannot be met for the step: {describe(graph)} needs at "
         f"least {format_size(min_peak[graph])} while the step's other invocations hold memory; the smallest "
         f"achievable peak of the step is about {format_size(smallest)} ({smallest} bytes): use a budget "
-        "of at least that"
+        "of at least that",
+        smallest_peak_bytes=int(smallest),
     )

@@ -123,6 +123,12 @@ def _table(result: dict[str, Any]) -> None:
             f"measured/predicted peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, forward+backward "
             f"{tr['fwd_bwd_s'] / tr['predicted_step_s']:.2f} (predicted {tr['predicted_step_s']:.3f} s)"
         )
+    for tr in rows:
+        if "budget_raised_from_bytes" in tr:
+            console.print(
+                f"{tr['method']}: the checkpoint peak {format_bytes(tr['budget_raised_from_bytes'])} is below "
+                f"teraio's smallest achievable step peak: planned for {format_bytes(tr['budget_bytes'])}"
+            )
     if "losses_bit_identical" in result:
         console.print(
             f"losses bit-identical to no-offload: {'yes' if result['losses_bit_identical'] else 'NO'}"
