@@ -147,13 +147,35 @@ class SimResult:
         }
 
 
+def _check_op_refs(
+    lt: Lifetimes, d: Decision, labels: tuple[str, ...], problems: list[Violation]
+) -> Violation | None:
+    """Check the ops ``d`` names at ``<label>_idx``/``<label>_name``: an index outside the profile is
+    returned (nothing else about the decision can be checked), a name that is not the op's is added to
+    ``problems``."""
+    n = lt.num_ops
+    for label in labels:
+        idx = getattr(d, f"{label}_idx")
+        if not 0 <= idx < n:
+            message = f"decision for '{d.name}': {label}_idx {idx} is outside the profile's ops 0..{n - 1}"
+            return Violation("index_range", d.name, message)
+        name = getattr(d, f"{label}_name")
+        if name != lt.op_names[idx]:
+            message = (
+                f"decision for '{d.name}': {label} names op '{name}' but op {idx} is "
+                f"'{lt.op_names[idx]}' (plan made for another graph?)"
+            )
+            problems.append(Violation("name_mismatch", d.name, message))
+    return None
+
+
 def _check_decision(
     lt: Lifetimes, d: Decision, hardware: HardwareModel, needs: EffectiveNeeds | None = None
 ) -> tuple[list[Violation], bool]:
     """Rule violations of one offload decision, and whether it can be simulated at all. ``needs``: the
     effective needs of the plan's recomputed tensors (an input of a rebuild is needed earlier)."""
     problems: list[Violation] = []
-    n, nf = lt.num_ops, lt.num_fwd_ops
+    nf = lt.num_fwd_ops
 
     def bad(kind: ViolationKind, message: str) -> None:
         problems.append(Violation(kind, d.name, message))
@@ -171,22 +193,11 @@ def _check_decision(
     if d.tier not in hardware.tiers:
         message = f"decision for '{d.name}': tier '{d.tier}' is not in the hardware model"
         return [Violation("unknown_tier", d.name, message)], False
-    for label, idx in (
-        ("offload_after", d.offload_after_idx),
-        ("wait_before", d.wait_before_idx),
-        ("prefetch_before", d.prefetch_before_idx),
-        ("fetch_before", d.fetch_before_idx),
-    ):
-        if not 0 <= idx < n:
-            message = f"decision for '{d.name}': {label}_idx {idx} is outside the profile's ops 0..{n - 1}"
-            return [Violation("index_range", d.name, message)], False
-        name = getattr(d, f"{label}_name")
-        if name != lt.op_names[idx]:
-            bad(
-                "name_mismatch",
-                f"decision for '{d.name}': {label} names op '{name}' but op {idx} is "
-                f"'{lt.op_names[idx]}' (plan made for another graph?)",
-            )
+    out_of_range = _check_op_refs(
+        lt, d, ("offload_after", "wait_before", "prefetch_before", "fetch_before"), problems
+    )
+    if out_of_range is not None:
+        return [out_of_range], False
     c = lt.candidate_of(d.name)
     if hardware.tiers[d.tier].capacity_bytes == 0:
         bad("tier_unavailable", f"'{d.name}' goes to tier '{d.tier}', which is unavailable (capacity 0)")
@@ -241,7 +252,7 @@ def _check_recompute(lt: Lifetimes, d: Decision) -> tuple[list[Violation], bool]
     """Rule violations of one recompute decision that need no other decision, and whether it can be
     simulated at all."""
     problems: list[Violation] = []
-    n, nf = lt.num_ops, lt.num_fwd_ops
+    nf = lt.num_fwd_ops
 
     def bad(kind: ViolationKind, message: str) -> None:
         problems.append(Violation(kind, d.name, message))
@@ -256,21 +267,9 @@ def _check_recompute(lt: Lifetimes, d: Decision) -> tuple[list[Violation], bool]
             f"profile, or not a saved activation idle between forward and backward)"
         )
         return [Violation("not_recomputable", d.name, message)], False
-    for label, idx in (
-        ("wait_before", d.wait_before_idx),
-        ("prefetch_before", d.prefetch_before_idx),
-        ("fetch_before", d.fetch_before_idx),
-    ):
-        if not 0 <= idx < n:
-            message = f"decision for '{d.name}': {label}_idx {idx} is outside the profile's ops 0..{n - 1}"
-            return [Violation("index_range", d.name, message)], False
-        name = getattr(d, f"{label}_name")
-        if name != lt.op_names[idx]:
-            bad(
-                "name_mismatch",
-                f"decision for '{d.name}': {label} names op '{name}' but op {idx} is "
-                f"'{lt.op_names[idx]}' (plan made for another graph?)",
-            )
+    out_of_range = _check_op_refs(lt, d, ("wait_before", "prefetch_before", "fetch_before"), problems)
+    if out_of_range is not None:
+        return [out_of_range], False
     c = lt.candidate_of(d.name)
     if (d.tier, d.offload_after_idx, d.offload_after_name, d.write_rank, d.read_rank) != ("", -1, "", -1, -1):
         bad(

@@ -239,7 +239,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 # own graph holds. The row then plans for teraio's smallest peak, and says so.
                 if name != AT_CHECKPOINT or e.smallest_peak_bytes is None:
                     raise
-                methods.pop().backend.close()
+                if methods and methods[-1].name == name:  # the failed attempt, if it got that far
+                    methods.pop().backend.close()
                 log.warning(
                     "%s: the checkpoint peak %s is below teraio's smallest achievable step peak %s; "
                     "planning for that instead",

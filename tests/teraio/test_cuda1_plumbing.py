@@ -15,39 +15,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from teraio import lifecycle
-from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, capturing_partition
-from teraio.compilers import fx_only_compiler
+from teraio.capture import CapturedStep, StepAnalysis, analyse_saved
 from teraio.lifecycle import TeraioBackend
 from teraio.planner.solve import solve
 from teraio.rewrite import apply_plan
 from teraio.runtime import device as runtime_device
 from teraio.runtime.fake_device import FakeDevice
-from teraio.workload import compute_loss
 
-from .models import WORKLOADS
+from .captured import captured_tiny_gpt_step
 
 CUDA1 = torch.device("cuda", 1)
-
-
-def _captured_step() -> CapturedStep:
-    """The partitioned graphs of one training step of the tiny GPT, captured on CPU."""
-    workload = WORKLOADS["gpt-tiny"]()
-    seen: list[CapturedStep] = []
-    torch._dynamo.reset()
-    backend = aot_autograd(
-        fw_compiler=fx_only_compiler,
-        bw_compiler=fx_only_compiler,
-        partition_fn=capturing_partition(seen.append),
-    )
-    compute_loss(torch.compile(workload.model, backend=backend), workload).backward()
-    (step,) = seen
-    return step
 
 
 def _retarget(a: Any) -> Any:
@@ -112,7 +94,7 @@ def _summary(a: StepAnalysis) -> list[tuple]:
 def test_capture_analysis_is_the_same_on_cuda1() -> None:
     """What a step saves, and where, does not depend on the device; the graph fingerprint does (a plan
     made for the CPU graphs is refused on the ``cuda:1`` ones)."""
-    step = _captured_step()
+    step = captured_tiny_gpt_step()
     on_cpu = analyse_saved(step)
     _to_cuda1(step)
     vals = [
@@ -132,7 +114,7 @@ def test_cuda1_reaches_the_profile_the_measurement_and_the_fetch_ops(monkeypatch
     the profiler, the profile and the measurement are on ``cuda:1``; a plan made from that profile
     applies to the graphs, and every fetch (its device argument, its value, the views rebuilt on it) is
     on ``cuda:1``."""
-    step = _captured_step()
+    step = captured_tiny_gpt_step()
     mode = _to_cuda1(step)
 
     def compile_graph(gm, example_inputs, inner, on_partition, **kwargs):

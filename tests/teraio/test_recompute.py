@@ -13,16 +13,15 @@ import dataclasses
 
 import pytest
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
-from teraio.capture import CapturedStep, analyse_saved, capturing_partition
-from teraio.compilers import fx_only_compiler
+from teraio.capture import CapturedStep, analyse_saved
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import analyse
 from teraio.planner.plan import Decision, Plan
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, check_plan
 
+from .captured import captured_steps
 from .loops import CASES
 from .test_loops import _check
 
@@ -31,15 +30,9 @@ MODELS = ("gpt", "hf-gpt2", "hf-bert", "convnet")
 
 def _captured(case_name: str) -> CapturedStep:
     case = CASES[case_name]
-    seen: list[CapturedStep] = []
-    torch._dynamo.reset()
-    backend = aot_autograd(
-        fw_compiler=fx_only_compiler,
-        bw_compiler=fx_only_compiler,
-        partition_fn=capturing_partition(seen.append),
-    )
-    torch.compile(case.build(), backend=backend)(*case.batch(0, case.sizes[0])).backward()
-    return seen[0]
+    return captured_steps(
+        lambda backend: torch.compile(case.build(), backend=backend)(*case.batch(0, case.sizes[0]))
+    )[0]
 
 
 def test_recipes_never_replay_random_ops_and_stop_at_saved_values() -> None:

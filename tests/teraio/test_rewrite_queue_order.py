@@ -13,33 +13,15 @@ Nothing runs after the rewrite: the test reads the graphs.
 from __future__ import annotations
 
 import torch
-from torch._dynamo.backends.common import aot_autograd
 
-from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, capturing_partition
-from teraio.compilers import fx_only_compiler
+from teraio.capture import StepAnalysis, analyse_saved
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Decision, Plan, SolverStats
 from teraio.rewrite import apply_plan
-from teraio.workload import compute_loss
 
-from .models import WORKLOADS
+from .captured import captured_tiny_gpt_step
 
 TIED = 4  # decisions tied at the offload op and at the prefetch op
-
-
-def _captured_step() -> CapturedStep:
-    """The partitioned forward and backward graphs of one training step of the tiny GPT."""
-    workload = WORKLOADS["gpt-tiny"]()
-    seen: list[CapturedStep] = []
-    torch._dynamo.reset()
-    backend = aot_autograd(
-        fw_compiler=fx_only_compiler,
-        bw_compiler=fx_only_compiler,
-        partition_fn=capturing_partition(lambda step: seen.append(step)),
-    )
-    compute_loss(torch.compile(workload.model, backend=backend), workload).backward()
-    (step,) = seen
-    return step
 
 
 def _tied_plan(a: StepAnalysis) -> Plan:
@@ -95,7 +77,7 @@ def _positions(gm: torch.fx.GraphModule, target) -> list[tuple[int, torch.fx.Nod
 
 
 def test_tied_offloads_and_prefetches_follow_the_plans_ranks() -> None:
-    step = _captured_step()
+    step = captured_tiny_gpt_step()
     a = analyse_saved(step)
     plan = _tied_plan(a)
     offload_op = a.fw_ops[plan.decisions[0].offload_after_idx]
