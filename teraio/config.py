@@ -14,6 +14,8 @@ OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
 RecomputeOption = Literal["off", "only", "joint"]
+#: ``hardware=CALIBRATE``: time the offload directory before the first plan instead of reading a file.
+CALIBRATE = "calibrate"
 
 
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -37,7 +39,9 @@ class BackendConfig:
     run_dir: str | None = None
     enabled: bool = True
     on_plan_mismatch: OnPlanMismatch = "error"
-    hardware: str | None = None  # HardwareModel JSON (teraio calibrate); default: built-in model
+    #: A HardwareModel JSON (``teraio calibrate --out``), "calibrate" (measure the offload directory
+    #: before the first plan, about a second), or None: the built-in model.
+    hardware: str | None = None
     io_backend: IOBackendName | None = None  # None: TERAIO_IO_BACKEND or auto
     checksum: bool = True  # verify every fetched chunk (crc32c); False opts out
     measure_memory: bool = True  # measure one running step's peak with the torch profiler

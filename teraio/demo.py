@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from teraio.cpu_malloc import CpuMalloc, apply_cpu_malloc
 from teraio.lifecycle import TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models import GPT, build_gpt, synthetic_batch
@@ -52,10 +53,15 @@ class DemoConfig:
     methods: tuple[str, ...] = METHODS
     run_dir: str | None = None
     seed: int = 0
-    profile_steps: int = 4
+    profile_steps: int = 6  # 2 timed op by op, 4 calibrating (Note: [Calibrated times] in teraio.profiler)
     lr: float = 1e-4
     checksum: bool = True  # per-chunk crc32c of offloaded bytes, verified on read (the runtime default)
-    hardware: str | None = None  # a HardwareModel JSON (teraio calibrate) for teraio's plans
+    # What teraio's plans assume of the disk: "calibrate" times the offload directory before planning
+    # (the built-in model's per-request latency is a quarter of this VM's, which misleads small models);
+    # or a HardwareModel JSON (teraio calibrate --out); None: the built-in model.
+    hardware: str | None = "calibrate"
+    # Note: [Freed CPU memory and step time] in teraio.cpu_malloc
+    cpu_malloc: CpuMalloc = "retain"
     on_row: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
 
 
@@ -213,6 +219,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     step; then the timed steps run in rounds, one step of each method per round, so that the shared
     machine's slow and fast periods fall on every method alike.
     """
+    cpu_malloc = apply_cpu_malloc(cfg.cpu_malloc)
     base = build_gpt(cfg.model, seed=cfg.seed)
     # The runtime's per-user default directory, not a fresh temp dir: the engine removes its own
     # subdirectory on close, and a later start removes what a killed run left there.
@@ -274,6 +281,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "inner": cfg.inner,
         "budget": cfg.budget,
         "steps": cfg.steps,
+        "cpu_malloc": cpu_malloc,
         "rows": rows,
         # Saved activations of one step without offload (the bytes a plan can move).
         "activation_bytes": next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None),

@@ -41,11 +41,11 @@ from torch import fx
 from teraio.capture import CapturedStep, analyse_saved
 from teraio.clock import Clock
 from teraio.compilers import compile_graph
-from teraio.config import BackendConfig
+from teraio.config import CALIBRATE, BackendConfig
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
-from teraio.profiler import StepProfiler, classify_inputs
+from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
@@ -205,13 +205,13 @@ class GraphRunner:
         return fn
 
     def _profiled_enough(self) -> bool:
-        """``profile_steps`` steps recorded: the first takes the census, the last (from three on) runs
-        uninstrumented to calibrate the op times (Note: [Calibrated times] in teraio.profiler)."""
+        """``profile_steps`` steps done: the first takes the census, the second is timed op by op, and the
+        rest (from three on) run uninstrumented to calibrate the op times (Note: [Calibrated times] in
+        teraio.profiler)."""
         prof = self.profiler
         assert prof is not None
-        if self.cfg.profile_steps >= 3:
-            return prof.calibration_bwd is not None and prof.steps_recorded >= self.cfg.profile_steps - 1
-        return prof.steps_recorded >= self.cfg.profile_steps
+        instrumented, calibration = profiling_split(self.cfg.profile_steps)
+        return prof.steps_recorded >= instrumented and prof.steps_calibrated >= calibration
 
     def _finish_profiling(self) -> None:
         assert self.profiler is not None
@@ -290,8 +290,9 @@ class GraphRunner:
         prof = self.profiler
         if prof is None:
             return
-        if self.cfg.profile_steps >= 3 and prof.steps_recorded >= self.cfg.profile_steps - 1:
-            prof.calibrate_next = prof.calibration_bwd is None
+        instrumented, calibration = profiling_split(self.cfg.profile_steps)
+        if prof.steps_recorded >= instrumented:
+            prof.calibrate_next = prof.steps_calibrated < calibration
         if self.invocations >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
             # Called with grad enabled again and again, never backpropagated (a validation loss in
             # train mode): profiling would never finish, and interpreting every call is slow.
@@ -416,6 +417,10 @@ class TeraioBackend:
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
+        self._hardware: HardwareModel | None = None
+        if self.cfg.hardware is not None and self.cfg.hardware != CALIBRATE:
+            # A bad file fails here, in one line, not when the first plan is made steps later.
+            self._hardware = HardwareModel.load(self.cfg.hardware)
         self.cfg.check_run_dir()  # before anything is written: never replace another program's files
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
         if self.run_dir is not None:
@@ -685,12 +690,44 @@ class TeraioBackend:
 
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
-        hw = HardwareModel.load(self.cfg.hardware) if self.cfg.hardware else HardwareModel()
+        """What plans assume of the storage: the ``hardware`` file, a quick calibration of the offload
+        directory (``hardware="calibrate"``, made once, before the first plan), or the built-in model."""
+        if self._hardware is None:
+            self._hardware = self._calibrate_hardware() if self.cfg.hardware == CALIBRATE else HardwareModel()
+        hw = self._hardware
         tiers = set(self.cfg.tiers)
         if "host" in tiers and hw.tiers["host"].capacity_bytes == 0:
             hw = hw.with_overrides("host", capacity_bytes=None)
         if "ssd" not in tiers:
             hw = hw.with_overrides("ssd", capacity_bytes=0)
+        return hw
+
+    def _calibrate_hardware(self) -> HardwareModel:
+        """Time the runtime engine on the directory offloads will go to (teraio.calibrate, small sizes)."""
+        if "ssd" not in self.cfg.tiers:
+            return HardwareModel()
+        from teraio.calibrate import QUICK_NBYTES, calibrate
+        from teraio.runtime import RuntimeConfig
+        from teraio.runtime.space import make_base_dirs
+
+        directory = RuntimeConfig(dirs=self.cfg.offload_dirs or (), backend="posix").resolved().dirs[0]
+        make_base_dirs(directory)
+        t0 = time.perf_counter()
+        cal = calibrate(directory, nbytes=QUICK_NBYTES, checksum=bool(self.cfg.checksum))
+        hw = cal.hardware_model()
+        log.info(
+            "calibrated %s in %.1f s: write %.2f GB/s, read %.2f GB/s, %.0f/%.0f us per request",
+            directory,
+            time.perf_counter() - t0,
+            cal.write_bw_bytes_per_s / 1e9,
+            cal.read_bw_bytes_per_s / 1e9,
+            cal.write_latency_s * 1e6,
+            cal.read_latency_s * 1e6,
+        )
+        for w in cal.warnings:
+            log.warning("calibration: %s", w)
+        if self.run_dir is not None:
+            hw.save(self.run_dir / "hardware.json", overwrite=True)
         return hw
 
     def engine_id_for(self, plan: Plan) -> int:

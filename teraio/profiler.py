@@ -159,6 +159,19 @@ def _run_uninstrumented(gm: fx.GraphModule, args_list: list[Any], device: str = 
     return out, time.perf_counter() - t0
 
 
+#: Steps timed op by op before the calibration steps: the census step, then one measured step. More
+#: instrumented steps refine only the split of a phase's time between its ops; the calibration steps fix
+#: the totals (Note: [Calibrated times]).
+INSTRUMENTED_STEPS = 2
+
+
+def profiling_split(profile_steps: int) -> tuple[int, int]:
+    """``profile_steps`` as (instrumented, calibration) steps: from three on, all but two calibrate."""
+    if profile_steps >= INSTRUMENTED_STEPS + 1:
+        return INSTRUMENTED_STEPS, profile_steps - INSTRUMENTED_STEPS
+    return profile_steps, 0
+
+
 class StepProfiler:
     """Collects per-step timings of one captured graph and builds its Profile.
 
@@ -171,7 +184,10 @@ class StepProfiler:
     ops that overhead dominates (the tiny GPT's summed op times came out 10x its real step), so a plan
     made from raw op times would expect compute to hide far more I/O than it can. When asked
     (``calibrate_next``), a step runs the partitioned graphs' own generated code, timed only as a whole,
-    and the forward's and backward's op durations are scaled so their sums equal those wall times.
+    and the forward's and backward's op durations are scaled so their sums equal the median wall times
+    of those steps. One such step is not enough: single steps of the demo vary by 10-25% on a shared
+    machine, and the first uninstrumented steps of a process tend to be the slow ones, so the profile
+    takes the median of every calibration step it was given (``calibration_steps`` in the lifecycle).
     """
 
     def __init__(
@@ -190,8 +206,8 @@ class StepProfiler:
         self._last_fwd: GraphRun | None = None
         self._pending: dict[int, GraphRun] = {}  # invocation id -> its forward's record
         self.calibrate_next = False  # the next forward (and its backward) runs uninstrumented
-        self.calibration: GraphRun | None = None  # its forward; ``calibration_bwd`` its backward
-        self.calibration_bwd: GraphRun | None = None
+        #: The uninstrumented steps, (forward, backward) each (Note: [Calibrated times]).
+        self.calibrations: list[tuple[GraphRun, GraphRun]] = []
 
     def run_fwd(self, args_list: list[Any]) -> Any:
         """Boxed: the interpreter clears ``args_list`` so inputs die as they would in compiled code."""
@@ -230,7 +246,7 @@ class StepProfiler:
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
         if fwd is not None and fwd.uninstrumented:
             out, wall_s = _run_uninstrumented(self.step.bw_gm, args_list, self.device)
-            self.calibration, self.calibration_bwd = fwd, GraphRun(wall_s=wall_s, uninstrumented=True)
+            self.calibrations.append((fwd, GraphRun(wall_s=wall_s, uninstrumented=True)))
             return out
         census = fwd is not None and not self.bwd_runs
         interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device)
@@ -243,6 +259,19 @@ class StepProfiler:
     @property
     def steps_recorded(self) -> int:
         return len(self.bwd_runs)
+
+    @property
+    def steps_calibrated(self) -> int:
+        return len(self.calibrations)
+
+    def calibrated_wall_s(self) -> tuple[float, float] | None:
+        """Median forward and backward wall seconds of the calibration steps (None without any)."""
+        if not self.calibrations:
+            return None
+        return (
+            statistics.median(f.wall_s for f, _ in self.calibrations),
+            statistics.median(b.wall_s for _, b in self.calibrations),
+        )
 
     def _measured(self, runs: list[GraphRun]) -> list[GraphRun]:
         n = self.steps_recorded
@@ -258,10 +287,11 @@ class StepProfiler:
         fwd_us = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
         bwd_us = [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
         scales = {"fwd": 1.0, "bwd": 1.0}
-        if self.calibration is not None and self.calibration_bwd is not None:  # Note: [Calibrated times]
-            for phase, us, run in (("fwd", fwd_us, self.calibration), ("bwd", bwd_us, self.calibration_bwd)):
+        calibrated = self.calibrated_wall_s()
+        if calibrated is not None:  # Note: [Calibrated times]
+            for phase, us, wall_s in (("fwd", fwd_us, calibrated[0]), ("bwd", bwd_us, calibrated[1])):
                 if sum(us) > 0:
-                    scales[phase] = min(1.0, run.wall_s * 1e6 / sum(us))
+                    scales[phase] = min(1.0, wall_s * 1e6 / sum(us))
             fwd_us = [d * scales["fwd"] for d in fwd_us]
             bwd_us = [d * scales["bwd"] for d in bwd_us]
         durations = fwd_us + bwd_us
@@ -337,8 +367,8 @@ class StepProfiler:
         ]
         fwd_s = statistics.median(r.wall_s for r in fwd)
         bwd_s = statistics.median(r.wall_s for r in bwd)
-        if self.calibration is not None and self.calibration_bwd is not None:
-            fwd_s, bwd_s = self.calibration.wall_s, self.calibration_bwd.wall_s
+        if calibrated is not None:
+            fwd_s, bwd_s = calibrated
         meta = {
             "fingerprint": plan_fingerprint(a, seg.granularity),
             "graph_fingerprint": a.fingerprint,
@@ -354,7 +384,10 @@ class StepProfiler:
             "op_sum_s": sum(durations) / 1e6,
             "calibration_scale_fwd": scales["fwd"],
             "calibration_scale_bwd": scales["bwd"],
-            "calibrated": self.calibration is not None,
+            "calibrated": calibrated is not None,
+            "calibration_steps": self.steps_calibrated,
+            # Per calibration step, forward+backward: how much single steps varied.
+            "calibration_step_s": [f.wall_s + b.wall_s for f, b in self.calibrations],
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
             "census_peak_bytes": int(max(live)) if live else 0,

@@ -34,7 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds")
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"], help="inner compiler")
     p.add_argument(
-        "--hardware", default=None, help="HardwareModel JSON for teraio's plans (teraio calibrate)"
+        "--hardware",
+        default="calibrate",
+        help="HardwareModel JSON for teraio's plans (teraio calibrate --out), or 'calibrate' (default): "
+        "time the offload directory before planning",
     )
     p.add_argument(
         "--offload-dir",
@@ -47,6 +50,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="no-offload,teraio,checkpoint,teraio@checkpoint",
         help="comma list of methods to run, in order (teraio@checkpoint: teraio with the checkpoint "
         "method's measured peak as its budget, so it comes after checkpoint)",
+    )
+    p.add_argument(
+        "--cpu-malloc",
+        default="retain",
+        choices=["retain", "release"],
+        help="retain: freed CPU memory stays in the process for reuse, as the CUDA caching allocator "
+        "does (default); release: glibc's default, which returns large blocks to the kernel and faults "
+        "them in again every step, a cost that grows with the peak (docs/cli.md)",
     )
     p.add_argument("--run-dir", default=None, help="write profile, plan, config and stats here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -176,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    if args.hardware is not None:
+    if args.hardware is not None and args.hardware != "calibrate":
         from teraio.commands.plan import load_hardware_arg
 
         load_hardware_arg(args.hardware)  # a bad file fails now, in one line, not after a method ran
@@ -191,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         offload_dir=args.offload_dir,
         methods=methods,
         run_dir=args.run_dir,
+        cpu_malloc=args.cpu_malloc,
         on_row=progress,
     )
     result = run_demo(cfg)

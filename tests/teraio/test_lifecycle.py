@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import statistics
 import subprocess
 import sys
 
@@ -11,8 +13,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import teraio
+import teraio.calibrate
+import teraio.profiler as profiler_module
 from teraio.errors import UserInputError
 from teraio.lifecycle import Phase, TeraioBackend, _device_of, check_compile_mode
+from teraio.planner.hardware import HardwareError
+from teraio.profiler import profiling_split
 
 from .fake_cuda import FWD_S, SCRATCH_NBYTES, LateModel, batch
 from .loops import CASES, GPTLoss, assert_bit_identical, run
@@ -268,3 +274,85 @@ def test_memory_outside_the_graphs_is_reported(hold_mib: int, caplog, tmp_path) 
         assert bool(warned) == bool(hold_mib), [r.getMessage() for r in warned]
     finally:
         be.close()
+
+
+@pytest.mark.parametrize(
+    ("profile_steps", "split"), [(1, (1, 0)), (2, (2, 0)), (3, (2, 1)), (5, (2, 3)), (6, (2, 4))]
+)
+def test_profile_steps_split_into_op_timed_and_calibration_steps(profile_steps, split) -> None:
+    assert profiling_split(profile_steps) == split
+
+
+def test_op_times_are_calibrated_on_the_median_of_every_calibration_step(monkeypatch) -> None:
+    """profile_steps=5: the census step and one step timed op by op, then three uninstrumented steps
+    whose median forward and backward wall times set the profile's totals (Note: [Calibrated times])."""
+    be = TeraioBackend(inner="eager", profile_steps=5, enabled=False)
+    walls: list[float] = []
+    real = profiler_module._run_uninstrumented
+
+    def recorded(gm, args_list, device):
+        out, wall_s = real(gm, args_list, device)
+        walls.append(wall_s)
+        return out, wall_s
+
+    monkeypatch.setattr(profiler_module, "_run_uninstrumented", recorded)
+    try:
+        run(CASES["gpt"], "plain", be, 6)
+        (runner,) = [r for r in be.runners if r.is_training]
+        assert runner.phase is Phase.RUNNING
+        meta = runner.profile.meta
+    finally:
+        be.close()
+    # Five profiling steps: the census, one timed op by op, three calibrating.
+    assert meta["calibrated"] and meta["calibration_steps"] == 3 and meta["measured_steps"] == 1
+    assert meta["profile_steps"] == 2
+    fwd, bwd = walls[0::2], walls[1::2]
+    assert len(fwd) == len(bwd) == 3
+    assert meta["fwd_s"] == statistics.median(fwd) and meta["bwd_s"] == statistics.median(bwd)
+    assert meta["calibration_step_s"] == [f + b for f, b in zip(fwd, bwd)]
+    # Op durations are scaled to the calibrated totals (never up: instrumenting only adds time).
+    ops = runner.profile.ops
+    fwd_us = float(ops["duration_us"][: runner.profile.num_fwd_ops].sum())
+    assert fwd_us <= meta["fwd_s"] * 1e6 * (1 + 1e-9) or meta["calibration_scale_fwd"] == 1.0
+
+
+def test_a_bad_hardware_file_is_refused_when_the_backend_is_made(tmp_path) -> None:
+    with pytest.raises(HardwareError, match="does not exist"):
+        TeraioBackend(hardware=str(tmp_path / "missing.json"))
+
+
+def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(monkeypatch, tmp_path) -> None:
+    """``hardware="calibrate"``: before the first plan the backend times the runtime engine on the
+    directory offloads go to, plans with those figures, and writes them into the run directory."""
+    calls: list[str] = []
+    real = teraio.calibrate.calibrate
+
+    def counted(directory, **kw):
+        calls.append(str(directory))
+        return real(directory, **{**kw, "nbytes": 1 << 20, "block_nbytes": 1 << 20})
+
+    monkeypatch.setattr(teraio.calibrate, "calibrate", counted)
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    be = TeraioBackend(
+        inner="eager",
+        profile_steps=1,
+        solver="greedy",
+        memory_budget="60%",
+        hardware="calibrate",
+        offload_dirs=[str(offload)],
+        run_dir=str(tmp_path / "run"),
+        measure_memory=False,
+    )
+    try:
+        run(CASES["gpt"], "plain", be, 4)
+        (runner,) = [r for r in be.runners if r.is_training]
+        hw = runner.plan.hardware
+    finally:
+        be.close()
+    assert calls == [str(offload)]
+    assert hw.name == f"calibrated:{offload}"
+    saved = json.loads((tmp_path / "run" / "hardware.json").read_text())
+    assert saved["name"] == hw.name
+    assert saved["tiers"]["ssd"]["write_latency_s"] == hw.tiers["ssd"].write_latency_s > 0
+    assert not [p for p in offload.iterdir() if p.name.startswith(".teraio-calibrate-")]
