@@ -20,6 +20,11 @@ Execution model (what the runtime does, what every solver assumes):
 - CPU interference: a transfer costs ``nbytes * cpu_s_per_byte`` of compute, charged to the ops it
   overlaps in proportion to the overlap (measured against each op's nominal duration window). Overlap
   with a stall is free: the compute thread is idle then.
+- Migration calls: each transfer also costs its tier's ``cpu_s_per_transfer`` on the compute thread,
+  where the graph calls the ops: a write's after op ``offload_after_idx`` (the write is issued when the
+  call ends, and the next op starts after it), a read's at its prefetch boundary, after the waits of (1)
+  (the read is issued when its call ends, the op starts after every call). It counts in the op's
+  ``interference``, never as stall.
 
 Recompute (a decision with ``action == "recompute"``; plan schema 3):
 
@@ -226,6 +231,7 @@ def replay(
     transfer: Callable[[Decision, Direction], float] | None = None,
     cpu_cost: Callable[[Decision], float] | None = None,
     rebuild: np.ndarray | None = None,
+    call_cost: Callable[[Decision], float] | None = None,
 ) -> Replay:
     """Run ``decisions`` through the execution model (module docstring) on ops of ``duration``.
 
@@ -235,7 +241,9 @@ def replay(
         duration: per-op compute time, in any unit; ``transfer``, ``cpu_cost`` and ``rebuild`` must use
             the same.
         transfer: duration of one transfer; default the tier's ``write_s`` / ``read_s`` (seconds).
-        cpu_cost: compute lost to one transfer; default ``nbytes * cpu_s_per_byte`` (seconds).
+        cpu_cost: compute lost to one transfer while it runs; default ``nbytes * cpu_s_per_byte`` (seconds).
+        call_cost: compute-thread time of one transfer's migration calls; default the tier's
+            ``cpu_s_per_transfer`` (seconds).
         rebuild: per op, the compute of the rebuilds before it (:func:`rebuild_time`); None: no rebuilds.
     """
     n = len(duration)
@@ -250,6 +258,11 @@ def replay(
 
         def cpu_cost(d: Decision) -> float:
             return d.nbytes * hardware.tier(d.tier).cpu_s_per_byte
+
+    if call_cost is None:
+
+        def call_cost(d: Decision) -> float:
+            return hardware.tier(d.tier).cpu_s_per_transfer
 
     writes_after: dict[int, list[int]] = defaultdict(list)
     reads_before: dict[int, list[int]] = defaultdict(list)
@@ -302,13 +315,15 @@ def replay(
         for k in waits_before.get(i, ()):
             ready = max(ready, out.w_end[k])
         out.ready[i] = ready
+        calls = 0.0  # the prefetch calls before op i (module docstring: migration calls)
         for k in reads_before.get(i, ()):
-            out.r_issue[k], out.r_issue_idx[k] = ready, i
-            out.r_start[k], out.r_end[k] = issue(k, "read", ready)
-        start = ready
+            calls += call_cost(decisions[k])
+            out.r_issue[k], out.r_issue_idx[k] = ready + calls, i
+            out.r_start[k], out.r_end[k] = issue(k, "read", ready + calls)
+        start = ready + calls
         for k in fetches_before.get(i, ()):
             start = max(start, out.r_end[k])
-        out.stall[i] = start - t
+        out.stall[i] = start - t - calls
         # The rebuilds and the op are one compute window (module docstring); written as start + (rebuild +
         # duration) so a replay of ops whose durations already include the rebuilds ends on the same bits.
         rb = 0.0 if rebuild is None else float(rebuild[i])
@@ -323,12 +338,15 @@ def replay(
                 overlap = min(x_end, win_end) - max(x_start, start)
                 if overlap > 0:
                     charged += cost * overlap / (x_end - x_start)
-        out.interference[i] = charged
         out.op_start[i] = start + rb
         t = out.op_end[i] = win_end + charged
         for k in writes_after.get(i, ()):
+            call = call_cost(decisions[k])
+            calls += call
+            t = out.op_end[i] = t + call
             out.w_issue[k], out.w_issue_idx[k] = t, i
             out.w_start[k], out.w_end[k] = issue(k, "write", t)
+        out.interference[i] = charged + calls
     return out
 
 

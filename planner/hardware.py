@@ -38,6 +38,9 @@ class TierModel:
     capacity_bytes: int | None = None
     #: Compute time lost per byte moved through this tier (I/O threads competing for cores).
     cpu_s_per_byte: float = 0.0
+    #: Compute time lost per transfer whatever its size: the compute thread's calls into the migration
+    #: ops of one direction (offload and its wait, or prefetch and its fetch). Dominates small tensors.
+    cpu_s_per_transfer: float = 0.0
 
     @property
     def total_write_bw_bytes_per_s(self) -> float:
@@ -52,6 +55,14 @@ class TierModel:
 
     def read_s(self, nbytes: int) -> float:
         return self.read_latency_s + nbytes / self.total_read_bw_bytes_per_s
+
+    def cpu_s(self, nbytes: int) -> float:
+        """Compute time one transfer of ``nbytes`` (one direction) costs the step."""
+        return nbytes * self.cpu_s_per_byte + self.cpu_s_per_transfer
+
+    @property
+    def costs_cpu(self) -> bool:
+        return self.cpu_s_per_byte > 0 or self.cpu_s_per_transfer > 0
 
 
 def _default_tiers() -> dict[str, TierModel]:
@@ -75,6 +86,7 @@ _FLOAT_FIELDS = {  # field -> (minimum, minimum allowed?)
     "write_latency_s": (0.0, True),
     "read_latency_s": (0.0, True),
     "cpu_s_per_byte": (0.0, True),
+    "cpu_s_per_transfer": (0.0, True),
 }
 
 

@@ -55,6 +55,8 @@ class Calibration:
     #: One 4 KiB O_DIRECT request (the disk alone); the model's latencies are the engine's own when it ran.
     direct_write_latency_s: float = 0.0
     direct_read_latency_s: float = 0.0
+    #: The compute thread's time in the migration ops per transfer, one direction (0: not measured).
+    cpu_s_per_transfer: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -70,6 +72,7 @@ class Calibration:
             read_bw_bytes_per_s=self.read_bw_bytes_per_s,
             write_latency_s=self.write_latency_s,
             read_latency_s=self.read_latency_s,
+            cpu_s_per_transfer=self.cpu_s_per_transfer,
             count=1,
         )
         return replace(hw, name=f"calibrated:{self.dir}")
@@ -186,6 +189,51 @@ def _engine_round_trip(
     return writes, reads, io_path
 
 
+def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> list[float]:
+    """Per round trip of one page through the graph's own migration ops (``teraio::offload``,
+    ``wait_write``, ``prefetch``, ``fetch``): the seconds the calling thread spends inside those calls.
+
+    Each transfer gets time to finish before the call that waits for it, so what is timed is the cost
+    of the calls themselves (op dispatch, the engine's request and bookkeeping), which a training step
+    pays on its compute thread for every tensor it moves, not the disk's latency.
+    """
+    import torch
+
+    import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
+    from teraio.runtime.config import RuntimeConfig
+    from teraio.runtime.engine import Engine
+
+    ops = torch.ops.teraio
+    settle_s = 0.001  # longer than a page takes through the engine here, short enough to keep caches warm
+    rounds = []
+    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
+        eid = teraio.ops.register_engine(engine)
+        try:
+            for i in range(repeats):
+                key = f"calibrate-op-{i}"
+                x = torch.zeros(PAGE_NBYTES // 4)
+                t0 = time.perf_counter()
+                handle = ops.offload(x, [], key, eid, [1])
+                spent = time.perf_counter() - t0
+                time.sleep(settle_s)
+                t0 = time.perf_counter()
+                token = ops.wait_write(handle, x, [], key, eid)
+                del x
+                fetching = ops.prefetch(token, [], key, eid)
+                spent += time.perf_counter() - t0
+                time.sleep(settle_s)
+                t0 = time.perf_counter()
+                back = ops.fetch(fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu"))
+                spent += time.perf_counter() - t0
+                if int(back.count_nonzero()):
+                    raise RuntimeError("runtime engine returned different bytes during calibration")
+                del back, token, fetching, handle
+                rounds.append(spent)
+        finally:
+            teraio.ops.unregister_engine(eid)
+    return rounds
+
+
 def calibrate(
     directory: str | os.PathLike,
     nbytes: int = 256 * 2**20,
@@ -243,6 +291,7 @@ def calibrate(
     direct_w = nbytes / statistics.median(samples["direct_write_s"])
     direct_r = nbytes / statistics.median(samples["direct_read_s"])
     method, write_bw, read_bw = "O_DIRECT", direct_w, direct_r
+    cpu_per_transfer = 0.0
     if use_engine:
         try:
             writes, reads, io_path = _engine_round_trip(d, nbytes, repeats, checksum)
@@ -262,6 +311,9 @@ def calibrate(
             samples["engine_page_write_s"], samples["engine_page_read_s"] = small_w, small_r
             direct_lat_w, direct_lat_r = lat_w, lat_r
             lat_w, lat_r = statistics.median(small_w), statistics.median(small_r)
+            calls = _op_calls(d, LATENCY_REPEATS, checksum)
+            samples["op_calls_round_trip_s"] = calls
+            cpu_per_transfer = statistics.median(calls) / 2
     return Calibration(
         dir=str(d),
         nbytes=nbytes,
@@ -277,6 +329,7 @@ def calibrate(
         direct_read_bw_bytes_per_s=direct_r,
         direct_write_latency_s=direct_lat_w,
         direct_read_latency_s=direct_lat_r,
+        cpu_s_per_transfer=cpu_per_transfer,
         samples=samples,
         warnings=warnings,
     )

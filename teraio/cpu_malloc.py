@@ -3,13 +3,12 @@
 Note: [Freed CPU memory and step time]
 torch's CPU tensors come from glibc's malloc. glibc hands large blocks back to the kernel when they are
 freed (``munmap``, or a trim of the heap's top), so the next step faults every page of them in again
-and the kernel zeroes it. That cost grows with the step's peak: on the demo GPT it was 0.5-1.1 s of
-kernel time per 3-4 s step without offload, and a third of that with teraio's plan, so a plan looked
-8-12% *faster* than no offload for a reason no GPU run has (the CUDA caching allocator reuses its
-blocks) and that no cost model of compute and I/O predicts. :func:`retain_freed_memory` sets glibc's
-documented ``mallopt`` parameters so freed blocks stay in the process and are reused: both methods
-then measure compute and I/O. It changes the whole process, so the library never calls it on its own;
-``teraio demo`` does, unless ``--cpu-malloc release``.
+and the kernel zeroes it. That cost grows with the step's peak, so on CPU a plan's smaller peak makes
+its steps faster than no offload for a reason no GPU run has (the CUDA caching allocator reuses its
+blocks) and no cost model of compute and I/O predicts (docs/measured_facts.md, "Freed CPU memory and
+step time"). :func:`retain_freed_memory` sets glibc's documented ``mallopt`` parameters so freed blocks
+stay in the process and are reused: step times then measure compute and I/O. It changes the whole
+process, so the library never calls it on its own; ``teraio demo`` does, unless ``--cpu-malloc release``.
 """
 
 from __future__ import annotations

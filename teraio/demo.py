@@ -57,7 +57,7 @@ class DemoConfig:
     lr: float = 1e-4
     checksum: bool = True  # per-chunk crc32c of offloaded bytes, verified on read (the runtime default)
     # What teraio's plans assume of the disk: "calibrate" times the offload directory before planning
-    # (the built-in model's per-request latency is a quarter of this VM's, which misleads small models);
+    # (the built-in model's per-request latency can be far from the machine's, which misleads small models);
     # or a HardwareModel JSON (teraio calibrate --out); None: the built-in model.
     hardware: str | None = "calibrate"
     # Note: [Freed CPU memory and step time] in teraio.cpu_malloc
@@ -206,6 +206,7 @@ def _row(m: _Method, ref_times: list[float] | None) -> dict[str, Any]:
             io_path=stats.get("io_path"),
             recomputed_bytes=plan.recomputed_bytes,
             recompute_s=plan.recompute_s,
+            hardware=plan.hardware.name,  # "calibrated:<dir>" when the method timed its directory
         )
     if m.budget_raised_from is not None:
         row["budget_raised_from_bytes"] = m.budget_raised_from

@@ -716,13 +716,15 @@ class TeraioBackend:
         cal = calibrate(directory, nbytes=QUICK_NBYTES, checksum=bool(self.cfg.checksum))
         hw = cal.hardware_model()
         log.info(
-            "calibrated %s in %.1f s: write %.2f GB/s, read %.2f GB/s, %.0f/%.0f us per request",
+            "calibrated %s in %.1f s: write %.2f GB/s, read %.2f GB/s, %.0f/%.0f us per request, "
+            "%.0f us of compute per transfer",
             directory,
             time.perf_counter() - t0,
             cal.write_bw_bytes_per_s / 1e9,
             cal.read_bw_bytes_per_s / 1e9,
             cal.write_latency_s * 1e6,
             cal.read_latency_s * 1e6,
+            cal.cpu_s_per_transfer * 1e6,
         )
         for w in cal.warnings:
             log.warning("calibration: %s", w)

@@ -193,7 +193,7 @@ class _IlpModel:
                 w_us, w_exact = _whole_us(tm.write_s(c.nbytes))
                 r_us, r_exact = _whole_us(tm.read_s(c.nbytes))
                 self.write_us[c.name, r], self.read_us[c.name, r] = w_us, r_us
-                self.exact_units = self.exact_units and w_exact and r_exact and tm.cpu_s_per_byte == 0
+                self.exact_units = self.exact_units and w_exact and r_exact and not tm.costs_cpu
         # Memory no plan can move, per op, rounded up; candidates are added back as intervals.
         self.fixed_units = np.array([self.units(max(0, x)) for x in fixed], dtype=np.int64)
         self.auto = problem.budget_bytes is None
@@ -220,9 +220,9 @@ class _IlpModel:
         full, rounded up per tensor as in ``cpu_us``)."""
         hw = self.problem.hardware
         return sum(
-            math.ceil(2 * x.nbytes * hw.tier(x.tier).cpu_s_per_byte * 1e6)
+            math.ceil(2 * hw.tier(x.tier).cpu_s(x.nbytes) * 1e6)
             for x in decisions
-            if hw.tier(x.tier).cpu_s_per_byte > 0
+            if hw.tier(x.tier).costs_cpu
         )
 
     # ------------------------------------------------------------------------------------------ build
@@ -348,10 +348,10 @@ class _IlpModel:
         # for every byte moved (once written, once read) (the simulator charges only the share that overlaps running ops, so the
         # model's step is never below the simulated one); then, in a second solve, the fewest bytes.
         self.cpu_us = sum(
-            self.o[c.name, r] * math.ceil(2 * c.nbytes * self.problem.hardware.tier(r).cpu_s_per_byte * 1e6)
+            self.o[c.name, r] * math.ceil(2 * self.problem.hardware.tier(r).cpu_s(c.nbytes) * 1e6)
             for c in self.cands
             for r in self.tiers
-            if self.problem.hardware.tier(r).cpu_s_per_byte > 0
+            if self.problem.hardware.tier(r).costs_cpu
         )
         self.primary = self.peak if self.auto else self.E[-1] + self.cpu_us
         self.m.minimize(self.primary)
@@ -406,6 +406,7 @@ class _IlpModel:
                 x.name, x.tier
             ],
             cpu_cost=lambda x: 0.0,
+            call_cost=lambda x: 0.0,
         )
         names = [x.name for x in decisions]
         as_int = lambda a: {x: int(round(v)) for x, v in zip(names, a)}  # noqa: E731

@@ -157,7 +157,7 @@ def rebuild_ratio(problem: Problem) -> dict[str, float]:
     tier = problem.hardware.tier(problem.default_tier)
     out = {}
     for c in problem.lifetimes.recomputable:
-        io_s = tier.write_s(c.nbytes) + tier.read_s(c.nbytes) + 2 * c.nbytes * tier.cpu_s_per_byte
+        io_s = tier.write_s(c.nbytes) + tier.read_s(c.nbytes) + 2 * tier.cpu_s(c.nbytes)
         out[c.name] = c.recompute_us / 1e6 / io_s if io_s > 0 else float("inf")
     return out
 

@@ -63,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
         f"  latency write {cal.write_latency_s * 1e6:.0f} us, read {cal.read_latency_s * 1e6:.0f} us (4 KiB via the "
         f"model's method; O_DIRECT alone {cal.direct_write_latency_s * 1e6:.0f} / {cal.direct_read_latency_s * 1e6:.0f} us)"
     )
+    if cal.cpu_s_per_transfer:
+        print(
+            f"  compute thread per transfer {cal.cpu_s_per_transfer * 1e6:.0f} us (the migration ops' calls, "
+            "charged to the step for every tensor moved each way)"
+        )
     for w in cal.warnings:
         print(f"  warning: {w}")
     if args.out is not None:

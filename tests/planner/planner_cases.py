@@ -82,6 +82,7 @@ def ssd_only(
     count: int = 1,
     shared: bool = False,
     cpu_s_per_byte: float = 0.0,
+    cpu_s_per_transfer: float = 0.0,
 ) -> HardwareModel:
     return HardwareModel(
         tiers={
@@ -91,6 +92,7 @@ def ssd_only(
                 write_latency_s=latency_s,
                 read_latency_s=latency_s,
                 count=count,
+                cpu_s_per_transfer=cpu_s_per_transfer,
                 shared_channel=shared,
                 cpu_s_per_byte=cpu_s_per_byte,
             ),

@@ -113,6 +113,21 @@ def test_absent_over_the_whole_middle_costs_write_plus_read(ilp_own_plans):
     assert plan.stats.status == "OPTIMAL"
 
 
+def test_a_per_transfer_cost_is_charged_in_full_and_keeps_the_model_above_the_simulator(ilp_own_plans):
+    """The same step with 10 us of compute-thread time per transfer (``cpu_s_per_transfer``): A still
+    has to move, its two calls add 20 us to the simulated step, and the model charges them in full (its
+    own plan passes the check of the relations between model and simulator, inside the solver)."""
+    hw = _hw(30, 20, cpu_s_per_transfer=10e-6)
+    plan = solve(_tiny(), 1999, "ilp", hw, time_limit_s=30, deterministic_time_s=2)
+    (d,) = plan.decisions
+    assert d.name == "A"
+    own = ilp_own_plans[0]
+    assert not own["exact_units"] and own["cpu_charge_s"] == pytest.approx(20e-6)
+    assert own["sim_step_s"] <= own["model_step_s"] + 1e-12
+    assert plan.predicted_step_s == pytest.approx(simulate(_tiny(), plan).step_s)
+    assert plan.predicted_step_s >= 450e-6 + 20e-6 - 1e-12
+
+
 def _own(**fields) -> dict:
     """An own-plan record: a 450 us model step the simulator agrees with, proven optimal, exact units."""
     own = {

@@ -98,6 +98,23 @@ def test_cpu_interference_charged_to_overlapping_ops():
     assert r.op_end_s[1] == pytest.approx(2.1e-3)
 
 
+def test_migration_calls_cost_the_compute_thread_where_the_graph_makes_them():
+    """``cpu_s_per_transfer``: the offload call runs after op0 and delays op1 and the write's start;
+    the prefetch call runs before op5 and delays the read's start and op5, never counted as stall."""
+    p = make_profile(ops_rows([1000.0] * 6, 3), [act("x", 2 * MB, 0, 0, 5)], {"fingerprint": "c"})
+    lt = analyse(p)
+    d = lt.decision("x", wait_before_idx=3, prefetch_before_idx=5)
+    base = simulate(p, _plan(p, [d], ssd_only(write_bw=1e12, read_bw=1e12)))
+    r = simulate(p, _plan(p, [d], ssd_only(write_bw=1e12, read_bw=1e12, cpu_s_per_transfer=3e-4)))
+    assert r.violations == [] and r.stall_s == pytest.approx(base.stall_s, abs=1e-12)
+    assert r.step_s == pytest.approx(base.step_s + 2 * 3e-4)
+    assert r.interference_s == pytest.approx(6e-4)
+    assert r.op_end_s[0] == pytest.approx(1.3e-3)  # op0 ends with its offload call
+    io = r.io_timeline.set_index("direction")
+    assert io.loc["write", "issue_s"] == pytest.approx(1.3e-3)
+    assert io.loc["read", "issue_s"] == pytest.approx(5.6e-3)  # op4 ended at 5.3 ms, then the call
+
+
 @pytest.mark.parametrize(
     ("kwargs", "kind", "fragment"),
     [

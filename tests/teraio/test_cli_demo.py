@@ -32,6 +32,10 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     teraio = rows["teraio"]
     assert teraio["predicted_peak_bytes"] > 0 and teraio["predicted_step_s"] > 0
     assert teraio["moved_bytes_per_step"] > 0
+    # Planned with the offload directory as timed before planning, in a process that keeps freed CPU
+    # memory (Note: [Freed CPU memory and step time] in teraio.cpu_malloc).
+    assert teraio["hardware"] == f"calibrated:{offload_dir}"
+    assert result["cpu_malloc"] == "retain"
     assert teraio["peak_bytes"] < rows["no-offload"]["peak_bytes"]
     # teraio at checkpointing's own measured peak: within 5% of it, exact (issue #13).
     at = rows["teraio@checkpoint"]
@@ -84,6 +88,8 @@ def test_demo_rejects_bad_options_with_one_line(capsys, tmp_path: Path) -> None:
         ([*TINY, "--offload-dir", str(tmp_path / "missing")], "--offload-dir"),
         ([*TINY, "--methods", "teraio,magic"], "--methods"),
         ([*TINY, "--steps", "0"], "--steps"),
+        ([*TINY, "--hardware", str(tmp_path / "missing.json")], "does not exist"),
+        ([*TINY, "--cpu-malloc", "sometimes"], "--cpu-malloc"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()

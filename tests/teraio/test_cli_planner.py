@@ -251,6 +251,10 @@ def test_calibrate_tiny_writes_a_hardware_model(tmp_path, capsys):
     # The runtime engine measures the model's figures; if it could not, the reason is in the warnings.
     assert res["method"].startswith("runtime.Engine") or any("runtime engine" in w for w in res["warnings"])
     assert "engine_write_s" in res["samples"] or res["method"] == "O_DIRECT"
+    if res["method"].startswith("runtime.Engine"):
+        # The compute thread's time in the graph's migration ops, per transfer: half a round trip.
+        calls = res["samples"]["op_calls_round_trip_s"]
+        assert len(calls) == 16 and ssd.cpu_s_per_transfer == res["cpu_s_per_transfer"] > 0
     assert not list(tmp_path.glob(".teraio-calibrate-*"))  # the test file is removed
 
 
