@@ -185,9 +185,10 @@ class StepProfiler:
     made from raw op times would expect compute to hide far more I/O than it can. When asked
     (``calibrate_next``), a step runs the partitioned graphs' own generated code, timed only as a whole,
     and the forward's and backward's op durations are scaled so their sums equal the median wall times
-    of those steps. One such step is not enough: single steps of the demo vary by 10-25% on a shared
+    of those steps. One such step is not enough: single steps vary from one to the next on a shared
     machine, and the first uninstrumented steps of a process tend to be the slow ones, so the profile
-    takes the median of every calibration step it was given (``calibration_steps`` in the lifecycle).
+    takes the median of every calibration step it was given (``profile_steps`` beyond the two timed op
+    by op: :func:`profiling_split`).
     """
 
     def __init__(
