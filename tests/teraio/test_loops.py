@@ -63,11 +63,11 @@ FX_MATRIX = [(m + v, "all" if not v else "all-fp32") for m in MODELS for v in VA
 
 def _backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) -> TeraioBackend:
     kw.setdefault("solver", "greedy")
+    kw.setdefault("profile_steps", 1)
     return TeraioBackend(
         memory_budget=budget,
         enabled=enabled,
         inner=inner,
-        profile_steps=1,
         measure_memory=False,  # the test measures the step itself
         io_backend="posix",
         **kw,
@@ -242,3 +242,30 @@ def test_two_backends_in_one_process(tmp_path) -> None:
     finally:
         for be in backends:
             be.close()
+
+
+@pytest.mark.parametrize(("case_name", "pattern"), [("gpt", "all"), ("gpt-graph-break", "all-fp32")])
+def test_calibration_steps_in_every_pattern_are_exact(case_name: str, pattern: str, tmp_path) -> None:
+    """``profile_steps=5``: three uninstrumented calibration steps (Note: [Calibrated times]) fall on
+    validation under no_grad, a forward never backpropagated and two forwards before one backward; the
+    run stays bit-identical to ``enabled=False`` and every training graph is calibrated and planned."""
+    case = CASES[case_name]
+    steps = 2 * len(ALL_SCHEDULE if pattern == "all" else FP32_SCHEDULE)
+    budget = BUDGETS.get(case_name, BUDGET)
+    ref_be = _backend(False, budget=budget, profile_steps=5)
+    try:
+        reference = run(case, pattern, ref_be, steps)
+    finally:
+        ref_be.close()
+    be = _backend(True, budget=budget, profile_steps=5, offload_dirs=[str(tmp_path)])
+    try:
+        trace = run(case, pattern, be, steps)
+        assert_bit_identical(trace, reference)
+        training = [r for r in be.runners if r.is_training and r.profile is not None]
+        assert training and all(r.phase is Phase.RUNNING for r in training)
+        # At least three: two forwards before one backward are two calibrated invocations.
+        assert all(r.profile.meta["calibration_steps"] >= 3 for r in training)
+        assert all(r.profile.meta["calibrated"] and r.profile.meta["measured_steps"] == 1 for r in training)
+        assert any(r.plan is not None and r.plan.decisions for r in training)
+    finally:
+        be.close()
