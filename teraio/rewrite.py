@@ -221,7 +221,73 @@ def _rebuild(
     apply_recompute(step, a, rebuilds, recipe_by_group, base, fw_mode, bw_mode, outputs)
 
 
-def _realize_where_computed(step: CapturedStep, moved: list[SavedGroup]) -> None:
+def _inductor_layouts(step: CapturedStep) -> dict[fx.Node, list[int]]:
+    """Note: [Saved tensors keep Inductor's layout]
+
+    When Inductor optimises layouts (convolutions on CPU), it gives a dense 4-d forward value that a
+    convolution reads or that follows one channels-last strides, and a saved output keeps them: a
+    graph output is realised with channels-last strides, not with the strides of the graph's fake
+    value, and AOTAutograd restrides the backward's placeholder to the strides the compiled forward
+    reported, so the backward's kernels are generated for channels-last inputs. A moved tensor must
+    come back the same: written in that layout (``offload`` then takes the buffer as it is, no
+    staging copy) and rebuilt in backward with those strides, or the backward's kernels index (and
+    vectorise, and reduce) their inputs in another order, and a reduction then adds in another order:
+    not bit-exact. Inductor's rule, mirrored here from ``GraphLowering.run_node`` on the graph as
+    partitioned: layout optimisation on for this forward (``decide_layout_opt``), the node among
+    ``find_nodes_prefer_channels_last``, its value dense and 4-d, not one of the forward's own outputs
+    (those keep their eager strides), not read by an ``as_strided``.
+
+    Returns the saved nodes whose output strides differ from their fake value's in memory order, with
+    the strides Inductor gives them (strides of size-1 dims address nothing: a ``(1, C, 1, 1)`` value
+    is the same bytes in either layout and is left as it is). Empty without layout optimisation. A
+    prediction that misses costs a copy, never exactness: ``offload`` writes the bytes in the strides
+    it is given and the backward reads them with the same; ``kernels()`` in the Inductor tests of
+    ``tests/teraio/test_loops.py`` checks the prediction.
+    """
+    from types import SimpleNamespace
+
+    from torch._inductor.graph import GraphLowering
+    from torch._prims_common import is_non_overlapping_and_dense_or_false, make_channels_last_strides_for
+
+    fw_gm = step.fw_gm
+    if not GraphLowering.decide_layout_opt(fw_gm, is_inference=False):
+        return {}
+    prefer = set(GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=fw_gm)))
+    outputs = _output_nodes(fw_gm)
+    user_visible = set(outputs[: step.num_fwd_outputs])
+    as_strided = {
+        torch.ops.aten.as_strided.default,
+        torch.ops.aten.as_strided_.default,
+        torch.ops.aten.as_strided_scatter.default,
+        torch.ops.aten.resize.default,
+        torch.ops.aten.resize_as.default,
+    }
+    strides: dict[fx.Node, list[int]] = {}
+    for node in step.saved_nodes:
+        v = node.meta.get("val")
+        if (
+            node not in prefer
+            or node in user_visible
+            or not isinstance(v, torch.Tensor)
+            or v.dim() != 4
+            or not is_non_overlapping_and_dense_or_false(v)
+            or any(u.target in as_strided for u in node.users)
+        ):
+            continue
+        cl = [int(x) for x in make_channels_last_strides_for(v.shape)]
+        if any(size > 1 and int(st) != c for size, st, c in zip(v.shape, v.stride(), cl)):
+            strides[node] = cl
+    return strides
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[Any]:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    return list(out.args[0])
+
+
+def _realize_where_computed(
+    step: CapturedStep, moved: list[SavedGroup], inductor_strides: dict[fx.Node, list[int]]
+) -> None:
     """Note: [Outputs are realised where they are computed]
 
     Inductor writes every graph output out as a buffer where it is computed, with the output's strides
@@ -230,33 +296,24 @@ def _realize_where_computed(step: CapturedStep, moved: list[SavedGroup]) -> None
     them needs a buffer. The saved outputs a plan moves stop being graph outputs (the token takes their
     place), so they are marked to be realised where they are computed still, with the strides Inductor
     would have given them. An extern kernel's result (or a view of it) is a buffer from the start.
-    Call on the forward graph as partitioned, before its outputs change.
+
+    The mark realises a value with the strides of its fake value, which Inductor recomputes (its
+    FakeTensorProp) before it lowers the graph: it cannot carry other strides. So a value Inductor
+    would have written channels-last, in another memory order than its fake value's
+    (``inductor_strides``, Note: [Saved tensors keep Inductor's layout]), is left unmarked: the
+    convolution that reads it realises it channels-last, as before; the mark would realise it in the
+    graph's (contiguous) order and add a copy for that convolution. A value whose channels-last and
+    fake strides differ only in size-1 dims (BatchNorm's ``(1, C, 1, 1)`` statistics) is the same
+    bytes either way and is marked like any other. Call on the forward graph as partitioned, before
+    its outputs change.
     """
-    from types import SimpleNamespace
-
-    from torch._inductor.graph import GraphLowering
-    from torch._prims_common import is_non_overlapping_and_dense_or_false
-
-    fw_gm = step.fw_gm
-    channels_last: set[fx.Node] = set()
-    if GraphLowering.decide_layout_opt(fw_gm, is_inference=False):
-        channels_last = set(GraphLowering.find_nodes_prefer_channels_last(SimpleNamespace(module=fw_gm)))
     for g in moved:
         if g.producer is None or is_extern(g.producer):
             continue
         for pos in g.members:
             node = step.saved_nodes[pos]
-            v = node.meta.get("val")
-            if (
-                node in channels_last
-                and isinstance(v, torch.Tensor)
-                and v.dim() == 4
-                and is_non_overlapping_and_dense_or_false(v)
-            ):
-                # Realised channels-last by the convolution that reads it next, as before; the mark
-                # would realise it with the graph's (contiguous) strides and add a copy.
-                continue
-            node.meta["inductor_realize_to_strides"] = True
+            if node not in inductor_strides:
+                node.meta["inductor_realize_to_strides"] = True
 
 
 def _insert(graph: fx.Graph, mode, before: fx.Node, target: Any, args: tuple, name: str) -> fx.Node:
@@ -368,6 +425,10 @@ def apply_plan(
     offloads = [d for d in plan.decisions if not d.recomputed]
     nf = seg.num_fwd  # the plan's forward indices are below this
     fused = seg.granularity != "op"
+    # Note: [Saved tensors keep Inductor's layout] (predicted on the graph as partitioned, before
+    # anything is inserted).
+    inductor_strides = _inductor_layouts(step) if fused else {}
+    layout_of: dict[str, list[int]] = {}  # group name -> the strides its bytes are written in
     fw_graph, bw_graph = step.fw_gm.graph, step.bw_gm.graph
     fw_mode, bw_mode = _fake_mode(step.fw_gm), _fake_mode(step.bw_gm)
     fw_out = next(n for n in reversed(fw_graph.nodes) if n.op == "output")
@@ -402,6 +463,14 @@ def apply_plan(
         # Forward: offload right after its start segment, wait before the segment that needs the memory
         # gone (segments are single ops on the FX-only path).
         owner_stride = [int(x) for x in owner.meta["val"].stride()]
+        # Restrided only when the owner is the group's one saved value, over its whole storage: the
+        # saved views of a restrided base would have strides no fake value here knows.
+        if (
+            owner in inductor_strides
+            and g.owner_covers_storage
+            and all(step.saved_nodes[pos] is owner for pos in g.members)
+        ):
+            owner_stride = layout_of[g.name] = inductor_strides[owner]
         off_fx = seg.fw_last[d.offload_after_idx]
         # Anchored on the op it follows, so the write is issued where the plan (and the FIFO order of
         # the simulator) has it, not as soon as the tensor exists.
@@ -486,7 +555,7 @@ def apply_plan(
                 bw_mode,
                 f_at,
                 torch.ops.aten.as_strided.default,
-                (flat, list(v.shape), list(v.stride()), int(v.storage_offset())),
+                (flat, list(v.shape), layout_of.get(g.name, list(v.stride())), int(v.storage_offset())),
                 f"teraio_view_{member_ph.name}",
             )
             # The token placeholder also feeds the prefetch: only the compute uses move to the view.
@@ -498,7 +567,7 @@ def apply_plan(
     if plan.recomputes:
         _rebuild(step, a, seg, plan, recipe_by_group, fetched, fw_mode, bw_mode, outputs)
     if fused:
-        _realize_where_computed(step, [groups[d.name][1] for d in offloads])
+        _realize_where_computed(step, [groups[d.name][1] for d in offloads], inductor_strides)
     fw_out.update_arg(0, tuple(outputs))
     for gm in (step.fw_gm, step.bw_gm):
         gm.graph.lint()
