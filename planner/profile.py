@@ -13,6 +13,7 @@ or batch) has ``producer_idx == -1``. Use indices that never happened are ``-1``
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +162,11 @@ class Profile:
             )
         if (self.ops["duration_us"] < 0).any():
             raise ProfileError("profile table 'ops' column 'duration_us' has negative values")
+        outside = self.meta.get("outside_s", 0.0)
+        if isinstance(outside, bool) or not isinstance(outside, (int, float)) or not 0 <= outside < math.inf:
+            raise ProfileError(
+                f"profile meta 'outside_s' is {outside!r}, expected a finite number of seconds >= 0"
+            )
         t = self.tensors
         if t["name"].duplicated().any():
             dup = t.loc[t["name"].duplicated(), "name"].iloc[0]
@@ -272,6 +278,12 @@ class Profile:
     @property
     def num_fwd_ops(self) -> int:
         return int(self.meta["num_fwd_ops"])
+
+    @property
+    def outside_s(self) -> float:
+        """Seconds per step the compute thread spends outside the graph's ops (meta ``outside_s``, 0
+        when absent). Note: [Time outside the graphs] in planner.lifetimes."""
+        return float(self.meta.get("outside_s", 0.0))
 
     def activation_bytes(self) -> int:
         """Total bytes of saved activation storages (the offload candidates' upper bound)."""

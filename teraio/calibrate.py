@@ -55,7 +55,21 @@ class Calibration:
     #: One 4 KiB O_DIRECT request (the disk alone); the model's latencies are the engine's own when it ran.
     direct_write_latency_s: float = 0.0
     direct_read_latency_s: float = 0.0
-    #: The compute thread's time in the migration ops per transfer, one direction (0: not measured).
+    #: The step time one transfer costs, one direction (0: not measured): the compute thread's time in
+    #: the migration ops' calls, plus, where the CPU computes, the I/O threads' CPU for the transfer.
+    #:
+    #: Note: [A transfer's CPU on a CPU-only step]
+    #: Where training computes on the CPU, every core runs the step's ops, so the CPU the I/O threads
+    #: spend on a transfer (waking up, the request's bookkeeping, the checksum, the system calls) is
+    #: taken from compute as surely as the calls on the compute thread are; and under compute each
+    #: costs more than alone (the GIL passes between threads, a parallel op waits for the core an I/O
+    #: thread took, caches refill). For a page, the I/O threads' CPU was half as much again as the
+    #: calls, and the round trip made inside a block of small ops cost 1.5x both together. So on a
+    #: CPU-only machine the figure is that one: measured as the extra time of blocks of small ops that
+    #: make a round trip against the same blocks without (``_round_trips_under_compute``), with the
+    #: calls and the I/O threads' CPU (measured alone) as the fallback. A model with many small tensors
+    #: moves mostly pages. With an accelerator computing, the host's I/O threads overlap it and only
+    #: the calls count.
     cpu_s_per_transfer: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -189,9 +203,24 @@ def _engine_round_trip(
     return writes, reads, io_path
 
 
-def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> list[float]:
+def _io_threads_cpu_s() -> float:
+    """CPU seconds used so far by the runtime's I/O threads (``teraio-io*``) of this process."""
+    import threading
+
+    total = 0.0
+    for t in threading.enumerate():
+        if t.name.startswith("teraio-io") and t.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+            except (OSError, ProcessLookupError):  # the thread ended in between
+                pass
+    return total
+
+
+def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[list[float], list[float]]:
     """Per round trip of one page through the graph's own migration ops (``teraio::offload``,
-    ``wait_write``, ``prefetch``, ``fetch``): the seconds the calling thread spends inside those calls.
+    ``wait_write``, ``prefetch``, ``fetch``): the seconds the calling thread spends inside those calls,
+    and the CPU seconds the I/O threads spend on it (Note: [A transfer's CPU on a CPU-only step]).
 
     Each transfer gets time to finish before the call that waits for it, so what is timed is the cost
     of the calls themselves (op dispatch, the engine's request and bookkeeping), which a training step
@@ -205,13 +234,14 @@ def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> list[floa
 
     ops = torch.ops.teraio
     settle_s = 0.001  # longer than a page takes through the engine here, short enough to keep caches warm
-    rounds = []
+    rounds, io_cpu = [], []
     with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
         eid = teraio.ops.register_engine(engine)
         try:
             for i in range(repeats):
                 key = f"calibrate-op-{i}"
                 x = torch.zeros(PAGE_NBYTES // 4)
+                io0_s = _io_threads_cpu_s()
                 t0 = time.perf_counter()
                 handle = ops.offload(x, [], key, eid, [1])
                 spent = time.perf_counter() - t0
@@ -225,13 +255,83 @@ def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> list[floa
                 t0 = time.perf_counter()
                 back = ops.fetch(fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu"))
                 spent += time.perf_counter() - t0
+                io_cpu.append(_io_threads_cpu_s() - io0_s)
                 if int(back.count_nonzero()):
                     raise RuntimeError("runtime engine returned different bytes during calibration")
                 del back, token, fetching, handle
                 rounds.append(spent)
         finally:
             teraio.ops.unregister_engine(eid)
-    return rounds
+    return rounds, io_cpu
+
+
+#: ``_round_trips_under_compute``: small ops per timed block (a small model's: a 32x128 by 128x128
+#: matmul and a tanh, tens of microseconds each), and pairs of blocks.
+COMPUTE_BLOCK_OPS = 40
+COMPUTE_BLOCK_PAIRS = 40
+
+
+def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = True) -> list[float]:
+    """Per pair of blocks of the same small ops, one of them also making one page's round trip through
+    the migration ops (offload after the first op, its wait a quarter in, the prefetch half way, the
+    fetch three quarters in, so the I/O finishes in between, as in a planned step): how much longer
+    that block took. Note: [A transfer's CPU on a CPU-only step]
+    """
+    import torch
+
+    import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
+    from teraio.runtime.config import RuntimeConfig
+    from teraio.runtime.engine import Engine
+
+    ops = torch.ops.teraio
+    n = COMPUTE_BLOCK_OPS
+    gen = torch.Generator().manual_seed(0)
+    act, weight = torch.randn(32, 128, generator=gen), torch.randn(128, 128, generator=gen) * 0.1
+
+    def block(key: str | None, eid: int) -> float:
+        x = torch.zeros(PAGE_NBYTES // 4) if key is not None else None
+        y = act
+        t0 = time.perf_counter()
+        for k in range(n):
+            if key is not None:
+                if k == 0:
+                    handle = ops.offload(x, [], key, eid, [1])
+                elif k == n // 4:
+                    token = ops.wait_write(handle, x, [], key, eid)
+                    x = None
+                elif k == n // 2:
+                    fetching = ops.prefetch(token, [], key, eid)
+                elif k == 3 * n // 4:
+                    back = ops.fetch(
+                        fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu")
+                    )
+            y = torch.tanh(torch.mm(y, weight))
+        spent = time.perf_counter() - t0
+        if key is not None and int(back.count_nonzero()):
+            raise RuntimeError("runtime engine returned different bytes during calibration")
+        return spent
+
+    extra = []
+    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
+        eid = teraio.ops.register_engine(engine)
+        try:
+            block(None, eid)  # warm-up
+            block("calibrate-compute-warm", eid)
+            for i in range(pairs):
+                base = block(None, eid)
+                extra.append(block(f"calibrate-compute-{i}", eid) - base)
+        finally:
+            teraio.ops.unregister_engine(eid)
+    return extra
+
+
+def _accelerator_computes() -> bool:
+    """Whether training computes on an accelerator here (then the host's I/O threads do not slow it)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def calibrate(
@@ -311,9 +411,17 @@ def calibrate(
             samples["engine_page_write_s"], samples["engine_page_read_s"] = small_w, small_r
             direct_lat_w, direct_lat_r = lat_w, lat_r
             lat_w, lat_r = statistics.median(small_w), statistics.median(small_r)
-            calls = _op_calls(d, LATENCY_REPEATS, checksum)
+            calls, io_cpu = _op_calls(d, LATENCY_REPEATS, checksum)
             samples["op_calls_round_trip_s"] = calls
+            samples["io_threads_cpu_round_trip_s"] = io_cpu
             cpu_per_transfer = statistics.median(calls) / 2
+            if not _accelerator_computes():
+                # Note: [A transfer's CPU on a CPU-only step]
+                cpu_per_transfer = statistics.median(c + io for c, io in zip(calls, io_cpu)) / 2
+                under = _round_trips_under_compute(d, COMPUTE_BLOCK_PAIRS, checksum)
+                samples["round_trip_under_compute_s"] = under
+                if statistics.median(under) > 0:  # noise could make it meaningless; then the parts' sum
+                    cpu_per_transfer = statistics.median(under) / 2
     return Calibration(
         dir=str(d),
         nbytes=nbytes,

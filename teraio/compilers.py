@@ -23,6 +23,7 @@ Note: [Partitioner identity in compile caches]
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,8 +39,10 @@ INNER_COMPILERS: tuple[InnerCompiler, ...] = ("inductor", "eager")
 
 #: Called with the partitioned graphs; returns rewritten ones or None to keep them.
 OnPartition = Callable[[CapturedStep], CapturedStep | None]
-#: Compiles one partitioned graph: (graph, example inputs, is_backward) -> boxed callable.
-GraphCompiler = Callable[[fx.GraphModule, list[Any], bool], Callable[..., Any]]
+#: Compiles one partitioned graph: (graph, example inputs, is_backward, kernels) -> boxed callable, where
+#: ``kernels`` is the same graph as the compiler's own code (boxed), for the calibration steps, or None
+#: (the FX-only path runs the graph itself). Note: [Calibrating on the compiler's own code]
+GraphCompiler = Callable[[fx.GraphModule, list[Any], bool, Callable[..., Any] | None], Callable[..., Any]]
 
 _REWRITE_SOURCES = ("capture.py", "rewrite.py", "ops.py", "compilers.py", "steps.py", "segments.py")
 
@@ -128,6 +131,7 @@ def compile_graph(
     identity: str,
     graph_compiler: GraphCompiler | None = None,
     inductor_options: dict[str, Any] | None = None,
+    calibration_kernels: bool = False,
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph for training and inference with teraio's partitioner hook.
 
@@ -139,6 +143,18 @@ def compile_graph(
             Inference graphs (no_grad, no input requiring grad) are always compiled normally.
         inductor_options: Inductor config patches (``torch.compile``'s mode and options), for "inductor";
             they override ``TERAIO_INDUCTOR_OPTIONS``.
+        calibration_kernels: with ``graph_compiler`` on "inductor", also compile each training graph to
+            Inductor's kernels and hand them to ``graph_compiler``.
+
+    Note: [Calibrating on the compiler's own code]
+        The calibration steps time the partitioned graphs as the step will run them (Note: [Calibrated
+        times] in teraio.profiler). On the FX-only path that is the GraphModule itself. Inductor fuses
+        the same graph into kernels that ran the tiny GPT's forward in 45% of the GraphModule's time,
+        so a profile calibrated on the GraphModule predicts the FX path's step, not Inductor's. So
+        profiling with calibration steps compiles each training graph once more, to the kernels the
+        step would run without a plan (a copy: Inductor's passes change the graph they compile, and
+        the profile describes the graph as partitioned). A plan's migration ops leave those kernels as
+        they are (Note: [Migration ops sit between kernels] in teraio.segments).
     """
     if inner == "eager":
         from torch._dynamo.backends.common import aot_autograd
@@ -146,7 +162,7 @@ def compile_graph(
         def compile_train(is_backward: bool) -> Callable[..., Any]:
             def compile_one(g: fx.GraphModule, ex: list[Any]) -> Callable[..., Any]:
                 if graph_compiler is not None:
-                    return graph_compiler(g, ex, is_backward)
+                    return graph_compiler(g, ex, is_backward, None)
                 return fx_only_compiler(g, ex)
 
             return compile_one
@@ -164,7 +180,10 @@ def compile_graph(
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
         if graph_compiler is None or kwargs.get("is_inference"):
             return compile_fx_inner(g, ex, **kwargs)
-        return graph_compiler(g, list(ex), bool(kwargs.get("is_backward")))
+        kernels = None
+        if calibration_kernels:  # Note: [Calibrating on the compiler's own code]
+            kernels = compile_fx_inner(copy.deepcopy(g), ex, **kwargs)
+        return graph_compiler(g, list(ex), bool(kwargs.get("is_backward")), kernels)
 
     uuid = hashlib.sha256(f"{identity}:{source_digest()}".encode()).hexdigest()
     patches: dict[str, Any] = {

@@ -42,6 +42,7 @@ from teraio.capture import CapturedStep, analyse_saved
 from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
+from teraio.outside import OutsideTimer
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
@@ -139,6 +140,7 @@ class GraphRunner:
             identity="profiling",
             graph_compiler=self._profiling_compiler,
             inductor_options=backend.inductor_options,
+            calibration_kernels=profiling_split(self.cfg.profile_steps)[1] > 0,
         )
         if not self._training:
             self.phase = Phase.INFERENCE
@@ -186,16 +188,37 @@ class GraphRunner:
             else:
                 log.warning("%s: no plan in %s matches; profiling it", self.name, self.cfg.plan)
 
-    def _profiling_compiler(self, gm: fx.GraphModule, example_inputs: list[Any], is_backward: bool):
+    def _profiling_compiler(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: list[Any],
+        is_backward: bool,
+        kernels: Callable[..., Any] | None,
+    ):
         prof = self.profiler
         assert prof is not None
+        if kernels is not None:  # Note: [Calibrating on the compiler's own code] in teraio.compilers
+            prof.set_kernels(kernels, is_backward)
+
+        tracker = self.backend.tracker
+        outside = self.backend.outside
 
         def run_fwd(args: list[Any]) -> Any:
-            return prof.run_fwd(args)
+            t0 = time.perf_counter()
+            out = prof.run_fwd(args)
+            last = prof._last_fwd
+            if last is not None and last.uninstrumented:
+                step = tracker.current_step
+                outside.graph_ran(step.index if step else None, self, time.perf_counter() - t0)
+            return out
 
         def run_bwd(args: list[Any]) -> Any:
-            inv = self.backend.tracker.invocation_of_current_backward()
+            t0 = time.perf_counter()
+            inv = tracker.invocation_of_current_backward()
+            calibrated = prof.steps_calibrated
             out = prof.run_bwd(args, invocation=inv.id if inv is not None else None)
+            if prof.steps_calibrated > calibrated and inv is not None:
+                outside.graph_ran(inv.step, self, time.perf_counter() - t0)
             if self.phase is Phase.PROFILING and self._profiled_enough():
                 self.phase = Phase.PLANNING  # planned and compiled at the next forward, outside backward
             return out
@@ -277,7 +300,11 @@ class GraphRunner:
             self._before_profiled_forward()
         self.backend._advance(self)
         tracker = self.backend.tracker
-        tracker.begin_forward(self)
+        step = tracker.begin_forward(self)
+        calibrating = (
+            self.phase is Phase.PROFILING and self.profiler is not None and self.profiler.calibrate_next
+        )
+        self.backend.outside.forward_starts(step.index, not step.calls, calibrating)
         self.backend._maybe_start_measurement()
         out = self._compiled(*args)
         inv = tracker.end_forward(self, out)
@@ -405,6 +432,7 @@ class TeraioBackend:
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
         self.tracker = StepTracker(on_step_end=self._on_step_end)
+        self.outside = OutsideTimer(on_sample=self._outside_sample)
         self._lock = threading.RLock()
         self._measure = MeasureState.WAITING
         self._recorder: Any = None
@@ -612,6 +640,7 @@ class TeraioBackend:
         # Runs inside a backward hook or a finalizer (tracker lock held): only note what happened.
         started = self._step_t0.pop(step.index, None)
         clean = step.abandoned == 0 and not self._compiles_at.pop(step.index, 0)
+        self.outside.step_ended(step.index, clean)
         if started is not None and clean and self._all_final():
             clock, t0 = started
             self._step_ends.append((step, clock, t0, clock.mark()))
@@ -627,6 +656,11 @@ class TeraioBackend:
             self._measure is MeasureState.WAITING and clean and self._all_final() and self.cfg.measure_memory
         ):
             self._measure = MeasureState.ARMED
+
+    @staticmethod
+    def _outside_sample(runner: GraphRunner, outside_s: float) -> None:
+        if runner.profiler is not None and runner.profile is None:
+            runner.profiler.outside_samples_s.append(outside_s)
 
     def _read_step_times(self, wait: bool) -> None:
         """Move ended steps' times into ``step_times_s`` (and stats.jsonl), in step order.

@@ -139,22 +139,28 @@ def classify_inputs(args: list[Any]) -> list[str]:
     return kinds
 
 
-def _run_uninstrumented(gm: fx.GraphModule, args_list: list[Any], device: str = "cpu") -> tuple[Any, float]:
-    """Run the graph's own generated code, as the FX-only compile does: boxed, so each input is freed
-    after its last use (holding every saved tensor to the end made the step ~30% slower).
+def _run_uninstrumented(
+    gm: fx.GraphModule, args_list: list[Any], device: str = "cpu", kernels: Any = None
+) -> tuple[Any, float]:
+    """Run the graph's own generated code, as the FX-only compile does, or the compiler's ``kernels``
+    for it (Note: [Calibrating on the compiler's own code] in teraio.compilers): boxed, so each input
+    is freed after its last use (holding every saved tensor to the end made the step ~30% slower).
 
     On CUDA the device is idle before the clock starts and again before it stops: the wall time is the
     graph's kernels, not earlier queued work nor only their launches.
     """
-    if not getattr(gm, "_teraio_boxed", False):
-        from teraio.compilers import fx_only_compiler
+    run = kernels
+    if run is None:
+        if not getattr(gm, "_teraio_boxed", False):
+            from teraio.compilers import fx_only_compiler
 
-        fx_only_compiler(gm, [])
-        gm._teraio_boxed = True  # type: ignore[attr-defined]
+            fx_only_compiler(gm, [])
+            gm._teraio_boxed = True  # type: ignore[attr-defined]
+        run = gm
     clock = Clock(device)
     clock.synchronize()
     t0 = time.perf_counter()
-    out = gm(args_list)
+    out = run(args_list)
     clock.synchronize()
     return out, time.perf_counter() - t0
 
@@ -209,6 +215,14 @@ class StepProfiler:
         self.calibrate_next = False  # the next forward (and its backward) runs uninstrumented
         #: The uninstrumented steps, (forward, backward) each (Note: [Calibrated times]).
         self.calibrations: list[tuple[GraphRun, GraphRun]] = []
+        #: This graph's share of each calibration step's time outside the graphs (teraio.outside).
+        self.outside_samples_s: list[float] = []
+        #: The compiler's own code for the forward and the backward, when it is not the GraphModule.
+        self._kernels: dict[bool, Any] = {}
+
+    def set_kernels(self, kernels: Any, is_backward: bool) -> None:
+        """Calibrate on ``kernels`` (Note: [Calibrating on the compiler's own code] in teraio.compilers)."""
+        self._kernels[is_backward] = kernels
 
     def run_fwd(self, args_list: list[Any]) -> Any:
         """Boxed: the interpreter clears ``args_list`` so inputs die as they would in compiled code."""
@@ -219,7 +233,9 @@ class StepProfiler:
         }
         if self.calibrate_next and self.fwd_runs:
             self.calibrate_next = False
-            out, wall_s = _run_uninstrumented(self.step.fw_gm, args_list, self.device)
+            out, wall_s = _run_uninstrumented(
+                self.step.fw_gm, args_list, self.device, self._kernels.get(False)
+            )
             self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True)
             return out
         interp = TimingInterpreter(self.step.fw_gm, self._input_refs, not self.fwd_runs, self.device)
@@ -246,7 +262,9 @@ class StepProfiler:
         """
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
         if fwd is not None and fwd.uninstrumented:
-            out, wall_s = _run_uninstrumented(self.step.bw_gm, args_list, self.device)
+            out, wall_s = _run_uninstrumented(
+                self.step.bw_gm, args_list, self.device, self._kernels.get(True)
+            )
             self.calibrations.append((fwd, GraphRun(wall_s=wall_s, uninstrumented=True)))
             return out
         census = fwd is not None and not self.bwd_runs
@@ -370,6 +388,7 @@ class StepProfiler:
         bwd_s = statistics.median(r.wall_s for r in bwd)
         if calibrated is not None:
             fwd_s, bwd_s = calibrated
+        outside_s = statistics.median(self.outside_samples_s) if self.outside_samples_s else 0.0
         meta = {
             "fingerprint": plan_fingerprint(a, seg.granularity),
             "graph_fingerprint": a.fingerprint,
@@ -386,9 +405,18 @@ class StepProfiler:
             "calibration_scale_fwd": scales["fwd"],
             "calibration_scale_bwd": scales["bwd"],
             "calibrated": calibrated is not None,
+            # What the calibration steps ran: the compiler's kernels or the GraphModule itself (Note:
+            # [Calibrating on the compiler's own code] in teraio.compilers).
+            "calibrated_on": ("kernels" if self._kernels else "graph") if calibrated is not None else None,
             "calibration_steps": self.steps_calibrated,
             # Per calibration step, forward+backward: how much single steps varied.
             "calibration_step_s": [f.wall_s + b.wall_s for f, b in self.calibrations],
+            # Note: [Time outside the graphs] in teraio.planner.lifetimes. On CPU the host's wrappers and
+            # the autograd engine hold the thread that computes; on an accelerator they overlap its queue,
+            # so there the figure is only reported (``outside_host_s``) and the timeline leaves it out.
+            "outside_s": outside_s if self.device == "cpu" else 0.0,
+            "outside_host_s": outside_s,
+            "outside_steps": len(self.outside_samples_s),
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
             "census_peak_bytes": int(max(live)) if live else 0,

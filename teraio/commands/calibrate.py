@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
@@ -64,9 +65,14 @@ def run(args: argparse.Namespace) -> int:
         f"model's method; O_DIRECT alone {cal.direct_write_latency_s * 1e6:.0f} / {cal.direct_read_latency_s * 1e6:.0f} us)"
     )
     if cal.cpu_s_per_transfer:
+        calls = statistics.median(cal.samples["op_calls_round_trip_s"]) / 2
+        what = f"the migration ops' calls: {calls * 1e6:.0f} us alone"
+        if cal.samples.get("round_trip_under_compute_s"):
+            io_cpu = statistics.median(cal.samples["io_threads_cpu_round_trip_s"]) / 2
+            what = f"measured under compute; alone, the calls take {calls * 1e6:.0f} us and the I/O threads {io_cpu * 1e6:.0f} us of CPU"
         print(
-            f"  compute thread per transfer {cal.cpu_s_per_transfer * 1e6:.0f} us (the migration ops' calls, "
-            "charged to the step for every tensor moved each way)"
+            f"  compute per transfer {cal.cpu_s_per_transfer * 1e6:.0f} us ({what}; charged to the step "
+            "for every tensor moved each way)"
         )
     for w in cal.warnings:
         print(f"  warning: {w}")

@@ -133,6 +133,11 @@ def _table(result: dict[str, Any]) -> None:
             f"{tr['method']}: plan by {tr['solver']} ({tr['solver_status']}), io path {tr.get('io_path')}; "
             f"measured/predicted peak {tr['peak_bytes'] / tr['predicted_peak_bytes']:.2f}, forward+backward "
             f"{tr['fwd_bwd_s'] / tr['predicted_step_s']:.2f} (predicted {tr['predicted_step_s']:.3f} s)"
+            + (
+                f"; forward+backward overhead {tr['fwd_bwd_overhead']:+.1%} (predicted {tr['predicted_overhead']:+.1%})"
+                if tr.get("fwd_bwd_overhead") is not None and tr.get("predicted_overhead") is not None
+                else ""
+            )
         )
     for tr in rows:
         if "budget_raised_from_bytes" in tr:

@@ -9,7 +9,7 @@ import pytest
 from teraio.planner.hardware import TierModel
 from teraio.planner.lifetimes import analyse
 from teraio.planner.plan import Plan, PlanError, SolverStats
-from teraio.planner.profile import make_profile
+from teraio.planner.profile import ProfileError, make_profile
 from teraio.planner.simulate import simulate, simulate_decisions
 from tests.planner.planner_cases import MB, act, ops_rows, pyramid, ssd_only
 
@@ -244,3 +244,36 @@ def test_schema_1_plans_load_with_the_ranks_their_order_implied():
     old["schema_version"] = 0
     with pytest.raises(PlanError, match="schema_version 0 is not supported"):
         Plan.from_dict(old)
+
+
+def _with_outside(profile, outside_s):
+    return make_profile(profile.ops, profile.tensors, {**profile.meta, "outside_s": outside_s})
+
+
+def test_time_outside_the_graphs_is_compute_at_the_forward_backward_boundary():
+    """Note: [Time outside the graphs]: the profile's ``outside_s`` lengthens the step by itself and
+    sits between forward and backward, where a write still in flight overlaps it."""
+    p0 = pyramid()
+    p = _with_outside(p0, 0.2)
+    assert p.ops["duration_us"].tolist() == p0.ops["duration_us"].tolist()  # the ops table stays pure
+    lt0, lt = analyse(p0), analyse(p)
+    assert lt.compute_s == pytest.approx(lt0.compute_s + 0.2)
+    assert lt.op_start_us[3] == lt0.op_start_us[3]  # the last forward op starts as before ...
+    assert lt.op_start_us[4] == pytest.approx(lt0.op_start_us[4] + 0.2e6)  # ... and ends 0.2 s later
+    hw = ssd_only(write_bw=1e9, read_bw=0.5e9)
+    # t0's write (0.1 s from the end of op0) is waited for at the end of forward.
+    steps = []
+    for prof, lts in ((p0, lt0), (p, lt)):
+        d = lts.decision("t0", offload_after_idx=0, wait_before_idx=4, prefetch_before_idx=5)
+        r = simulate(prof, _plan(prof, [d], hw))
+        assert r.violations == []
+        steps.append(r)
+    assert steps[0].stall_s_per_op[4] == pytest.approx(0.097)
+    assert steps[1].stall_s_per_op[4] == 0  # hidden behind the time outside the graphs
+    assert steps[1].compute_s == pytest.approx(steps[0].compute_s + 0.2)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "1 ms", True, None])
+def test_a_bad_outside_time_is_refused(bad):
+    with pytest.raises(ProfileError, match="outside_s"):
+        _with_outside(pyramid(), bad)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 
+from teraio.calibrate import COMPUTE_BLOCK_PAIRS
 from teraio.cli import main
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
@@ -255,6 +258,16 @@ def test_calibrate_tiny_writes_a_hardware_model(tmp_path, capsys):
         # The compute thread's time in the graph's migration ops, per transfer: half a round trip.
         calls = res["samples"]["op_calls_round_trip_s"]
         assert len(calls) == 16 and ssd.cpu_s_per_transfer == res["cpu_s_per_transfer"] > 0
+        # Note: [A transfer's CPU on a CPU-only step]: the I/O threads' CPU is measured (every request
+        # wakes a thread), and with no accelerator the step pays the round trip made under compute.
+        io_cpu = res["samples"]["io_threads_cpu_round_trip_s"]
+        assert len(io_cpu) == 16 and statistics.median(io_cpu) > 0
+        if not torch.cuda.is_available():
+            under = res["samples"]["round_trip_under_compute_s"]
+            assert len(under) == COMPUTE_BLOCK_PAIRS
+            parts = statistics.median(c + io for c, io in zip(calls, io_cpu)) / 2
+            expected = statistics.median(under) / 2 if statistics.median(under) > 0 else parts
+            assert res["cpu_s_per_transfer"] == expected
     assert not list(tmp_path.glob(".teraio-calibrate-*"))  # the test file is removed
 
 

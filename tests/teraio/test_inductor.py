@@ -105,6 +105,14 @@ def test_inductor_offload_is_bit_identical_in_deterministic_mode(runs) -> None:
     assert_bit_identical(reference, got)
 
 
+def test_calibration_steps_run_inductors_kernels(runs) -> None:
+    """Note: [Calibrating on the compiler's own code]: the profile's totals are Inductor's kernels' times
+    (not the FX graph's), and the calibration steps were exact like the rest (the test above)."""
+    _ref, _got, _codes, be, _, _ = runs
+    meta = be.runners[0].profile.meta
+    assert meta["calibration_steps"] >= 1 and meta["calibrated_on"] == "kernels"
+
+
 def test_migration_ops_leave_inductors_kernels_unchanged(runs) -> None:
     """Notes: [Anchors must not change fusion], [Migration ops sit between kernels]: the plan adds
     calls between kernels, never changes one."""
