@@ -10,7 +10,6 @@ pinned allocator really holds, and ``io_path`` saying what kvikio really does pe
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import stat
 import subprocess
@@ -25,6 +24,7 @@ from teraio.runtime.errors import ChecksumError, TierCapacityError
 from teraio.runtime.fake_device import FakeDevice
 
 from .conftest import HAS_KVIKIO, TIERS, make_config
+from .corrupt import flip_byte
 
 SIZES = [1, 4095, 5000, 16383, 65537, 300_007]  # sub-page, sub-16 KiB (kvikio's gds_threshold), multi-chunk
 
@@ -111,12 +111,7 @@ def test_device_checksum_catches_corruption(fake, tmp_path):
         eng.release("w")
         chunk = eng._keys["w"].entry.placement.chunks[1]
         path = eng._dirs[chunk.dir_idx].data_path
-        fd = os.open(path, os.O_WRONLY)
-        try:
-            os.pwrite(fd, b"\x01", chunk.file_offset + 100)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flip_byte(path, chunk.file_offset + 100)
         with pytest.raises(ChecksumError, match="'w'"):
             eng.fetch("w")
         assert eng.stats().checksum_failures == 1

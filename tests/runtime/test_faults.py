@@ -23,6 +23,7 @@ from teraio.runtime.errors import (
 from teraio.runtime.testing import FaultInjector
 
 from .conftest import make_config
+from .corrupt import flip_byte
 
 
 def _posix_or_kvikio(tier: str) -> None:
@@ -91,12 +92,7 @@ def test_checksum_mismatch_names_key_file_and_offset(tier, tmp_path):
         eng.release("weights.7")
         chunk = eng._keys["weights.7"].entry.placement.chunks[1]
         path = eng._dirs[chunk.dir_idx].data_path
-        fd = os.open(path, os.O_WRONLY)  # corrupt one byte behind the engine's back
-        try:
-            os.pwrite(fd, b"\xff", chunk.file_offset + 17)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        flip_byte(path, chunk.file_offset + 17)  # corrupt one byte behind the engine's back
         with pytest.raises(ChecksumError) as info:
             eng.fetch("weights.7")
         err = info.value
