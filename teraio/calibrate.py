@@ -67,14 +67,10 @@ class Calibration:
     #: calls, and the round trip made inside a block of small ops cost 1.5x both together. So on a
     #: CPU-only machine the figure is that one: measured as the extra time of blocks of small ops that
     #: make a round trip against the same blocks without (``_round_trips_under_compute``), with the
-    #: calls and the I/O threads' CPU (measured alone) as the fallback; a MiB's round trip measured the
-    #: same way gives ``cpu_s_per_byte`` (0.3 ns a byte each way here, twice the built-in figure). A model with many small tensors
+    #: calls and the I/O threads' CPU (measured alone) as the fallback. A model with many small tensors
     #: moves mostly pages. With an accelerator computing, the host's I/O threads overlap it and only
     #: the calls count.
     cpu_s_per_transfer: float = 0.0
-    #: The step time each byte moved costs, one direction, measured under compute on a CPU-only machine
-    #: (the slope between a page's and a MiB's round trip); 0: not measured (the base model's figure).
-    cpu_s_per_byte: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -93,8 +89,6 @@ class Calibration:
             cpu_s_per_transfer=self.cpu_s_per_transfer,
             count=1,
         )
-        if self.cpu_s_per_byte > 0:
-            hw = hw.with_overrides("ssd", cpu_s_per_byte=self.cpu_s_per_byte)
         return replace(hw, name=f"calibrated:{self.dir}")
 
 
@@ -272,19 +266,14 @@ def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[lis
 
 
 #: ``_round_trips_under_compute``: small ops per timed block (a small model's: a 32x128 by 128x128
-#: matmul and a tanh, tens of microseconds each; a block is long enough for a MiB to get through the
-#: disk between the calls that wait for it), and pairs of blocks per size.
-COMPUTE_BLOCK_OPS = 120
+#: matmul and a tanh, tens of microseconds each), and pairs of blocks.
+COMPUTE_BLOCK_OPS = 40
 COMPUTE_BLOCK_PAIRS = 40
-#: The larger round trip under compute: with the page's, the cost per byte moved.
-LARGE_NBYTES = 2**20
 
 
-def _round_trips_under_compute(
-    directory: Path, pairs: int, checksum: bool = True, nbytes: int = PAGE_NBYTES, block_ops: int = 0
-) -> list[float]:
-    """Per pair of blocks of the same small ops, one of them also making one round trip of ``nbytes``
-    through the migration ops (offload after the first op, its wait a quarter in, the prefetch half way, the
+def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = True) -> list[float]:
+    """Per pair of blocks of the same small ops, one of them also making one page's round trip through
+    the migration ops (offload after the first op, its wait a quarter in, the prefetch half way, the
     fetch three quarters in, so the I/O finishes in between, as in a planned step): how much longer
     that block took. Note: [A transfer's CPU on a CPU-only step]
     """
@@ -295,13 +284,12 @@ def _round_trips_under_compute(
     from teraio.runtime.engine import Engine
 
     ops = torch.ops.teraio
-    n = block_ops or COMPUTE_BLOCK_OPS
-    numel = nbytes // 4
+    n = COMPUTE_BLOCK_OPS
     gen = torch.Generator().manual_seed(0)
     act, weight = torch.randn(32, 128, generator=gen), torch.randn(128, 128, generator=gen) * 0.1
 
     def block(key: str | None, eid: int) -> float:
-        x = torch.zeros(numel) if key is not None else None
+        x = torch.zeros(PAGE_NBYTES // 4) if key is not None else None
         y = act
         t0 = time.perf_counter()
         for k in range(n):
@@ -314,7 +302,9 @@ def _round_trips_under_compute(
                 elif k == n // 2:
                     fetching = ops.prefetch(token, [], key, eid)
                 elif k == 3 * n // 4:
-                    back = ops.fetch(fetching, [], key, eid, numel, torch.float32, torch.device("cpu"))
+                    back = ops.fetch(
+                        fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu")
+                    )
             y = torch.tanh(torch.mm(y, weight))
         spent = time.perf_counter() - t0
         if key is not None and int(back.count_nonzero()):
@@ -402,7 +392,6 @@ def calibrate(
     direct_r = nbytes / statistics.median(samples["direct_read_s"])
     method, write_bw, read_bw = "O_DIRECT", direct_w, direct_r
     cpu_per_transfer = 0.0
-    cpu_per_byte = 0.0
     if use_engine:
         try:
             writes, reads, io_path = _engine_round_trip(d, nbytes, repeats, checksum)
@@ -430,16 +419,9 @@ def calibrate(
                 # Note: [A transfer's CPU on a CPU-only step]
                 cpu_per_transfer = statistics.median(c + io for c, io in zip(calls, io_cpu)) / 2
                 under = _round_trips_under_compute(d, COMPUTE_BLOCK_PAIRS, checksum)
-                large = _round_trips_under_compute(d, COMPUTE_BLOCK_PAIRS, checksum, LARGE_NBYTES)
                 samples["round_trip_under_compute_s"] = under
-                samples["large_round_trip_under_compute_s"] = large
                 if statistics.median(under) > 0:  # noise could make it meaningless; then the parts' sum
                     cpu_per_transfer = statistics.median(under) / 2
-                    slope = (statistics.median(large) - statistics.median(under)) / (
-                        LARGE_NBYTES - PAGE_NBYTES
-                    )
-                    if slope > 0:
-                        cpu_per_byte = slope / 2
     return Calibration(
         dir=str(d),
         nbytes=nbytes,
@@ -456,7 +438,6 @@ def calibrate(
         direct_write_latency_s=direct_lat_w,
         direct_read_latency_s=direct_lat_r,
         cpu_s_per_transfer=cpu_per_transfer,
-        cpu_s_per_byte=cpu_per_byte,
         samples=samples,
         warnings=warnings,
     )

@@ -74,10 +74,6 @@ def run(args: argparse.Namespace) -> int:
             f"  compute per transfer {cal.cpu_s_per_transfer * 1e6:.0f} us ({what}; charged to the step "
             "for every tensor moved each way)"
         )
-    if cal.cpu_s_per_byte:
-        print(
-            f"  compute per byte moved {cal.cpu_s_per_byte * 1e9:.2f} ns (measured under compute, each way)"
-        )
     for w in cal.warnings:
         print(f"  warning: {w}")
     if args.out is not None:
