@@ -316,4 +316,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         if same:
             result["losses_bit_identical"] = all(same.values())
             result["losses_bit_identical_by_method"] = same
+            # Which steps differ (0 is the first; the first profile_steps profile the graph), and by how
+            # much: a difference only in profiling steps, with the later steps equal, is not the plan's.
+            result["loss_differences_by_method"] = {
+                n: [
+                    {"step": i, "abs_diff": float((x - y).abs())}
+                    for i, (x, y) in enumerate(zip(a, by_name[n].losses))
+                    if not torch.equal(x, y)
+                ]
+                for n in same
+            }
     return result

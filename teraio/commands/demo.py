@@ -148,6 +148,11 @@ def _table(result: dict[str, Any]) -> None:
     if "losses_bit_identical" in result:
         console.print(
             f"losses bit-identical to no-offload: {'yes' if result['losses_bit_identical'] else 'NO'}"
+            + "".join(
+                f"; {n} differs at steps {', '.join(str(d['step']) for d in diffs)}"
+                for n, diffs in result.get("loss_differences_by_method", {}).items()
+                if diffs
+            )
         )
 
 

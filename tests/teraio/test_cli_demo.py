@@ -43,6 +43,7 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     assert at["peak_bytes"] <= 1.05 * rows["checkpoint"]["peak_bytes"]
     assert result["losses_bit_identical"] is True
     assert result["losses_bit_identical_by_method"] == {"teraio": True, "teraio@checkpoint": True}
+    assert result["loss_differences_by_method"] == {"teraio": [], "teraio@checkpoint": []}
     assert list(offload_dir.iterdir()) == [], "the runtime left files in --offload-dir"
 
 
