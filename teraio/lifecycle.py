@@ -140,7 +140,10 @@ class GraphRunner:
             identity="profiling",
             graph_compiler=self._profiling_compiler,
             inductor_options=backend.inductor_options,
-            calibration_kernels=profiling_split(self.cfg.profile_steps)[1] > 0,
+            # Not with plans from a file: a graph they cover is never profiled (one that is not then
+            # calibrates on the FX graph, and its profile says so in ``calibrated_on``).
+            calibration_kernels=profiling_split(self.cfg.profile_steps)[1] > 0
+            and not backend.plans_from_file,
         )
         if not self._training:
             self.phase = Phase.INFERENCE
