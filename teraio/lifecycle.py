@@ -209,8 +209,7 @@ class GraphRunner:
         def run_fwd(args: list[Any]) -> Any:
             t0 = time.perf_counter()
             out = prof.run_fwd(args)
-            last = prof._last_fwd
-            if last is not None and last.uninstrumented:
+            if prof.last_forward_calibrated:
                 step = tracker.current_step
                 outside.graph_ran(step.index if step else None, self, time.perf_counter() - t0)
             return out

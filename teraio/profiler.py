@@ -220,6 +220,11 @@ class StepProfiler:
         #: The compiler's own code for the forward and the backward, when it is not the GraphModule.
         self._kernels: dict[bool, Any] = {}
 
+    @property
+    def last_forward_calibrated(self) -> bool:
+        """Whether the forward that just ran was a calibration run (uninstrumented)."""
+        return self._last_fwd is not None and self._last_fwd.uninstrumented
+
     def set_kernels(self, kernels: Any, is_backward: bool) -> None:
         """Calibrate on ``kernels`` (Note: [Calibrating on the compiler's own code] in teraio.compilers)."""
         self._kernels[is_backward] = kernels
