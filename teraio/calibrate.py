@@ -11,12 +11,14 @@ direct request). Medians of several repeats go into the SSD tier of a HardwareMo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -217,6 +219,21 @@ def _io_threads_cpu_s() -> float:
     return total
 
 
+@contextlib.contextmanager
+def _registered_engine(directory: Path, checksum: bool) -> Iterator[int]:
+    """A posix runtime engine on ``directory``, reachable from the ``teraio::`` ops by the id yielded."""
+    import teraio.ops
+    from teraio.runtime.config import RuntimeConfig
+    from teraio.runtime.engine import Engine
+
+    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
+        eid = teraio.ops.register_engine(engine)
+        try:
+            yield eid
+        finally:
+            teraio.ops.unregister_engine(eid)
+
+
 def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[list[float], list[float]]:
     """Per round trip of one page through the graph's own migration ops (``teraio::offload``,
     ``wait_write``, ``prefetch``, ``fetch``): the seconds the calling thread spends inside those calls,
@@ -228,40 +245,32 @@ def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[lis
     """
     import torch
 
-    import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
-    from teraio.runtime.config import RuntimeConfig
-    from teraio.runtime.engine import Engine
-
     ops = torch.ops.teraio
     settle_s = 0.001  # longer than a page takes through the engine here, short enough to keep caches warm
     rounds, io_cpu = [], []
-    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
-        eid = teraio.ops.register_engine(engine)
-        try:
-            for i in range(repeats):
-                key = f"calibrate-op-{i}"
-                x = torch.zeros(PAGE_NBYTES // 4)
-                io0_s = _io_threads_cpu_s()
-                t0 = time.perf_counter()
-                handle = ops.offload(x, [], key, eid, [1])
-                spent = time.perf_counter() - t0
-                time.sleep(settle_s)
-                t0 = time.perf_counter()
-                token = ops.wait_write(handle, x, [], key, eid)
-                del x
-                fetching = ops.prefetch(token, [], key, eid)
-                spent += time.perf_counter() - t0
-                time.sleep(settle_s)
-                t0 = time.perf_counter()
-                back = ops.fetch(fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu"))
-                spent += time.perf_counter() - t0
-                io_cpu.append(_io_threads_cpu_s() - io0_s)
-                if int(back.count_nonzero()):
-                    raise RuntimeError("runtime engine returned different bytes during calibration")
-                del back, token, fetching, handle
-                rounds.append(spent)
-        finally:
-            teraio.ops.unregister_engine(eid)
+    with _registered_engine(directory, checksum) as eid:
+        for i in range(repeats):
+            key = f"calibrate-op-{i}"
+            x = torch.zeros(PAGE_NBYTES // 4)
+            io0_s = _io_threads_cpu_s()
+            t0 = time.perf_counter()
+            handle = ops.offload(x, [], key, eid, [1])
+            spent = time.perf_counter() - t0
+            time.sleep(settle_s)
+            t0 = time.perf_counter()
+            token = ops.wait_write(handle, x, [], key, eid)
+            del x
+            fetching = ops.prefetch(token, [], key, eid)
+            spent += time.perf_counter() - t0
+            time.sleep(settle_s)
+            t0 = time.perf_counter()
+            back = ops.fetch(fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu"))
+            spent += time.perf_counter() - t0
+            io_cpu.append(_io_threads_cpu_s() - io0_s)
+            if int(back.count_nonzero()):
+                raise RuntimeError("runtime engine returned different bytes during calibration")
+            del back, token, fetching, handle
+            rounds.append(spent)
     return rounds, io_cpu
 
 
@@ -278,10 +287,6 @@ def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = Tru
     that block took. Note: [A transfer's CPU on a CPU-only step]
     """
     import torch
-
-    import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
-    from teraio.runtime.config import RuntimeConfig
-    from teraio.runtime.engine import Engine
 
     ops = torch.ops.teraio
     n = COMPUTE_BLOCK_OPS
@@ -312,25 +317,19 @@ def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = Tru
         return spent
 
     extra = []
-    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
-        eid = teraio.ops.register_engine(engine)
-        try:
-            block(None, eid)  # warm-up
-            block("calibrate-compute-warm", eid)
-            for i in range(pairs):
-                base = block(None, eid)
-                extra.append(block(f"calibrate-compute-{i}", eid) - base)
-        finally:
-            teraio.ops.unregister_engine(eid)
+    with _registered_engine(directory, checksum) as eid:
+        block(None, eid)  # warm-up
+        block("calibrate-compute-warm", eid)
+        for i in range(pairs):
+            base = block(None, eid)
+            extra.append(block(f"calibrate-compute-{i}", eid) - base)
     return extra
 
 
 def _accelerator_computes() -> bool:
     """Whether training computes on an accelerator here (then the host's I/O threads do not slow it)."""
-    try:
-        import torch
-    except ImportError:
-        return False
+    import torch
+
     return bool(torch.cuda.is_available())
 
 
