@@ -19,6 +19,15 @@ Note: [Partitioner identity in compile caches]
     (with yesterday's migration ops, or none) without calling the partitioner at all. The uuid hashes
     the plan's digest, the phase, and the source of the modules that shape the rewritten graph.
     Profiling compiles never use the AOTAutograd cache: their "compiled" functions are interpreters.
+
+Note: [teraio's compiles bypass the compile caches]
+    Inductor's FX graph cache pickles its config into the cache key, and the partitioner holds the
+    backend's live hook, which does not pickle: each compile logged a traceback ("Failed to pickle
+    cache key") and then bypassed the cache, so no teraio compile was ever served from it (nor from
+    the AOTAutograd cache, whose entries point at FX graph cache entries). teraio now turns both off
+    for its own compiles, which keeps that behaviour without the traceback. Caching them would need
+    more than a picklable partitioner: a hit skips the partitioner, and with it the hook that checks
+    the plan against the graph and records the rewrite the runner's invocations rely on.
 """
 
 from __future__ import annotations
@@ -190,9 +199,9 @@ def compile_graph(
         **TERAIO_INDUCTOR_OPTIONS,  # Note: [Inductor keeps the profiled order]
         **(inductor_options or {}),
         "custom_partitioner_fn": _inductor_partitioner(on_partition, uuid),
+        # Note: [teraio's compiles bypass the compile caches]
+        "fx_graph_cache": False,
+        "fx_graph_remote_cache": False,
     }
-    with inductor_config.patch(patches):
-        if graph_compiler is None:
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
-        with torch._functorch.config.patch(enable_autograd_cache=False):
-            return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+    with inductor_config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)

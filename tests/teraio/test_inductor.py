@@ -11,6 +11,7 @@ The three hazards of docs/measured_facts.md each have a test here or in test_ops
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from pathlib import Path
@@ -34,6 +35,17 @@ STEPS = 20  # optimizer steps, as for the FX-only path (after the Inductor compi
 # is torch's nondeterminism, not teraio's; benchmarks/profiler_determinism.py reproduces it.
 UNMEASURED = {"measure_memory": False}
 CALL = re.compile(r"torch\.ops\.teraio\.(offload|wait_write|prefetch|fetch)\.default\((.*)")
+
+
+class _Records(logging.Handler):
+    """The messages of the records a logger passes on (torch's loggers do not reach pytest's caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 class SlowWrites:
@@ -196,20 +208,53 @@ def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
         assert kernels, f"wait for {d.name} was hoisted next to its offload"
 
 
-def test_new_plan_is_not_served_from_a_compile_cache(runs, tmp_path: Path) -> None:
+@pytest.fixture
+def compile_caches_on(monkeypatch):
+    """Compile caches on for one test. The suite sets TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 (tests/conftest.py),
+    which torch reads once, at import, as a value no ``config.patch`` overrides; without lifting it the
+    cache test below would run with every cache off and could not fail."""
+    from torch.utils._config_module import _UNSET_SENTINEL
+
+    entry = torch.compiler.config._config["force_disable_caches"]
+    monkeypatch.setattr(entry, "env_value_force", _UNSET_SENTINEL)
+    with torch._inductor.config.patch(force_disable_caches=False, fx_graph_cache=True):
+        assert not torch.compiler.config.force_disable_caches
+        yield
+
+
+def test_new_plan_is_not_served_from_a_compile_cache(runs, tmp_path: Path, compile_caches_on) -> None:
     """With compile caches on, a second plan for the same graph compiles to code carrying that plan."""
     _ref, _got, _codes, be, tmp, _ = runs
     plan = Plan.load(tmp / "run" / "graph0" / "plan.json")
     half = dataclasses.replace(plan, decisions=plan.decisions[: max(1, len(plan.decisions) // 2)])
     half.save(tmp_path / "half.json")
-    with torch._inductor.config.patch(force_disable_caches=False, fx_graph_cache=True):
-        outs = []
-        for p in (tmp / "run" / "graph0" / "plan.json", tmp_path / "half.json"):
-            be2 = TeraioBackend(inner="inductor", plan=str(p))
-            try:
-                _trace, codes = _train_capturing_code(be2, 2)
-            finally:
-                be2.close()
-            outs.append({k for code in codes for op, k, _ in _teraio_calls(code) if op == "offload"})
+    outs = []
+    for p in (tmp / "run" / "graph0" / "plan.json", tmp_path / "half.json"):
+        be2 = TeraioBackend(inner="inductor", plan=str(p))
+        try:
+            _trace, codes = _train_capturing_code(be2, 2)
+        finally:
+            be2.close()
+        outs.append({k for code in codes for op, k, _ in _teraio_calls(code) if op == "offload"})
     assert outs[0] == {f"g0/{d.name}" for d in plan.decisions}
     assert outs[1] == {f"g0/{d.name}" for d in half.decisions}
+
+
+def test_compiles_log_no_cache_traceback(compile_caches_on) -> None:
+    """With compile caches on, teraio's compiles (the calibration kernels' and the final one) print no
+    "Failed to pickle cache key" traceback. Note: [teraio's compiles bypass the compile caches]"""
+    torch._dynamo.reset()
+    cache_log = _Records()
+    logger = logging.getLogger("torch._inductor.codecache")
+    logger.addHandler(cache_log)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    backend = TeraioBackend(inner="inductor", enabled=False, profile_steps=3, **UNMEASURED)
+    try:
+        compiled = torch.compile(model, backend=backend)
+        for _ in range(5):  # three profiling steps (one calibrating on Inductor's kernels), the final compile
+            compiled(torch.randn(4, 8)).sum().backward()
+        assert backend.runners[0].profile.meta["calibrated_on"] == "kernels"
+    finally:
+        backend.close()
+        logger.removeHandler(cache_log)
+    assert not [m for m in cache_log.messages if "pickle" in m], cache_log.messages
