@@ -323,7 +323,9 @@ def replay(
         start = ready + calls
         for k in fetches_before.get(i, ()):
             start = max(start, out.r_end[k])
-        out.stall[i] = start - t - calls
+        # Never below zero: with nothing to wait for, start - t - calls can come out a rounding error
+        # under it (seen: -4e-19 in a plan's predicted_stall_s).
+        out.stall[i] = max(0.0, start - (t + calls))
         # The rebuilds and the op are one compute window (module docstring); written as start + (rebuild +
         # duration) so a replay of ops whose durations already include the rebuilds ends on the same bits.
         rb = 0.0 if rebuild is None else float(rebuild[i])

@@ -70,8 +70,11 @@ class Calibration:
     #: CPU-only machine the figure is that one: measured as the extra time of blocks of small ops that
     #: make a round trip against the same blocks without (``_round_trips_under_compute``), with the
     #: calls and the I/O threads' CPU (measured alone) as the fallback. A model with many small tensors
-    #: moves mostly pages. With an accelerator computing, the host's I/O threads overlap it and only
-    #: the calls count.
+    #: moves mostly pages. The blocks include pointwise ops wide enough that every intra-op thread takes
+    #: part, as a model's step does: after such an op torch's OpenMP threads spin on their cores for a
+    #: while, so an I/O thread that wakes then competes with them, and small ops alone (the first
+    #: version) left that cost out and priced a transfer at about half what a running step paid. With
+    #: an accelerator computing, the host's I/O threads overlap it and only the calls count.
     cpu_s_per_transfer: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -275,7 +278,8 @@ def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[lis
 
 
 #: ``_round_trips_under_compute``: small ops per timed block (a small model's: a 32x128 by 128x128
-#: matmul and a tanh, tens of microseconds each), and pairs of blocks.
+#: matmul and a tanh, tens of microseconds each, and every other one a pointwise op over all the
+#: intra-op threads), and pairs of blocks.
 COMPUTE_BLOCK_OPS = 40
 COMPUTE_BLOCK_PAIRS = 40
 
@@ -292,6 +296,10 @@ def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = Tru
     n = COMPUTE_BLOCK_OPS
     gen = torch.Generator().manual_seed(0)
     act, weight = torch.randn(32, 128, generator=gen), torch.randn(128, 128, generator=gen) * 0.1
+    # Large enough that every intra-op thread takes part (torch splits pointwise ops above 32768
+    # elements): a model's step has such ops, and between them the idle threads spin on the cores the
+    # I/O threads need. Note: [A transfer's CPU on a CPU-only step]
+    wide = torch.randn(8 * 32768, generator=gen)
 
     def block(key: str | None, eid: int) -> float:
         x = torch.zeros(PAGE_NBYTES // 4) if key is not None else None
@@ -311,6 +319,8 @@ def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = Tru
                         fetching, [], key, eid, PAGE_NBYTES // 4, torch.float32, torch.device("cpu")
                     )
             y = torch.tanh(torch.mm(y, weight))
+            if k % 2:
+                torch.tanh(wide)
         spent = time.perf_counter() - t0
         if key is not None and int(back.count_nonzero()):
             raise RuntimeError("runtime engine returned different bytes during calibration")

@@ -214,6 +214,7 @@ def _row(m: _Method, ref: _Method | None) -> dict[str, Any]:
         row.update(
             predicted_peak_bytes=plan.predicted_peak_bytes,
             predicted_step_s=plan.predicted_step_s,
+            predicted_stall_s=plan.predicted_stall_s,  # against the measured stall_s_per_step
             # Note: [Predicted against measured overhead]
             predicted_overhead=plan.predicted_step_s / plan.compute_s - 1.0 if plan.compute_s else None,
             baseline_peak_bytes=plan.baseline_peak_bytes,

@@ -31,6 +31,7 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     assert rows["checkpoint"]["activation_bytes"] < result["activation_bytes"]
     teraio = rows["teraio"]
     assert teraio["predicted_peak_bytes"] > 0 and teraio["predicted_step_s"] > 0
+    assert 0 <= teraio["predicted_stall_s"] < teraio["predicted_step_s"]
     assert teraio["moved_bytes_per_step"] > 0
     # Planned with the offload directory as timed before planning, in a process that keeps freed CPU
     # memory (Note: [Freed CPU memory and step time] in teraio.cpu_malloc).

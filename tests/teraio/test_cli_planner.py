@@ -11,8 +11,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from teraio.calibrate import COMPUTE_BLOCK_PAIRS
+from teraio.calibrate import COMPUTE_BLOCK_PAIRS, _round_trips_under_compute
 from teraio.cli import main
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
@@ -269,6 +270,31 @@ def test_calibrate_tiny_writes_a_hardware_model(tmp_path, capsys):
             expected = statistics.median(under) / 2 if statistics.median(under) > 0 else parts
             assert res["cpu_s_per_transfer"] == expected
     assert not list(tmp_path.glob(".teraio-calibrate-*"))  # the test file is removed
+
+
+class _PointwiseSizes(TorchFunctionMode):
+    """Records the number of elements of every tanh the block runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.tanh:
+            self.numels.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def test_round_trips_under_compute_keep_every_intra_op_thread_busy(tmp_path) -> None:
+    """Note: [A transfer's CPU on a CPU-only step]: the calibration's compute blocks must include ops that
+    torch splits over its intra-op threads (above its 32768-element grain), as a model's step does, or
+    they leave out the I/O threads' competition with those threads and price a transfer too low."""
+    sizes = _PointwiseSizes()
+    with sizes:
+        extra = _round_trips_under_compute(tmp_path, pairs=1, checksum=False)
+    assert len(extra) == 1
+    wide = [n for n in sizes.numels if n >= 2 * 32768]
+    assert len(wide) >= len(sizes.numels) // 4, sizes.numels
 
 
 def test_calibrate_bad_input(tmp_path, capsys):
