@@ -124,7 +124,13 @@ class HFLoss(nn.Module):
             )
             self.model = BertForMaskedLM(cfg)
         if checkpointed:  # HF's own activation checkpointing of every layer
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.model, "activation_checkpointing_enable", None)
+            if enable is not None:  # its name from transformers 5 on (the old one warns)
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
         self.kind = kind
         self.graph_break = graph_break
         self.log = io.StringIO()
