@@ -137,9 +137,7 @@ def measure(
             "profiled_outside_s": runner.profile.outside_s,
             "round_trips_per_step": round_trips,
             "calls_s_per_step": {name: spent_s[name] / steps for name in ENGINE_CALLS},
-            "top_level_calls_s_per_round_trip": sum(
-                spent_s[n] for n in ("offload", "release", "prefetch", "fetch", "drop")
-            )
+            "top_level_calls_s_per_round_trip": sum(spent_s[n] for n in ENGINE_CALLS)
             / steps
             / max(round_trips, 1e-9),
             "io_threads_cpu_s_per_round_trip": io_cpu_s / steps / max(round_trips, 1e-9),

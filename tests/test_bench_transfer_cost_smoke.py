@@ -5,7 +5,7 @@ from __future__ import annotations
 from benchmarks import transfer_cost
 
 
-def test_transfer_cost_tiny(capsys) -> None:
+def test_transfer_cost_tiny() -> None:
     # The built-in hardware model: calibrating the directory would double the test's time.
     r = transfer_cost.measure("tiny", "55%", "eager", "greedy", steps=2, hardware=None)
     assert r["round_trips_per_step"] >= 1  # the plan moved something, and every offload was timed
