@@ -114,12 +114,14 @@ def measure(
             step(i)
         runner = backend.runners[0]
         if runner.plan is None or not runner.plan.decisions:
-            raise SystemExit(f"no transfer planned at budget {budget}: nothing to time")
+            raise ValueError(f"no transfer planned at budget {budget}: nothing to time; give a lower one")
         spent_s.clear()
         calls.clear()
+        stall0_s = backend.stats().get("stall_s", 0.0)
         io_cpu0_s = _io_threads_cpu_s()
         times = [step(warmup + i) for i in range(steps)]
         io_cpu_s = _io_threads_cpu_s() - io_cpu0_s
+        stall_s = backend.stats().get("stall_s", 0.0) - stall0_s
         plan = runner.plan
         baseline_s = _baseline_fwd_bwd_s(gpt, inner, steps, warmup)
         round_trips = calls["offload"] / steps  # per step
@@ -142,7 +144,7 @@ def measure(
             / max(round_trips, 1e-9),
             "io_threads_cpu_s_per_round_trip": io_cpu_s / steps / max(round_trips, 1e-9),
             "cpu_s_per_transfer": hw.cpu_s_per_transfer,
-            "stall_s_per_step": backend.stats().get("stall_s", 0.0) / (warmup + steps),
+            "stall_s_per_step": stall_s / steps,
         }
     finally:
         backend.close()
@@ -160,7 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be at least 1")
-    r = measure(args.model, args.budget, args.inner, args.solver, args.steps)
+    from teraio.planner.budget import BudgetError, resolve_budget
+    from teraio.planner.solve import solver_info
+
+    try:  # a typo fails now, not after the profiling steps
+        resolve_budget(args.budget, 1)
+        solver_info(args.solver)
+        r = measure(args.model, args.budget, args.inner, args.solver, args.steps)
+    except (BudgetError, ValueError) as e:
+        p.error(str(e))
     print(
         f"fwd+bwd {r['fwd_bwd_s'] * 1e3:.3f} ms (predicted {r['predicted_step_s'] * 1e3:.3f} ms), "
         f"{r['round_trips_per_step']:.1f} round trips per step; without migration "
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         f"the plan's step without migration {r['predicted_compute_s'] * 1e3:.3f} ms: profiled ops "
         f"{r['profiled_ops_s'] * 1e3:.3f} ms, outside the graphs {r['profiled_outside_s'] * 1e3:.3f} ms"
     )
-    print(f"stall {r['stall_s_per_step'] * 1e6:.0f} us per step (all steps since the backend started)")
+    print(f"stall {r['stall_s_per_step'] * 1e6:.0f} us per step")
     return 0
 
 
