@@ -336,7 +336,7 @@ def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = Tru
     return extra
 
 
-def _accelerator_computes() -> bool:
+def accelerator_computes() -> bool:
     """Whether training computes on an accelerator here (then the host's I/O threads do not slow it)."""
     import torch
 
@@ -424,7 +424,7 @@ def calibrate(
             samples["op_calls_round_trip_s"] = calls
             samples["io_threads_cpu_round_trip_s"] = io_cpu
             cpu_per_transfer = statistics.median(calls) / 2
-            if not _accelerator_computes():
+            if not accelerator_computes():
                 # Note: [A transfer's CPU on a CPU-only step]
                 cpu_per_transfer = statistics.median(c + io for c, io in zip(calls, io_cpu)) / 2
                 under = _round_trips_under_compute(d, COMPUTE_BLOCK_PAIRS, checksum)

@@ -28,10 +28,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from teraio.cpu_malloc import CpuMalloc, apply_cpu_malloc
-from teraio.lifecycle import TeraioBackend
+from teraio.lifecycle import Phase, TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models import GPT, build_gpt, synthetic_batch
 from teraio.planner.budget import BudgetError, format_size
+from teraio.probe import PROBE_PAIRS
 from teraio.runtime.config import default_offload_dir
 
 log = logging.getLogger(__name__)
@@ -98,9 +99,13 @@ class _Method:
     io_before: dict[str, Any] = field(default_factory=dict)
     # teraio@checkpoint only: the checkpoint peak, when it was below teraio's floor and the floor was used.
     budget_raised_from: int | None = None
+    steps_run: int = 0
 
     def step(self, step: int, cfg: DemoConfig, measure: bool = False) -> tuple[float, float]:
-        """One training step; returns (whole step s, forward+backward s)."""
+        """Training step ``step`` (the next one: every method trains on the same batches in the same
+        order); returns (whole step s, forward+backward s)."""
+        assert step == self.steps_run, "steps run in order"
+        self.steps_run += 1
         idx, targets = synthetic_batch(self.model.cfg, step, cfg.seed)
         self.opt.zero_grad(set_to_none=True)
         rec = MemoryRecorder("cpu") if measure else None
@@ -162,7 +167,14 @@ def _warm_up(
     methods.append(m)
     for step in range(warmup):
         m.step(step, cfg)
-    m.step(warmup, cfg, measure=True)
+    # A plan may come later than ``profile_steps``: the backend goes on calibrating while it prices a
+    # transfer under the model's own compute (Note: [Pricing transfers under the model's own compute]
+    # in teraio.probe). Bounded, in case a graph never finishes profiling.
+    while m.steps_run < warmup + 2 * PROBE_PAIRS + 2 and any(
+        r.phase in (Phase.PROFILING, Phase.PLANNING) for r in m.backend.runners
+    ):
+        m.step(m.steps_run, cfg)
+    m.step(m.steps_run, cfg, measure=True)
     return m
 
 
@@ -276,9 +288,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 )
                 m = _warm_up(name, base, cfg, offload_dir, e.smallest_peak_bytes, warmup, methods)
                 m.budget_raised_from = budget
+        # Every method to the same step, so all train on the same batches from the same state.
+        first_timed = max(m.steps_run for m in methods)
+        for m in methods:
+            while m.steps_run < first_timed:
+                m.step(m.steps_run, cfg)
         for r in range(cfg.steps):
             for m in methods:
-                step_s, fwd_bwd_s = m.step(warmup + 1 + r, cfg)
+                step_s, fwd_bwd_s = m.step(first_timed + r, cfg)
                 m.times.append(step_s)
                 m.fwd_bwd_times.append(fwd_bwd_s)
         by_name = {m.name: m for m in methods}

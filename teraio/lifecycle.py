@@ -46,6 +46,7 @@ from teraio.outside import OutsideTimer
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
+from teraio.probe import PROBE_PAIRS, TransferProbe, round_trips_for
 from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
@@ -217,9 +218,8 @@ class GraphRunner:
         def run_bwd(args: list[Any]) -> Any:
             t0 = time.perf_counter()
             inv = tracker.invocation_of_current_backward()
-            calibrated = prof.steps_calibrated
             out = prof.run_bwd(args, invocation=inv.id if inv is not None else None)
-            if prof.steps_calibrated > calibrated and inv is not None:
+            if prof.last_backward_calibrated and inv is not None:
                 outside.graph_ran(inv.step, self, time.perf_counter() - t0)
             if self.phase is Phase.PROFILING and self._profiled_enough():
                 self.phase = Phase.PLANNING  # planned and compiled at the next forward, outside backward
@@ -236,7 +236,40 @@ class GraphRunner:
         prof = self.profiler
         assert prof is not None
         instrumented, calibration = profiling_split(self.cfg.profile_steps)
-        return prof.steps_recorded >= instrumented and prof.steps_calibrated >= calibration
+        return (
+            prof.steps_recorded >= instrumented
+            and prof.steps_calibrated >= calibration
+            and (prof.probe.done() if prof.probe is not None else not self._may_probe())
+        )
+
+    def _may_probe(self) -> bool:
+        """Whether this graph's calibration steps may go on to price a transfer (Note: [Pricing transfers
+        under the model's own compute] in teraio.probe): the backend wants the price, the steps run the
+        graph's own Python code on the CPU, and its step is short enough."""
+        prof = self.profiler
+        if prof is None or prof._kernels or prof.device != "cpu" or not prof.calibrations:
+            return False
+        f, b = prof.calibrations[-1]
+        return self.backend.wants_transfer_price() and round_trips_for(f.wall_s + b.wall_s) is not None
+
+    def _start_probe(self) -> None:
+        prof = self.profiler
+        assert prof is not None and prof.calibrations
+        f, b = prof.calibrations[-1]
+        round_trips = round_trips_for(f.wall_s + b.wall_s)
+        assert round_trips is not None
+        prof.probe = TransferProbe(self.backend.probe_engine_id(), round_trips)
+        # The last plain step is the first probed one's pair.
+        prof.probe.record(False, f.wall_s + b.wall_s)
+        if prof.outside_samples_s:
+            prof.probe.record_outside(prof.outside_samples_s[-1])
+        log.info(
+            "%s: pricing a transfer under its own compute: %d more calibration steps, half of them with "
+            "%d page round trips",
+            self.name,
+            2 * PROBE_PAIRS,
+            round_trips,
+        )
 
     def _finish_profiling(self) -> None:
         assert self.profiler is not None
@@ -321,7 +354,13 @@ class GraphRunner:
             return
         instrumented, calibration = profiling_split(self.cfg.profile_steps)
         if prof.steps_recorded >= instrumented:
-            prof.calibrate_next = prof.steps_calibrated < calibration
+            if prof.steps_calibrated >= calibration and prof.probe is None and self._may_probe():
+                self._start_probe()
+            probing = prof.probe is not None and not prof.probe.done()
+            # Probed and plain steps alternate, so drift falls on both kinds alike; the plain ones
+            # calibrate the op times too.
+            prof.probe_next = probing and prof.probe.next_probed
+            prof.calibrate_next = probing or prof.steps_calibrated < calibration
         if self.invocations >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
             # Called with grad enabled again and again, never backpropagated (a validation loss in
             # train mode): profiling would never finish, and interpreting every call is slow.
@@ -369,6 +408,10 @@ def describe_plan(plan: Plan) -> str:
             f"recomputes {len(plan.recomputes)} ({_fmt(plan.recomputed_bytes)}, {plan.recompute_s * 1e3:.1f} ms)"
         )
     return ", ".join(parts) + " per step"
+
+
+def _ms(seconds: list[float]) -> str:
+    return "/".join(f"{s * 1e3:.1f}" for s in seconds) + " ms"
 
 
 def _fmt(nbytes: int | float | None) -> str:
@@ -448,6 +491,11 @@ class TeraioBackend:
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
         self._hardware: HardwareModel | None = None
+        # Note: [Pricing transfers under the model's own compute] in teraio.probe
+        self._probe_engine: Any = None
+        self._probe_engine_id: int | None = None
+        #: Per probed graph: round trips per step, probed-minus-plain seconds, the price (None: hidden).
+        self.transfer_probes: list[dict[str, Any]] = []
         if self.cfg.hardware is not None and self.cfg.hardware != CALIBRATE:
             # A bad file fails here, in one line, not when the first plan is made steps later.
             self._hardware = HardwareModel.load(self.cfg.hardware)
@@ -662,7 +710,7 @@ class TeraioBackend:
     @staticmethod
     def _outside_sample(runner: GraphRunner, outside_s: float) -> None:
         if runner.profiler is not None and runner.profile is None:
-            runner.profiler.outside_samples_s.append(outside_s)
+            runner.profiler.add_outside_sample(outside_s)
 
     def _read_step_times(self, wait: bool) -> None:
         """Move ended steps' times into ``step_times_s`` (and stats.jsonl), in step order.
@@ -738,18 +786,121 @@ class TeraioBackend:
             hw = hw.with_overrides("ssd", capacity_bytes=0)
         return hw
 
-    def _calibrate_hardware(self) -> HardwareModel:
-        """Time the runtime engine on the directory offloads will go to (teraio.calibrate, small sizes)."""
-        if "ssd" not in self.cfg.tiers:
-            return HardwareModel()
-        from teraio.calibrate import QUICK_NBYTES, calibrate
+    def _calibration_directory(self) -> str:
         from teraio.runtime import RuntimeConfig
         from teraio.runtime.space import make_base_dirs
 
         directory = RuntimeConfig(dirs=self.cfg.offload_dirs or (), backend="posix").resolved().dirs[0]
         make_base_dirs(directory)
+        return directory
+
+    def wants_transfer_price(self) -> bool:
+        """Whether a graph's calibration steps should price a transfer under its own compute (Note:
+        [Pricing transfers under the model's own compute] in teraio.probe): the first plan is still to
+        be made, from a calibration of the offload directory, for a CPU that computes."""
+        from teraio.calibrate import accelerator_computes
+
+        return (
+            self.cfg.enabled
+            and self.cfg.memory_budget is not None
+            and self.cfg.hardware == CALIBRATE
+            and self._hardware is None
+            and "ssd" in self.cfg.tiers
+            and not self.plans_from_file
+            and not accelerator_computes()
+        )
+
+    def probe_engine_id(self) -> int:
+        """The engine transfer probes use (posix, on the directory being calibrated), until the first plan."""
+        if self._probe_engine is None:
+            from teraio.ops import register_engine
+            from teraio.runtime import Engine, RuntimeConfig
+
+            self._probe_engine = Engine(
+                RuntimeConfig(
+                    dirs=[self._calibration_directory()], backend="posix", checksum=self.cfg.checksum
+                )
+            )
+            self._probe_engine_id = register_engine(self._probe_engine)
+            # One round trip before any is timed: the first makes the engine's file and wakes its threads.
+            page = torch.zeros(1024)
+            self._probe_engine.offload("probe-warm-up", page).wait()
+            self._probe_engine.release("probe-warm-up")
+            del page
+            self._probe_engine.prefetch("probe-warm-up").wait()
+            self._probe_engine.fetch("probe-warm-up")
+            self._probe_engine.drop("probe-warm-up")
+        assert self._probe_engine_id is not None
+        return self._probe_engine_id
+
+    def _close_probes(self) -> None:
+        for r in self.runners:
+            if r.profiler is not None and r.profiler.probe is not None:
+                r.profiler.probe.close()
+        if self._probe_engine is not None:
+            from teraio.ops import unregister_engine
+
+            self._probe_engine.close()
+            unregister_engine(self._probe_engine_id)
+            self._probe_engine, self._probe_engine_id = None, None
+
+    def _probed_price(self) -> tuple[float, str] | None:
+        """The price of a transfer measured by the graphs' probes (median over graphs), and how."""
+        probes = [
+            (r, r.profiler.probe)
+            for r in self.runners
+            if r.profiler is not None and r.profiler.probe is not None
+        ]
+        priced = []
+        for r, p in probes:
+            price = p.estimate()
+            diffs = _ms(p.differences_s())
+            self.transfer_probes.append(
+                {
+                    "graph": r.graph_id,
+                    "round_trips": p.round_trips,
+                    "differences_s": p.differences_s(),
+                    "price_s": price,
+                }
+            )
+            if price is None:
+                log.info(
+                    "%s: %d page round trips per step did not show above the step's noise (probed minus "
+                    "plain: %s); pricing transfers from the calibration's blocks instead",
+                    r.name,
+                    p.round_trips,
+                    diffs,
+                )
+            else:
+                priced.append(
+                    (price, f"{r.name}: {p.round_trips} round trips per step, probed minus plain {diffs}")
+                )
+        if not priced:
+            return None
+        return statistics.median(p for p, _ in priced), "; ".join(how for _, how in priced)
+
+    def _calibrate_hardware(self) -> HardwareModel:
+        """Time the runtime engine on the directory offloads will go to (teraio.calibrate, small sizes);
+        the price of a transfer is the graphs' own where their probes measured it."""
+        if "ssd" not in self.cfg.tiers:
+            return HardwareModel()
+        from teraio.calibrate import QUICK_NBYTES, calibrate
+
+        directory = self._calibration_directory()
         t0 = time.perf_counter()
         cal = calibrate(directory, nbytes=QUICK_NBYTES, checksum=bool(self.cfg.checksum))
+        probed = self._probed_price()
+        self._close_probes()
+        if probed is not None:
+            log.info(
+                "priced a transfer under the model's own compute at %.0f us (blocks of synthetic ops: "
+                "%.0f us; %s)",
+                probed[0] * 1e6,
+                cal.cpu_s_per_transfer * 1e6,
+                probed[1],
+            )
+            cal.samples["blocks_cpu_s_per_transfer"] = [cal.cpu_s_per_transfer]
+            cal.cpu_s_per_transfer = probed[0]
         hw = cal.hardware_model()
         log.info(
             "calibrated %s in %.1f s: write %.2f GB/s, read %.2f GB/s, %.0f/%.0f us per request, "
@@ -798,6 +949,7 @@ class TeraioBackend:
 
     def close(self) -> None:
         """Stop the engine and remove its files (also done at interpreter exit)."""
+        self._close_probes()
         if self._recorder is not None:
             with contextlib.suppress(Exception):
                 self._recorder.stop()

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
 from teraio.clock import Clock
 from teraio.planner.profile import Profile, make_profile
+from teraio.probe import TransferProbe
 from teraio.segments import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
 
 
@@ -39,6 +40,9 @@ class GraphRun:
     wall_s: float = 0.0
     #: Ran as the graph's own generated code, not op by op: only ``wall_s`` (Note: [Calibrated times]).
     uninstrumented: bool = False
+    #: Also made a transfer probe's round trips (Note: [Pricing transfers under the model's own compute]
+    #: in teraio.probe): its time prices transfers, not the graph's ops.
+    probed: bool = False
 
 
 _OP_MARK = "teraio::op"
@@ -213,6 +217,13 @@ class StepProfiler:
         self._last_fwd: GraphRun | None = None
         self._pending: dict[int, GraphRun] = {}  # invocation id -> its forward's record
         self.calibrate_next = False  # the next forward (and its backward) runs uninstrumented
+        #: Set by the runner: the graph's transfer probe, and whether the next calibration step makes
+        #: its round trips (Note: [Pricing transfers under the model's own compute] in teraio.probe).
+        self.probe: TransferProbe | None = None
+        self.probe_next = False
+        self._last_calibration_probed = False
+        self.last_backward_calibrated = False  # the backward that just ran was a calibration run
+        self._probed_gms: tuple[fx.GraphModule, fx.GraphModule] | None = None
         #: The uninstrumented steps, (forward, backward) each (Note: [Calibrated times]).
         self.calibrations: list[tuple[GraphRun, GraphRun]] = []
         #: This graph's share of each calibration step's time outside the graphs (teraio.outside).
@@ -238,10 +249,11 @@ class StepProfiler:
         }
         if self.calibrate_next and self.fwd_runs:
             self.calibrate_next = False
-            out, wall_s = _run_uninstrumented(
-                self.step.fw_gm, args_list, self.device, self._kernels.get(False)
-            )
-            self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True)
+            probed = self.probe_next and self.probe is not None
+            self.probe_next = False
+            gm = self._probed_graphs()[0] if probed else self.step.fw_gm
+            out, wall_s = _run_uninstrumented(gm, args_list, self.device, self._kernels.get(False))
+            self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True, probed=probed)
             return out
         interp = TimingInterpreter(self.step.fw_gm, self._input_refs, not self.fwd_runs, self.device)
         out = interp.boxed_run(args_list)
@@ -266,11 +278,15 @@ class StepProfiler:
         pairs with its own forward's (``invocation``); a backward whose forward is unknown is not kept.
         """
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
+        self.last_backward_calibrated = fwd is not None and fwd.uninstrumented
         if fwd is not None and fwd.uninstrumented:
-            out, wall_s = _run_uninstrumented(
-                self.step.bw_gm, args_list, self.device, self._kernels.get(True)
-            )
-            self.calibrations.append((fwd, GraphRun(wall_s=wall_s, uninstrumented=True)))
+            gm = self._probed_graphs()[1] if fwd.probed else self.step.bw_gm
+            out, wall_s = _run_uninstrumented(gm, args_list, self.device, self._kernels.get(True))
+            self._last_calibration_probed = fwd.probed
+            if self.probe is not None:
+                self.probe.record(fwd.probed, fwd.wall_s + wall_s)
+            if not fwd.probed:
+                self.calibrations.append((fwd, GraphRun(wall_s=wall_s, uninstrumented=True)))
             return out
         census = fwd is not None and not self.bwd_runs
         interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device)
@@ -279,6 +295,20 @@ class StepProfiler:
             self.fwd_runs.append(fwd)
             self.bwd_runs.append(interp.record)
         return out
+
+    def add_outside_sample(self, outside_s: float) -> None:
+        """The time outside the graphs of the calibration step that just ended (teraio.outside). A
+        probed step's goes to the probe: the I/O it started can slow the code outside the graphs too."""
+        if self.probe is not None:
+            self.probe.record_outside(outside_s)
+        if not self._last_calibration_probed:
+            self.outside_samples_s.append(outside_s)
+
+    def _probed_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if self._probed_gms is None:
+            assert self.probe is not None
+            self._probed_gms = self.probe.probed(self.step.fw_gm, self.step.bw_gm)
+        return self._probed_gms
 
     @property
     def steps_recorded(self) -> int:
