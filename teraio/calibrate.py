@@ -181,10 +181,14 @@ def _engine_round_trip(
     from teraio.runtime.engine import Engine
 
     writes, reads = [], []
+    # A generator of its own: the backend calibrates between a user's training steps, and drawing from
+    # torch's global one would change every later dropout mask (training would no longer be bit-identical
+    # to the same loop without teraio).
+    gen = torch.Generator().manual_seed(0)
     with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
         for i in range(repeats):
             key = f"calibrate-{i}"
-            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
             t0 = time.perf_counter()
             engine.offload(key, src).wait()
             writes.append(time.perf_counter() - t0)

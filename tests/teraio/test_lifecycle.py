@@ -333,7 +333,8 @@ def test_a_bad_hardware_file_is_refused_when_the_backend_is_made(tmp_path) -> No
 
 def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(monkeypatch, tmp_path) -> None:
     """``hardware="calibrate"``: before the first plan the backend times the runtime engine on the
-    directory offloads go to, plans with those figures, and writes them into the run directory."""
+    directory offloads go to, plans with those figures, and writes them into the run directory; the
+    timing draws nothing from torch's global RNG, so a model with dropout still trains bit-identically."""
     calls: list[str] = []
     real = teraio.calibrate.calibrate
 
@@ -355,11 +356,14 @@ def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(m
         measure_memory=False,
     )
     try:
-        run(CASES["gpt"], "plain", be, 4)
+        calibrated = run(CASES["gpt"], "plain", be, 4)
         (runner,) = [r for r in be.runners if r.is_training]
         hw = runner.plan.hardware
     finally:
         be.close()
+    assert runner.plan.decisions
+    off = TeraioBackend(inner="eager", profile_steps=1, enabled=False, measure_memory=False)
+    assert_bit_identical(calibrated, run(CASES["gpt"], "plain", off, 4))
     assert calls == [str(offload)]
     assert hw.name == f"calibrated:{offload}"
     saved = json.loads((tmp_path / "run" / "hardware.json").read_text())
