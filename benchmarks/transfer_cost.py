@@ -76,8 +76,9 @@ def measure(
 
     from teraio.calibrate import _io_threads_cpu_s
     from teraio.cpu_malloc import retain_freed_memory
-    from teraio.lifecycle import TeraioBackend
+    from teraio.lifecycle import Phase, TeraioBackend
     from teraio.models import build_gpt, synthetic_batch
+    from teraio.probe import PROBE_STEPS
     from teraio.runtime.engine import Engine
 
     retain_freed_memory()  # as teraio demo does: Note: [Freed CPU memory and step time] in teraio.cpu_malloc
@@ -109,9 +110,16 @@ def measure(
             opt.step()
             return fwd_bwd_s
 
-        warmup = backend.cfg.profile_steps + 3  # profiling, the step that plans and compiles, two more
+        # Profiling, the step that plans and compiles, two more; with hardware="calibrate" on a short
+        # step the backend first prices transfers under the model's own compute (PROBE_STEPS more).
+        warmup = backend.cfg.profile_steps + 3
         for i in range(warmup):
             step(i)
+        while warmup < backend.cfg.profile_steps + PROBE_STEPS + 3 and any(
+            r.phase is not Phase.RUNNING for r in backend.runners if r.is_training
+        ):
+            step(warmup)
+            warmup += 1
         runner = backend.runners[0]
         if runner.plan is None or not runner.plan.decisions:
             raise ValueError(f"no transfer planned at budget {budget}: nothing to time; give a lower one")
@@ -144,6 +152,7 @@ def measure(
             / max(round_trips, 1e-9),
             "io_threads_cpu_s_per_round_trip": io_cpu_s / steps / max(round_trips, 1e-9),
             "cpu_s_per_transfer": hw.cpu_s_per_transfer,
+            "cpu_s_per_step_with_io": hw.cpu_s_per_step_with_io,
             "stall_s_per_step": stall_s / steps,
         }
     finally:
@@ -182,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"per round trip: engine calls {r['top_level_calls_s_per_round_trip'] * 1e6:.0f} us on the compute "
         f"thread, I/O threads {r['io_threads_cpu_s_per_round_trip'] * 1e6:.0f} us of CPU; the plan priced "
-        f"{2 * r['cpu_s_per_transfer'] * 1e6:.0f} us (cpu_s_per_transfer x 2)"
+        f"{2 * r['cpu_s_per_transfer'] * 1e6:.0f} us (cpu_s_per_transfer x 2), and "
+        f"{r['cpu_s_per_step_with_io'] * 1e6:.0f} us once per step (cpu_s_per_step_with_io)"
     )
     print(
         f"the plan's step without migration {r['predicted_compute_s'] * 1e3:.3f} ms: profiled ops "

@@ -20,6 +20,8 @@ Execution model (what the runtime does, what every solver assumes):
 - CPU interference: a transfer costs ``nbytes * cpu_s_per_byte`` of compute, charged to the ops it
   overlaps in proportion to the overlap (measured against each op's nominal duration window). Overlap
   with a stall is free: the compute thread is idle then.
+- Waking the I/O path: the first migration call of a step on a tier also costs that tier's
+  ``cpu_s_per_step_with_io``, once, in the same place as the call.
 - Migration calls: each transfer also costs its tier's ``cpu_s_per_transfer`` on the compute thread,
   where the graph calls the ops: a write's after op ``offload_after_idx`` (the write is issued when the
   call ends, and the next op starts after it), a read's at its prefetch boundary, after the waits of (1)
@@ -232,6 +234,7 @@ def replay(
     cpu_cost: Callable[[Decision], float] | None = None,
     rebuild: np.ndarray | None = None,
     call_cost: Callable[[Decision], float] | None = None,
+    step_cost: Callable[[str], float] | None = None,
 ) -> Replay:
     """Run ``decisions`` through the execution model (module docstring) on ops of ``duration``.
 
@@ -244,6 +247,8 @@ def replay(
         cpu_cost: compute lost to one transfer while it runs; default ``nbytes * cpu_s_per_byte`` (seconds).
         call_cost: compute-thread time of one transfer's migration calls; default the tier's
             ``cpu_s_per_transfer`` (seconds).
+        step_cost: compute time of a step's first migration call on a tier; default the tier's
+            ``cpu_s_per_step_with_io`` (seconds).
         rebuild: per op, the compute of the rebuilds before it (:func:`rebuild_time`); None: no rebuilds.
     """
     n = len(duration)
@@ -263,6 +268,20 @@ def replay(
 
         def call_cost(d: Decision) -> float:
             return hardware.tier(d.tier).cpu_s_per_transfer
+
+    if step_cost is None:
+
+        def step_cost(tier: str) -> float:
+            return hardware.tier(tier).cpu_s_per_step_with_io
+
+    woken: set[str] = set()
+
+    def calls_of(d: Decision) -> float:
+        """The calls of one transfer, and the step's wake-up of its tier's I/O path if it is the first."""
+        if d.tier in woken:
+            return call_cost(d)
+        woken.add(d.tier)
+        return call_cost(d) + step_cost(d.tier)
 
     writes_after: dict[int, list[int]] = defaultdict(list)
     reads_before: dict[int, list[int]] = defaultdict(list)
@@ -317,7 +336,7 @@ def replay(
         out.ready[i] = ready
         calls = 0.0  # the prefetch calls before op i (module docstring: migration calls)
         for k in reads_before.get(i, ()):
-            calls += call_cost(decisions[k])
+            calls += calls_of(decisions[k])
             out.r_issue[k], out.r_issue_idx[k] = ready + calls, i
             out.r_start[k], out.r_end[k] = issue(k, "read", ready + calls)
         start = ready + calls
@@ -343,7 +362,7 @@ def replay(
         out.op_start[i] = start + rb
         t = out.op_end[i] = win_end + charged
         for k in writes_after.get(i, ()):
-            call = call_cost(decisions[k])
+            call = calls_of(decisions[k])
             calls += call
             t = out.op_end[i] = t + call
             out.w_issue[k], out.w_issue_idx[k] = t, i

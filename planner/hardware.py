@@ -41,6 +41,10 @@ class TierModel:
     #: Compute time lost per transfer whatever its size: the compute thread's calls into the migration
     #: ops of one direction (offload and its wait, or prefetch and its fetch). Dominates small tensors.
     cpu_s_per_transfer: float = 0.0
+    #: Compute time lost once per step that moves anything through this tier, on top of the transfers'
+    #: own: on a CPU-only step the first transfer wakes the I/O path, and a step making one round trip
+    #: paid about twice per transfer what one making four did (docs/reference.md, hardware model).
+    cpu_s_per_step_with_io: float = 0.0
 
     @property
     def total_write_bw_bytes_per_s(self) -> float:
@@ -87,6 +91,7 @@ _FLOAT_FIELDS = {  # field -> (minimum, minimum allowed?)
     "read_latency_s": (0.0, True),
     "cpu_s_per_byte": (0.0, True),
     "cpu_s_per_transfer": (0.0, True),
+    "cpu_s_per_step_with_io": (0.0, True),
 }
 
 

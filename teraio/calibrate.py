@@ -74,7 +74,9 @@ class Calibration:
     #: part, as a model's step does: after such an op torch's OpenMP threads spin on their cores for a
     #: while, so an I/O thread that wakes then competes with them, and small ops alone (the first
     #: version) left that cost out and priced a transfer at about half what a running step paid. With
-    #: an accelerator computing, the host's I/O threads overlap it and only the calls count.
+    #: an accelerator computing, the host's I/O threads overlap it and only the calls count. The backend
+    #: replaces this figure with the profiled graph's own where it can measure it (Note: [Pricing
+    #: transfers under the model's own compute] in teraio.probe).
     cpu_s_per_transfer: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)

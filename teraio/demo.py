@@ -32,7 +32,7 @@ from teraio.lifecycle import Phase, TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models import GPT, build_gpt, synthetic_batch
 from teraio.planner.budget import BudgetError, format_size
-from teraio.probe import PROBE_PAIRS
+from teraio.probe import PROBE_STEPS
 from teraio.runtime.config import default_offload_dir
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ def _warm_up(
     # A plan may come later than ``profile_steps``: the backend goes on calibrating while it prices a
     # transfer under the model's own compute (Note: [Pricing transfers under the model's own compute]
     # in teraio.probe). Bounded, in case a graph never finishes profiling.
-    while m.steps_run < warmup + 2 * PROBE_PAIRS + 2 and any(
+    while m.steps_run < warmup + PROBE_STEPS + 2 and any(
         r.phase in (Phase.PROFILING, Phase.PLANNING) for r in m.backend.runners
     ):
         m.step(m.steps_run, cfg)

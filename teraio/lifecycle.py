@@ -5,7 +5,9 @@ gets one per shape, up to ``max_shapes``: :class:`ShapeDispatch`). A runner move
 place (:meth:`TeraioBackend._advance`), always at a forward call and never inside a backward:
 
 - ``PROFILING``: its training forward and backward run through a timing interpreter
-  (``teraio.profiler``) for ``profile_steps`` complete forward+backward pairs (the first is warm-up);
+  (``teraio.profiler``) for ``profile_steps`` complete forward+backward pairs (the first is warm-up),
+  and with ``hardware="calibrate"`` on a short CPU step, ``teraio.probe.PROBE_STEPS`` more that price
+  moving tensors under the graph's own compute;
 - ``PLANNING``: profiled; at the next forward the backend plans every profiled graph of the step
   together (one budget for the step: ``teraio.step_budget``) and recompiles them;
 - ``RUNNING``: the compiled graphs carry the plan's ``teraio::`` migration ops (or none: no budget,
@@ -46,7 +48,7 @@ from teraio.outside import OutsideTimer
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
-from teraio.probe import PROBE_PAIRS, TransferProbe, round_trips_for
+from teraio.probe import PROBE_STEPS, TransferPrice, TransferProbe, round_trips_for
 from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
@@ -247,7 +249,7 @@ class GraphRunner:
         under the model's own compute] in teraio.probe): the backend wants the price, the steps run the
         graph's own Python code on the CPU, and its step is short enough."""
         prof = self.profiler
-        if prof is None or prof._kernels or prof.device != "cpu" or not prof.calibrations:
+        if prof is None or prof.has_kernels or prof.device != "cpu" or not prof.calibrations:
             return False
         f, b = prof.calibrations[-1]
         return self.backend.wants_transfer_price() and round_trips_for(f.wall_s + b.wall_s) is not None
@@ -258,17 +260,17 @@ class GraphRunner:
         f, b = prof.calibrations[-1]
         round_trips = round_trips_for(f.wall_s + b.wall_s)
         assert round_trips is not None
-        prof.probe = TransferProbe(self.backend.probe_engine_id(), round_trips)
+        prof.probe = TransferProbe(self.backend.probe_engine_id(), (1, round_trips))
         # The last plain step is the first probed one's pair.
-        prof.probe.record(False, f.wall_s + b.wall_s)
+        prof.probe.record(0, f.wall_s + b.wall_s)
         if prof.outside_samples_s:
             prof.probe.record_outside(prof.outside_samples_s[-1])
         log.info(
-            "%s: pricing a transfer under its own compute: %d more calibration steps, half of them with "
-            "%d page round trips",
+            "%s: pricing transfers under its own compute: %d more calibration steps, every other one "
+            "making %d or %d page round trips",
             self.name,
-            2 * PROBE_PAIRS,
-            round_trips,
+            PROBE_STEPS,
+            *prof.probe.sizes,
         )
 
     def _finish_profiling(self) -> None:
@@ -359,7 +361,7 @@ class GraphRunner:
             probing = prof.probe is not None and not prof.probe.done()
             # Probed and plain steps alternate, so drift falls on both kinds alike; the plain ones
             # calibrate the op times too.
-            prof.probe_next = probing and prof.probe.next_probed
+            prof.probe_next = prof.probe.next_round_trips if probing else 0
             prof.calibrate_next = probing or prof.steps_calibrated < calibration
         if self.invocations >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
             # Called with grad enabled again and again, never backpropagated (a validation loss in
@@ -496,6 +498,9 @@ class TeraioBackend:
         self._probe_engine_id: int | None = None
         #: Per probed graph: round trips per step, probed-minus-plain seconds, the price (None: hidden).
         self.transfer_probes: list[dict[str, Any]] = []
+        #: The price of moving tensors measured under the graphs' own compute (the first probe's).
+        self.transfer_price: TransferPrice | None = None
+        self._saved_hardware: HardwareModel | None = None
         if self.cfg.hardware is not None and self.cfg.hardware != CALIBRATE:
             # A bad file fails here, in one line, not when the first plan is made steps later.
             self._hardware = HardwareModel.load(self.cfg.hardware)
@@ -543,6 +548,7 @@ class TeraioBackend:
         with self._lock:
             if runner.phase is not Phase.PLANNING:
                 return
+            self._collect_probes()  # Note: [Pricing transfers under the model's own compute] in teraio.probe
             ready = [r for r in self.runners if r.phase is Phase.PLANNING]
             for r in ready:
                 if r.plan is None:
@@ -775,10 +781,21 @@ class TeraioBackend:
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
         """What plans assume of the storage: the ``hardware`` file, a quick calibration of the offload
-        directory (``hardware="calibrate"``, made once, before the first plan), or the built-in model."""
+        directory (``hardware="calibrate"``, made once, before the first plan), or the built-in model;
+        with ``"calibrate"``, the price of moving tensors measured under the graphs' own compute once a
+        probe has it (Note: [Pricing transfers under the model's own compute] in teraio.probe)."""
         if self._hardware is None:
             self._hardware = self._calibrate_hardware() if self.cfg.hardware == CALIBRATE else HardwareModel()
         hw = self._hardware
+        if self.transfer_price is not None:
+            hw = hw.with_overrides(
+                "ssd",
+                cpu_s_per_transfer=self.transfer_price.per_transfer_s,
+                cpu_s_per_step_with_io=self.transfer_price.per_step_s,
+            )
+        if self.run_dir is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
+            hw.save(self.run_dir / "hardware.json", overwrite=True)  # what the plans were made with
+            self._saved_hardware = hw
         tiers = set(self.cfg.tiers)
         if "host" in tiers and hw.tiers["host"].capacity_bytes == 0:
             hw = hw.with_overrides("host", capacity_bytes=None)
@@ -795,23 +812,23 @@ class TeraioBackend:
         return directory
 
     def wants_transfer_price(self) -> bool:
-        """Whether a graph's calibration steps should price a transfer under its own compute (Note:
-        [Pricing transfers under the model's own compute] in teraio.probe): the first plan is still to
-        be made, from a calibration of the offload directory, for a CPU that computes."""
+        """Whether a graph's calibration steps should price moving tensors under its own compute (Note:
+        [Pricing transfers under the model's own compute] in teraio.probe): plans are made from a
+        calibration of the offload directory, for a CPU that computes, and no probe has the price yet."""
         from teraio.calibrate import accelerator_computes
 
         return (
             self.cfg.enabled
             and self.cfg.memory_budget is not None
             and self.cfg.hardware == CALIBRATE
-            and self._hardware is None
+            and self.transfer_price is None
             and "ssd" in self.cfg.tiers
             and not self.plans_from_file
             and not accelerator_computes()
         )
 
     def probe_engine_id(self) -> int:
-        """The engine transfer probes use (posix, on the directory being calibrated), until the first plan."""
+        """The engine transfer probes use (posix, on the directory being calibrated), while any runs."""
         if self._probe_engine is None:
             from teraio.ops import register_engine
             from teraio.runtime import Engine, RuntimeConfig
@@ -833,10 +850,38 @@ class TeraioBackend:
         assert self._probe_engine_id is not None
         return self._probe_engine_id
 
+    def _collect_probes(self) -> None:
+        """Take the price of moving tensors from the graphs whose probes have finished (the first time
+        one has), close those probes, and the probes' engine once none is running."""
+        probes = [
+            (r, r.profiler.probe)
+            for r in self.runners
+            if r.profiler is not None and r.profiler.probe is not None
+        ]
+        done = [(r, p) for r, p in probes if not p.closed and p.complete()]
+        if done:
+            measured = self._probed_price(done)
+            if measured is not None and self.transfer_price is None:
+                self.transfer_price, how = measured
+                log.info(
+                    "priced moving tensors under the model's own compute: %.0f us per transfer and %.0f us "
+                    "per step that moves any (%s)",
+                    self.transfer_price.per_transfer_s * 1e6,
+                    self.transfer_price.per_step_s * 1e6,
+                    how,
+                )
+            for _, p in done:
+                p.close()
+        if not any(not p.closed for _, p in probes):
+            self._close_probe_engine()
+
     def _close_probes(self) -> None:
         for r in self.runners:
             if r.profiler is not None and r.profiler.probe is not None:
                 r.profiler.probe.close()
+        self._close_probe_engine()
+
+    def _close_probe_engine(self) -> None:
         if self._probe_engine is not None:
             from teraio.ops import unregister_engine
 
@@ -844,44 +889,44 @@ class TeraioBackend:
             unregister_engine(self._probe_engine_id)
             self._probe_engine, self._probe_engine_id = None, None
 
-    def _probed_price(self) -> tuple[float, str] | None:
-        """The price of a transfer measured by the graphs' probes (median over graphs), and how."""
-        probes = [
-            (r, r.profiler.probe)
-            for r in self.runners
-            if r.profiler is not None and r.profiler.probe is not None
-        ]
-        priced = []
-        for r, p in probes:
+    def _probed_price(
+        self, done: list[tuple[GraphRunner, TransferProbe]]
+    ) -> tuple[TransferPrice, str] | None:
+        """The price measured by finished probes (the median over graphs), and how; each recorded in
+        ``transfer_probes``."""
+        priced: list[tuple[TransferPrice, str]] = []
+        for r, p in done:
             price = p.estimate()
-            diffs = _ms(p.differences_s())
+            diffs = p.differences_s()
             self.transfer_probes.append(
                 {
                     "graph": r.graph_id,
-                    "round_trips": p.round_trips,
-                    "differences_s": p.differences_s(),
-                    "price_s": price,
+                    "round_trips": list(p.sizes),
+                    "differences_s": {str(n): d for n, d in diffs.items()},
+                    "per_transfer_s": price.per_transfer_s if price else None,
+                    "per_step_s": price.per_step_s if price else None,
                 }
             )
+            shown = "; ".join(f"{n} round trips: {_ms(d)}" for n, d in sorted(diffs.items()))
             if price is None:
                 log.info(
-                    "%s: %d page round trips per step did not show above the step's noise (probed minus "
-                    "plain: %s); pricing transfers from the calibration's blocks instead",
+                    "%s: the probe's round trips did not show above the step's noise (probed minus plain, "
+                    "%s); pricing transfers from the calibration's blocks instead",
                     r.name,
-                    p.round_trips,
-                    diffs,
+                    shown,
                 )
             else:
-                priced.append(
-                    (price, f"{r.name}: {p.round_trips} round trips per step, probed minus plain {diffs}")
-                )
+                priced.append((price, f"{r.name}, probed minus plain: {shown}"))
         if not priced:
             return None
-        return statistics.median(p for p, _ in priced), "; ".join(how for _, how in priced)
+        price = TransferPrice(
+            statistics.median(p.per_transfer_s for p, _ in priced),
+            statistics.median(p.per_step_s for p, _ in priced),
+        )
+        return price, " | ".join(how for _, how in priced)
 
     def _calibrate_hardware(self) -> HardwareModel:
-        """Time the runtime engine on the directory offloads will go to (teraio.calibrate, small sizes);
-        the price of a transfer is the graphs' own where their probes measured it."""
+        """Time the runtime engine on the directory offloads will go to (teraio.calibrate, small sizes)."""
         if "ssd" not in self.cfg.tiers:
             return HardwareModel()
         from teraio.calibrate import QUICK_NBYTES, calibrate
@@ -889,22 +934,9 @@ class TeraioBackend:
         directory = self._calibration_directory()
         t0 = time.perf_counter()
         cal = calibrate(directory, nbytes=QUICK_NBYTES, checksum=bool(self.cfg.checksum))
-        probed = self._probed_price()
-        self._close_probes()
-        if probed is not None:
-            log.info(
-                "priced a transfer under the model's own compute at %.0f us (blocks of synthetic ops: "
-                "%.0f us; %s)",
-                probed[0] * 1e6,
-                cal.cpu_s_per_transfer * 1e6,
-                probed[1],
-            )
-            cal.samples["blocks_cpu_s_per_transfer"] = [cal.cpu_s_per_transfer]
-            cal.cpu_s_per_transfer = probed[0]
-        hw = cal.hardware_model()
         log.info(
             "calibrated %s in %.1f s: write %.2f GB/s, read %.2f GB/s, %.0f/%.0f us per request, "
-            "%.0f us of compute per transfer",
+            "%.0f us of compute per transfer%s",
             directory,
             time.perf_counter() - t0,
             cal.write_bw_bytes_per_s / 1e9,
@@ -912,12 +944,11 @@ class TeraioBackend:
             cal.write_latency_s * 1e6,
             cal.read_latency_s * 1e6,
             cal.cpu_s_per_transfer * 1e6,
+            " (blocks of synthetic ops; the graph's own price replaces it)" if self.transfer_price else "",
         )
         for w in cal.warnings:
             log.warning("calibration: %s", w)
-        if self.run_dir is not None:
-            hw.save(self.run_dir / "hardware.json", overwrite=True)
-        return hw
+        return cal.hardware_model()
 
     def engine_id_for(self, plan: Plan) -> int:
         """The runtime engine the graphs' ops call; started (and space reserved) on first use."""

@@ -3,19 +3,25 @@
 Note: [Pricing transfers under the model's own compute]
 On a CPU-only step the time a transfer costs is mostly contention: the compute thread's calls into
 the migration ops, and the I/O threads taking cores from torch's intra-op threads (Note: [A transfer's
-CPU on a CPU-only step] in teraio.calibrate). How much depends on the compute around it, so blocks of
-synthetic ops price it only roughly: on the built-in tiny GPT they gave 285-570 us per transfer from
-one calibration to the next (in one process, the plain blocks' own time steady within 2%), while the
-step's measured overhead under one plan was the same within 4% in nine runs, at about 250 us per
-transfer. So where it can, the backend prices a transfer on the profiled graph itself: the calibration
-steps alternate between the graph as it is and a copy that also makes ``round_trips`` round trips of
-one page through the same ``teraio::`` ops a plan calls, spread over the forward (offload, then its
-wait half a slot later) and the backward (prefetch, then its fetch). The extra time of those steps
-over the plain ones, per transfer, is the price (``TransferProbe.estimate``). It needs the graph's own
-Python code (the FX-only path: an Inductor-compiled graph has no place to call from) and a step short
-enough that a few dozen round trips show above the step's noise; elsewhere the synthetic blocks stand.
-The pages are the probe's own: the model's tensors, its RNG and its statistics are untouched, so a
-probed step computes exactly what a plain one does.
+CPU on a CPU-only step] in teraio.calibrate). How much depends on the compute around it, and blocks of
+synthetic ops price it only roughly: on the built-in tiny GPT their figure moved by a factor of 1.7
+from one calibration to the next while one plan's measured overhead held within a few percent
+(benchmarks/results/demo_2c24g-virtio_202611.md, session 8). So where it can, the backend prices
+moving tensors on the profiled graph itself. After the calibration steps, ``PROBE_STEPS`` more
+alternate between the graph as it is and a copy whose FX code also makes page round trips through the
+same ``teraio::`` ops a plan calls, spread over the forward (offload, then its wait half a slot later)
+and the backward (prefetch, then its fetch). The probed steps alternate between two sizes, one round
+trip and ``MIN_ROUND_TRIPS`` or more, because a step's first transfer costs more than the next ones
+(it wakes the I/O path): a step making one round trip paid about twice per transfer what one making
+four did. The median extra time of each size over the plain step just before it gives two points,
+and the line through them gives the planner both parts of the price: per transfer
+(``cpu_s_per_transfer``) and once per step that moves anything (``cpu_s_per_step_with_io``). It needs
+the graph's own Python code (the FX-only path: an Inductor-compiled graph has no place to call from)
+and a step short enough that a few dozen round trips show above the step's noise; elsewhere the
+synthetic blocks stand. The pages are the probe's own: the model's tensors, its RNG and its
+statistics are untouched, so a probed step computes exactly what a plain one does, and the plain
+steps between the probed ones calibrate the op times as before (Note: [Calibrated times] in
+teraio.profiler).
 """
 
 from __future__ import annotations
@@ -33,23 +39,25 @@ from torch import fx
 from teraio.runtime.errors import DiskIOError
 
 PAGE_NBYTES = 4096
-#: Round trips per probed step are chosen so the probe adds about this share to the step, at the prior
-#: price below: enough to stand above a step's noise, not so many that they queue behind each other.
+#: The larger probe's round trips per step are chosen so it adds about this share to the step, at the
+#: prior price below: enough to stand above a step's noise, not so many that they queue behind each other.
 TARGET_SHARE = 0.25
-#: The price assumed when sizing a probe (the order of what this machine measured; the probe then
-#: measures the real one).
+#: The price assumed when sizing a probe (its order on the machines measured; the probe then measures
+#: the real one).
 PRIOR_S_PER_TRANSFER = 250e-6
-#: At least this many round trips per probed step: the price of a transfer falls as a step makes more
-#: of them (the first wakes the I/O threads; on the tiny GPT one round trip per step priced a transfer
-#: at 660-700 us, two at about 400, four at 315-330), and a plan worth making moves several.
+#: The larger probe makes at least this many round trips per step: far enough from the smaller one
+#: (one) for the line through the two to have a slope, and as many as a plan worth making moves.
 MIN_ROUND_TRIPS = 4
 #: Above this many round trips the step is long enough that a transfer's CPU barely matters to its time
 #: (and the probe would be lost in the step's noise): the synthetic calibration is used.
 MAX_ROUND_TRIPS = 64
-#: Probed steps, each paired with the plain step before it: a step of a few milliseconds varies by a
-#: tenth from one to the next, and the first probed step of a process is often slow, so the price is
-#: the median of this many differences.
+#: Probed steps per size, each paired with the plain step before it: a step of a few milliseconds
+#: varies by a tenth from one to the next, and the first probed step of a process is often slow, so
+#: each size's figure is the median of this many differences.
 PROBE_PAIRS = 8
+#: Calibration steps a probe adds: per size, PROBE_PAIRS probed steps, each after a plain one (the
+#: first pairs with the last plain calibration step).
+PROBE_STEPS = 2 * 2 * PROBE_PAIRS - 1
 
 _PROBES: dict[int, TransferProbe] = {}
 _PROBE_IDS = itertools.count(1)
@@ -66,8 +74,11 @@ class ProbeOp(IntEnum):
 
 
 def probe_hook(probe_id: int, op: int, index: int) -> None:
-    """Called by a probed graph's inserted nodes; returns nothing the graph uses."""
-    _PROBES[probe_id].step(ProbeOp(op), index)
+    """Called by a probed graph's inserted nodes; returns nothing the graph uses. A closed probe's
+    hooks do nothing (a probed step can be under way when the backend closes)."""
+    probe = _PROBES.get(probe_id)
+    if probe is not None:
+        probe.step(ProbeOp(op), index)
 
 
 def round_trips_for(plain_step_s: float) -> int | None:
@@ -111,26 +122,43 @@ def _with_hooks(
 
 @dataclass
 class ProbeStep:
-    """One calibration step seen by a probe: seconds in the graphs, and outside them when measured."""
+    """One calibration step seen by a probe: its round trips (0: plain), seconds in the graphs, and
+    outside them when measured."""
 
-    probed: bool
+    round_trips: int
     inside_s: float
     outside_s: float | None = None
 
     def total_s(self, with_outside: bool) -> float:
-        return self.inside_s + (self.outside_s or 0.0 if with_outside else 0.0)
+        if with_outside and self.outside_s is not None:
+            return self.inside_s + self.outside_s
+        return self.inside_s
+
+
+@dataclass(frozen=True)
+class TransferPrice:
+    """What moving tensors costs a step, measured: per transfer (one direction), and once per step that
+    moves anything (the planner's ``cpu_s_per_transfer`` and ``cpu_s_per_step_with_io``)."""
+
+    per_transfer_s: float
+    per_step_s: float
 
 
 @dataclass
 class TransferProbe:
-    """Page round trips made by a graph's probed calibration steps, and the price they measure."""
+    """Page round trips made by a graph's probed calibration steps, and the price they measure.
+
+    Probed steps alternate between ``sizes`` round trips, so the price separates into a part per
+    transfer and a part per step (two sizes, two unknowns).
+    """
 
     engine_id: int
-    round_trips: int
+    sizes: tuple[int, int]
     #: The calibration steps in order: the plain step before the probe began, then probed and plain
     #: steps alternating.
     steps: list[ProbeStep] = field(default_factory=list)
     probe_id: int = 0
+    closed: bool = False
     _pages: dict[int, torch.Tensor] = field(default_factory=dict)
     _handles: dict[int, Any] = field(default_factory=dict)
     _tokens: dict[int, Any] = field(default_factory=dict)
@@ -144,19 +172,21 @@ class TransferProbe:
         """Forget the probe (its tokens die with it, and with them its pages on disk)."""
         with _LOCK:
             _PROBES.pop(self.probe_id, None)
+        self.closed = True
         self._reset()
 
-    def probed(self, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule) -> tuple[fx.GraphModule, fx.GraphModule]:
-        """Copies of the forward and backward graphs that also make this probe's round trips."""
-        n = self.round_trips
+    def probed(
+        self, fw_gm: fx.GraphModule, bw_gm: fx.GraphModule, round_trips: int
+    ) -> tuple[fx.GraphModule, fx.GraphModule]:
+        """Copies of the forward and backward graphs that also make ``round_trips`` round trips."""
         return (
-            _with_hooks(fw_gm, self.probe_id, (ProbeOp.OFFLOAD, ProbeOp.WAIT), n),
-            _with_hooks(bw_gm, self.probe_id, (ProbeOp.PREFETCH, ProbeOp.FETCH), n),
+            _with_hooks(fw_gm, self.probe_id, (ProbeOp.OFFLOAD, ProbeOp.WAIT), round_trips),
+            _with_hooks(bw_gm, self.probe_id, (ProbeOp.PREFETCH, ProbeOp.FETCH), round_trips),
         )
 
     # ---------------------------------------------------------------------------------- the steps
-    def record(self, probed: bool, inside_s: float) -> None:
-        self.steps.append(ProbeStep(probed, inside_s))
+    def record(self, round_trips: int, inside_s: float) -> None:
+        self.steps.append(ProbeStep(round_trips, inside_s))
 
     def record_outside(self, outside_s: float) -> None:
         """The time outside the graphs of the step recorded last (teraio.outside)."""
@@ -164,35 +194,52 @@ class TransferProbe:
             self.steps[-1].outside_s = outside_s
 
     @property
-    def steps_probed(self) -> int:
-        return sum(s.probed for s in self.steps)
+    def next_round_trips(self) -> int:
+        """The round trips of the next calibration step (0: plain). Plain and probed steps alternate,
+        and the probed ones take the size with fewer pairs so far (a loop that calls the graph twice
+        before a backward makes two probed steps in a row, which only the first of them pairs)."""
+        if not self.steps or self.steps[-1].round_trips:
+            return 0
+        diffs = self.differences_s()
+        return min(self.sizes, key=lambda n: len(diffs.get(n, [])))
 
-    @property
-    def next_probed(self) -> bool:
-        """Whether the next calibration step probes: they alternate, from a plain one."""
-        return bool(self.steps) and not self.steps[-1].probed
+    def complete(self) -> bool:
+        """Every size has its pairs."""
+        diffs = self.differences_s()
+        return all(len(diffs.get(n, [])) >= PROBE_PAIRS for n in self.sizes)
 
     def done(self) -> bool:
-        return self.steps_probed >= PROBE_PAIRS
+        """Nothing more to measure: complete, or closed early (the backend closed)."""
+        return self.closed or self.complete()
 
-    def differences_s(self) -> list[float]:
-        """Per probed step, how much longer it took than the plain step just before it. The outside
-        time counts when both steps have it: the I/O a probe starts can slow the code between the graphs."""
-        out = []
+    def differences_s(self) -> dict[int, list[float]]:
+        """Per size, per probed step, how much longer it took than the plain step just before it. The
+        outside time counts when both steps have it: the I/O a probe starts can slow the code between
+        the graphs."""
+        out: dict[int, list[float]] = {}
         for before, probed in itertools.pairwise(self.steps):
-            if probed.probed and not before.probed:
+            if probed.round_trips and not before.round_trips:
                 outside = probed.outside_s is not None and before.outside_s is not None
-                out.append(probed.total_s(outside) - before.total_s(outside))
+                diff = probed.total_s(outside) - before.total_s(outside)
+                out.setdefault(probed.round_trips, []).append(diff)
         return out
 
-    def estimate(self) -> float | None:
-        """Seconds one transfer (one direction) adds to the step: the median of the paired differences,
-        per transfer. None before the pairs are done, or when the step's noise hid the probe."""
-        diffs = self.differences_s()
-        if len(diffs) < PROBE_PAIRS:
+    def estimate(self) -> TransferPrice | None:
+        """The price, from the median paired difference of each size: the line through the two points
+        (transfers per step, extra seconds). Where noise tilts that line (a negative part), the larger
+        size's difference per transfer alone. None before the pairs are done, or when the step's noise
+        hid the probe."""
+        if not self.complete():
             return None
-        extra_s = statistics.median(diffs)
-        return extra_s / (2 * self.round_trips) if extra_s > 0 else None
+        diffs = self.differences_s()
+        (n1, d1), (n2, d2) = sorted((2 * n, statistics.median(diffs[n])) for n in self.sizes)
+        if d2 <= 0:
+            return None
+        per_transfer = (d2 - d1) / (n2 - n1)
+        per_step = d1 - n1 * per_transfer
+        if per_transfer <= 0 or per_step < 0:
+            return TransferPrice(d2 / n2, 0.0)
+        return TransferPrice(per_transfer, per_step)
 
     # -------------------------------------------------------------------------------- the hooks
     def _reset(self) -> None:

@@ -40,9 +40,9 @@ class GraphRun:
     wall_s: float = 0.0
     #: Ran as the graph's own generated code, not op by op: only ``wall_s`` (Note: [Calibrated times]).
     uninstrumented: bool = False
-    #: Also made a transfer probe's round trips (Note: [Pricing transfers under the model's own compute]
-    #: in teraio.probe): its time prices transfers, not the graph's ops.
-    probed: bool = False
+    #: The transfer probe's round trips it also made (Note: [Pricing transfers under the model's own
+    #: compute] in teraio.probe), 0: none. Its time prices transfers, not the graph's ops.
+    probed: int = 0
 
 
 _OP_MARK = "teraio::op"
@@ -220,10 +220,10 @@ class StepProfiler:
         #: Set by the runner: the graph's transfer probe, and whether the next calibration step makes
         #: its round trips (Note: [Pricing transfers under the model's own compute] in teraio.probe).
         self.probe: TransferProbe | None = None
-        self.probe_next = False
+        self.probe_next = 0  # round trips
         self._last_calibration_probed = False
         self.last_backward_calibrated = False  # the backward that just ran was a calibration run
-        self._probed_gms: tuple[fx.GraphModule, fx.GraphModule] | None = None
+        self._probed_gms: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
         #: The uninstrumented steps, (forward, backward) each (Note: [Calibrated times]).
         self.calibrations: list[tuple[GraphRun, GraphRun]] = []
         #: This graph's share of each calibration step's time outside the graphs (teraio.outside).
@@ -235,6 +235,11 @@ class StepProfiler:
     def last_forward_calibrated(self) -> bool:
         """Whether the forward that just ran was a calibration run (uninstrumented)."""
         return self._last_fwd is not None and self._last_fwd.uninstrumented
+
+    @property
+    def has_kernels(self) -> bool:
+        """Whether the calibration steps run the compiler's kernels, not the GraphModule's own code."""
+        return bool(self._kernels)
 
     def set_kernels(self, kernels: Any, is_backward: bool) -> None:
         """Calibrate on ``kernels`` (Note: [Calibrating on the compiler's own code] in teraio.compilers)."""
@@ -249,9 +254,9 @@ class StepProfiler:
         }
         if self.calibrate_next and self.fwd_runs:
             self.calibrate_next = False
-            probed = self.probe_next and self.probe is not None
-            self.probe_next = False
-            gm = self._probed_graphs()[0] if probed else self.step.fw_gm
+            probed = self.probe_next if self.probe is not None else 0
+            self.probe_next = 0
+            gm = self._probed_graphs(probed)[0] if probed else self.step.fw_gm
             out, wall_s = _run_uninstrumented(gm, args_list, self.device, self._kernels.get(False))
             self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True, probed=probed)
             return out
@@ -280,9 +285,9 @@ class StepProfiler:
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
         self.last_backward_calibrated = fwd is not None and fwd.uninstrumented
         if fwd is not None and fwd.uninstrumented:
-            gm = self._probed_graphs()[1] if fwd.probed else self.step.bw_gm
+            gm = self._probed_graphs(fwd.probed)[1] if fwd.probed else self.step.bw_gm
             out, wall_s = _run_uninstrumented(gm, args_list, self.device, self._kernels.get(True))
-            self._last_calibration_probed = fwd.probed
+            self._last_calibration_probed = bool(fwd.probed)
             if self.probe is not None:
                 self.probe.record(fwd.probed, fwd.wall_s + wall_s)
             if not fwd.probed:
@@ -304,11 +309,11 @@ class StepProfiler:
         if not self._last_calibration_probed:
             self.outside_samples_s.append(outside_s)
 
-    def _probed_graphs(self) -> tuple[fx.GraphModule, fx.GraphModule]:
-        if self._probed_gms is None:
+    def _probed_graphs(self, round_trips: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if round_trips not in self._probed_gms:
             assert self.probe is not None
-            self._probed_gms = self.probe.probed(self.step.fw_gm, self.step.bw_gm)
-        return self._probed_gms
+            self._probed_gms[round_trips] = self.probe.probed(self.step.fw_gm, self.step.bw_gm, round_trips)
+        return self._probed_gms[round_trips]
 
     @property
     def steps_recorded(self) -> int:

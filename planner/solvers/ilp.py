@@ -223,7 +223,11 @@ class _IlpModel:
             math.ceil(2 * hw.tier(x.tier).cpu_s(x.nbytes) * 1e6)
             for x in decisions
             if hw.tier(x.tier).costs_cpu
-        )
+        ) + sum(self.wake_us(t) for t in {x.tier for x in decisions if x.action == "offload"})
+
+    def wake_us(self, tier: str) -> int:
+        """The objective's charge for a step that moves anything through ``tier`` (``cpu_s_per_step_with_io``)."""
+        return math.ceil(self.problem.hardware.tier(tier).cpu_s_per_step_with_io * 1e6)
 
     # ------------------------------------------------------------------------------------------ build
     def _build(self) -> None:
@@ -353,6 +357,15 @@ class _IlpModel:
             for r in self.tiers
             if self.problem.hardware.tier(r).costs_cpu
         )
+        # Waking a tier's I/O path, once per step that moves anything through it.
+        self.uses: dict[str, cp_model.IntVar] = {}
+        for r in self.tiers:
+            wake = self.wake_us(r)
+            if wake and self.cands:
+                used = self.uses[r] = self.m.new_bool_var(f"uses_{r}")
+                for c in self.cands:
+                    self.m.add_implication(self.o[c.name, r], used)
+                self.cpu_us = self.cpu_us + wake * used
         self.primary = self.peak if self.auto else self.E[-1] + self.cpu_us
         self.m.minimize(self.primary)
 
@@ -407,6 +420,7 @@ class _IlpModel:
             ],
             cpu_cost=lambda x: 0.0,
             call_cost=lambda x: 0.0,
+            step_cost=lambda tier: 0.0,
         )
         names = [x.name for x in decisions]
         as_int = lambda a: {x: int(round(v)) for x, v in zip(names, a)}  # noqa: E731
@@ -429,6 +443,8 @@ class _IlpModel:
             for k in range(1, self.nf + 1):
                 m.add_hint(self.R[k], int(tl.ready_us[k]))
         chosen = {x.name: x for x in decisions if x.name in self.by_name}
+        for r, used in self.uses.items():
+            m.add_hint(used, int(any(x.tier == r and x.action == "offload" for x in chosen.values())))
         for c in self.cands:
             x = chosen.get(c.name)
             for r in self.tiers:

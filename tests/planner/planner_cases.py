@@ -83,6 +83,7 @@ def ssd_only(
     shared: bool = False,
     cpu_s_per_byte: float = 0.0,
     cpu_s_per_transfer: float = 0.0,
+    cpu_s_per_step_with_io: float = 0.0,
 ) -> HardwareModel:
     return HardwareModel(
         tiers={
@@ -93,6 +94,7 @@ def ssd_only(
                 read_latency_s=latency_s,
                 count=count,
                 cpu_s_per_transfer=cpu_s_per_transfer,
+                cpu_s_per_step_with_io=cpu_s_per_step_with_io,
                 shared_channel=shared,
                 cpu_s_per_byte=cpu_s_per_byte,
             ),

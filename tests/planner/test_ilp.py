@@ -128,6 +128,20 @@ def test_a_per_transfer_cost_is_charged_in_full_and_keeps_the_model_above_the_si
     assert plan.predicted_step_s >= 450e-6 + 20e-6 - 1e-12
 
 
+def test_waking_the_io_path_is_charged_once_in_model_and_simulator(ilp_own_plans):
+    """``cpu_s_per_step_with_io``: a plan that moves A pays it once, in the model (its CPU charge) as in
+    the simulator, and the plan's predicted step includes it."""
+    hw = _hw(30, 20, cpu_s_per_step_with_io=50e-6)
+    plan = solve(_tiny(), 1999, "ilp", hw, time_limit_s=30, deterministic_time_s=2)
+    (d,) = plan.decisions
+    assert d.name == "A"
+    own = ilp_own_plans[0]
+    assert own["cpu_charge_s"] == pytest.approx(50e-6)
+    assert own["sim_step_s"] <= own["model_step_s"] + 1e-12
+    assert plan.predicted_step_s == pytest.approx(simulate(_tiny(), plan).step_s)
+    assert plan.predicted_step_s >= 450e-6 + 50e-6 - 1e-12
+
+
 def _own(**fields) -> dict:
     """An own-plan record: a 450 us model step the simulator agrees with, proven optimal, exact units."""
     own = {

@@ -115,6 +115,27 @@ def test_migration_calls_cost_the_compute_thread_where_the_graph_makes_them():
     assert io.loc["read", "issue_s"] == pytest.approx(5.6e-3)  # op4 ended at 5.3 ms, then the call
 
 
+def test_waking_the_io_path_costs_once_per_step_at_the_first_call():
+    """``cpu_s_per_step_with_io``: charged once, with the step's first migration call on the tier (the
+    first offload, after op0), however many tensors move; never as stall."""
+    p = make_profile(
+        ops_rows([1000.0] * 6, 3),
+        [act("x", 2 * MB, 0, 0, 5), act("y", 2 * MB, 1, 1, 5)],
+        {"fingerprint": "w"},
+    )
+    lt = analyse(p)
+    ds = [lt.decision(n, wait_before_idx=3, prefetch_before_idx=5) for n in ("x", "y")]
+    fast = {"write_bw": 1e12, "read_bw": 1e12, "cpu_s_per_transfer": 1e-4}
+    base = simulate(p, _plan(p, ds, ssd_only(**fast)))
+    r = simulate(p, _plan(p, ds, ssd_only(**fast, cpu_s_per_step_with_io=5e-4)))
+    one = simulate(p, _plan(p, ds[:1], ssd_only(**fast, cpu_s_per_step_with_io=5e-4)))
+    assert r.violations == [] and r.stall_s == pytest.approx(base.stall_s, abs=1e-12)
+    assert r.step_s == pytest.approx(base.step_s + 5e-4)
+    assert r.op_end_s[0] == pytest.approx(base.op_end_s[0] + 5e-4)  # with the first offload call
+    one_base = simulate(p, _plan(p, ds[:1], ssd_only(**fast)))
+    assert one.step_s == pytest.approx(one_base.step_s + 5e-4)  # the same once, for one tensor as for two
+
+
 @pytest.mark.parametrize(
     ("kwargs", "kind", "fragment"),
     [

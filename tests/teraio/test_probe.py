@@ -15,6 +15,7 @@ from teraio.probe import (
     MAX_ROUND_TRIPS,
     MIN_ROUND_TRIPS,
     PROBE_PAIRS,
+    PROBE_STEPS,
     ProbeOp,
     ProbeStep,
     TransferProbe,
@@ -41,9 +42,9 @@ def _hooks(gm: fx.GraphModule) -> list[tuple[int, int]]:
 
 def test_probed_graph_computes_the_same_and_spreads_its_round_trips() -> None:
     gm = _mlp_graph()
-    probe = TransferProbe(engine_id=0, round_trips=4)
+    probe = TransferProbe(engine_id=0, sizes=(1, 4))
     try:
-        fw, bw = probe.probed(gm, gm)
+        fw, bw = probe.probed(gm, gm, 4)
         assert _hooks(fw) == [(op, i) for i in range(4) for op in (ProbeOp.OFFLOAD, ProbeOp.WAIT)], (
             "each offload comes before its wait, the round trips in order"
         )
@@ -64,7 +65,7 @@ def test_probe_round_trips_pages_through_the_runtime_and_a_wrong_page_raises(tmp
 
     with Engine(RuntimeConfig(dirs=[str(tmp_path)], backend="posix")) as engine:
         eid = register_engine(engine)
-        probe = TransferProbe(engine_id=eid, round_trips=2)
+        probe = TransferProbe(engine_id=eid, sizes=(1, 2))
         try:
             for op in (ProbeOp.OFFLOAD, ProbeOp.WAIT):
                 for i in range(2):
@@ -101,30 +102,60 @@ def test_probe_round_trips_pages_through_the_runtime_and_a_wrong_page_raises(tmp
         assert engine.keys() == [], "the probe's pages outlived it"
 
 
-def _steps(pairs: list[tuple[float, float]], outside: bool = False) -> list[ProbeStep]:
+def _steps(pairs: list[tuple[int, float, float]], outside: bool = False) -> list[ProbeStep]:
+    """(round trips, plain seconds, probed seconds) per pair, as the runner records them."""
     steps = []
-    for plain_s, probed_s in pairs:
-        steps.append(ProbeStep(False, plain_s, 0.001 if outside else None))
-        steps.append(ProbeStep(True, probed_s, 0.003 if outside else None))
+    for round_trips, plain_s, probed_s in pairs:
+        steps.append(ProbeStep(0, plain_s, 0.001 if outside else None))
+        steps.append(ProbeStep(round_trips, probed_s, 0.001 + round_trips * 1e-4 if outside else None))
     return steps
 
 
-def test_estimate_is_the_median_paired_difference_per_transfer() -> None:
-    probe = TransferProbe(engine_id=0, round_trips=4)
+def _pairs(small_s: float, large_s: float, plain_s: float = 0.004) -> list[tuple[int, float, float]]:
+    # One slow first probed step of each size (as in a fresh process): the medians do not move.
+    pairs = [(1, plain_s, 0.03), (4, plain_s, 0.03)]
+    for _ in range(PROBE_PAIRS - 1):
+        pairs += [(1, plain_s, plain_s + small_s), (4, plain_s, plain_s + large_s)]
+    return pairs
+
+
+def test_price_separates_per_transfer_from_per_step() -> None:
+    probe = TransferProbe(engine_id=0, sizes=(1, 4))
     try:
-        # One slow first probed step (as in a fresh process) does not move the median.
-        pairs = [(0.004, 0.030)] + [(0.004, 0.0064)] * (PROBE_PAIRS - 1)
-        probe.steps = _steps(pairs)
+        # 2 transfers cost 0.9 ms and 8 cost 2.1 ms: 0.2 ms each, 0.5 ms per step.
+        probe.steps = _steps(_pairs(0.0009, 0.0021))
         assert probe.done()
-        assert probe.estimate() == pytest.approx(0.0024 / 8)
-        # Outside time counts when both steps of a pair have it.
-        probe.steps = _steps(pairs, outside=True)
-        assert probe.estimate() == pytest.approx((0.0024 + 0.002) / 8)
+        price = probe.estimate()
+        assert price.per_transfer_s == pytest.approx(0.0002) and price.per_step_s == pytest.approx(0.0005)
+        # Outside time counts when both steps of a pair have it (here 0.1 ms more per round trip).
+        probe.steps = _steps(_pairs(0.0009, 0.0021), outside=True)
+        price = probe.estimate()
+        assert price.per_transfer_s == pytest.approx((0.0021 + 0.0004 - 0.0009 - 0.0001) / 6)
+        # Noise tilting the line (more per transfer at one round trip than all of four): the larger
+        # size's difference per transfer, nothing per step.
+        probe.steps = _steps(_pairs(0.0030, 0.0024))
+        price = probe.estimate()
+        assert price.per_transfer_s == pytest.approx(0.0003) and price.per_step_s == 0.0
         # Too few pairs, or a probe the noise hid: no price.
-        probe.steps = _steps(pairs[:-1])
+        probe.steps = _steps(_pairs(0.0009, 0.0021)[:-1])
         assert not probe.done() and probe.estimate() is None
-        probe.steps = _steps([(0.004, 0.0039)] * PROBE_PAIRS)
+        probe.steps = _steps(_pairs(-0.0001, -0.0001))
         assert probe.estimate() is None
+    finally:
+        probe.close()
+
+
+def test_steps_alternate_plain_and_probed_and_the_sizes() -> None:
+    probe = TransferProbe(engine_id=0, sizes=(1, 4))
+    try:
+        probe.record(0, 0.004)
+        seen = []
+        for _ in range(PROBE_STEPS):
+            n = probe.next_round_trips
+            seen.append(n)
+            probe.record(n, 0.004 + n * 1e-4)
+        assert seen[:5] == [1, 0, 4, 0, 1]
+        assert probe.done() and seen.count(1) == seen.count(4) == PROBE_PAIRS
     finally:
         probe.close()
 
@@ -135,7 +166,8 @@ def test_round_trips_are_sized_to_the_step() -> None:
     assert round_trips_for(2.0) is None  # a long step: the calibration's blocks price transfers
 
 
-def test_backend_prices_transfers_under_the_graph_and_trains_bit_identically(monkeypatch, tmp_path) -> None:
+def _quick_calibration(monkeypatch, tmp_path):
+    """The backend's calibration at small sizes; returns the offload directory."""
     real = teraio.calibrate.calibrate
     monkeypatch.setattr(
         teraio.calibrate,
@@ -144,31 +176,78 @@ def test_backend_prices_transfers_under_the_graph_and_trains_bit_identically(mon
     )
     offload = tmp_path / "offload"
     offload.mkdir()
-    steps = 3 + 2 * PROBE_PAIRS + 3  # profiling, the probe's pairs, the planning step and two more
-    be = TeraioBackend(
+    return offload
+
+
+def _probing_backend(offload, budget: str = "60%") -> TeraioBackend:
+    """FX-only, calibrating the offload directory: a short step's graph probes after profiling."""
+    return TeraioBackend(
         inner="eager",
         profile_steps=3,
         solver="greedy",
-        memory_budget="60%",
+        memory_budget=budget,
         hardware="calibrate",
         offload_dirs=[str(offload)],
         measure_memory=False,
     )
+
+
+def test_backend_prices_transfers_under_the_graph_and_trains_bit_identically(monkeypatch, tmp_path) -> None:
+    offload = _quick_calibration(monkeypatch, tmp_path)
+    steps = 3 + PROBE_STEPS + 3  # profiling, the probe's steps, the planning step and two more
+    be = _probing_backend(offload)
     off = TeraioBackend(inner="eager", profile_steps=3, enabled=False, measure_memory=False)
     try:
         probed = run(CASES["gpt"], "plain", be, steps)
         (runner,) = [r for r in be.runners if r.is_training]
         assert runner.plan is not None, "planned after the probe's steps"
         (result,) = be.transfer_probes
-        assert result["round_trips"] >= MIN_ROUND_TRIPS
-        assert len(result["differences_s"]) == PROBE_PAIRS
-        price = runner.plan.hardware.tiers["ssd"].cpu_s_per_transfer
-        if result["price_s"] is not None:  # else the noise hid it and the blocks' figure stands
-            assert price == result["price_s"]
+        assert result["round_trips"][0] == 1 and result["round_trips"][1] >= MIN_ROUND_TRIPS
+        assert [len(d) for d in result["differences_s"].values()] == [PROBE_PAIRS, PROBE_PAIRS]
+        ssd = runner.plan.hardware.tiers["ssd"]
+        if result["per_transfer_s"] is not None:  # else the noise hid it and the blocks' figure stands
+            assert ssd.cpu_s_per_transfer == result["per_transfer_s"]
+            assert ssd.cpu_s_per_step_with_io == result["per_step_s"]
         # The plain calibration steps still calibrate the op times, the probed ones do not.
-        assert runner.profile.meta["calibration_steps"] == PROBE_PAIRS  # 1, then 7 between the 8 probed
+        assert runner.profile.meta["calibration_steps"] == 1 + (PROBE_STEPS - 1) // 2
         assert be._probe_engine is None, "the probe's engine outlived the first plan"
     finally:
         be.close()
     assert_bit_identical(probed, run(CASES["gpt"], "plain", off, steps))
+    assert not [p for p in offload.iterdir() if p.name.startswith("teraio-")]
+
+
+def test_probing_in_every_loop_pattern_across_a_graph_break_stays_bit_identical(
+    monkeypatch, tmp_path
+) -> None:
+    """Validation under no_grad, a forward never backpropagated, accumulation and two forwards before
+    one backward while two graphs probe: training is bit-identical to ``enabled=False``, each graph is
+    planned, and nothing is left in the offload directory."""
+    offload = _quick_calibration(monkeypatch, tmp_path)
+    steps = 3 + PROBE_STEPS + 4
+    case = CASES["gpt-graph-break"]
+    be = _probing_backend(offload, "70%")
+    try:
+        probed = run(case, "all-fp32", be, steps)
+        # Both halves of the graph break (a graph called once, by one of the loop's odd calls, stays
+        # profiling, as without a probe).
+        assert len([r for r in be.runners if r.is_training and r.plan is not None]) == 2
+        assert be.transfer_probes and be._probe_engine is None
+    finally:
+        be.close()
+    off = TeraioBackend(inner="eager", profile_steps=3, enabled=False, measure_memory=False)
+    assert_bit_identical(probed, run(case, "all-fp32", off, steps))
+    assert not [p for p in offload.iterdir() if p.name.startswith("teraio-")]
+
+
+def test_closing_the_backend_while_probing_stops_the_probe(monkeypatch, tmp_path) -> None:
+    offload = _quick_calibration(monkeypatch, tmp_path)
+    be = _probing_backend(offload)
+    run(CASES["gpt"], "plain", be, 6)  # three profiling steps, then three of the probe's
+    (runner,) = [r for r in be.runners if r.is_training]
+    probe = runner.profiler.probe
+    assert probe is not None and not probe.done()
+    be.close()
+    assert probe.closed and probe.done() and be._probe_engine is None
+    probe_hook(probe.probe_id, int(ProbeOp.OFFLOAD), 0)  # a hook of a closed probe does nothing
     assert not [p for p in offload.iterdir() if p.name.startswith("teraio-")]
