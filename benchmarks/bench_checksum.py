@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from teraio.demo import DemoConfig, _setup
+from teraio.demo import DemoConfig, _Method, _warm_up, same_step
 from teraio.models import build_gpt
 from teraio.planner.safe_io import write_json
 from teraio.runtime.config import default_offload_dir
@@ -44,20 +44,24 @@ def run(model: str = "demo", steps: int = 16, budget: str = "55%", solver: str =
     base = build_gpt(cfg.model, seed=cfg.seed)
     offload_dir = str(default_offload_dir())
     warmup = cfg.profile_steps + 1
-    methods = {}
+    methods: dict[str, _Method] = {}
     torch._dynamo.reset()
     try:
         for name, (method, checksum) in VARIANTS.items():
-            m = _setup(method, base, replace(cfg, checksum=bool(checksum)), offload_dir)
-            methods[name] = m
-            for step in range(warmup):
-                m.step(step, cfg)
-            m.step(warmup, cfg, measure=True)
+            warmed: list[_Method] = []  # _warm_up appends at once, so the finally below closes it
+            try:
+                _warm_up(
+                    method, base, replace(cfg, checksum=bool(checksum)), offload_dir, None, warmup, warmed
+                )
+            finally:
+                if warmed:
+                    methods[name] = warmed[0]
+        first_timed = same_step(list(methods.values()), cfg)
         cpu_s: dict[str, list[float]] = {name: [] for name in methods}
         for r in range(steps):
             for name, m in methods.items():
                 c0 = time.process_time()
-                step_s, _ = m.step(warmup + 1 + r, cfg)
+                step_s, _ = m.step(first_timed + r, cfg)
                 cpu_s[name].append(time.process_time() - c0)
                 m.times.append(step_s)
         # Straight from the runtime engines: which checksum each really ran, and how many chunks failed.

@@ -178,6 +178,16 @@ def _warm_up(
     return m
 
 
+def same_step(methods: list[_Method], cfg: DemoConfig) -> int:
+    """Bring every method to the same step, so all train on the same batches from the same state (a
+    plan can come later in one than in another); return that step."""
+    first = max(m.steps_run for m in methods)
+    for m in methods:
+        while m.steps_run < first:
+            m.step(m.steps_run, cfg)
+    return first
+
+
 def _row(m: _Method, ref: _Method | None) -> dict[str, Any]:
     """One method's figures (docs/cli.md lists the keys).
 
@@ -288,11 +298,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 )
                 m = _warm_up(name, base, cfg, offload_dir, e.smallest_peak_bytes, warmup, methods)
                 m.budget_raised_from = budget
-        # Every method to the same step, so all train on the same batches from the same state.
-        first_timed = max(m.steps_run for m in methods)
-        for m in methods:
-            while m.steps_run < first_timed:
-                m.step(m.steps_run, cfg)
+        first_timed = same_step(methods, cfg)
         for r in range(cfg.steps):
             for m in methods:
                 step_s, fwd_bwd_s = m.step(first_timed + r, cfg)
