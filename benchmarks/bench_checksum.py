@@ -44,19 +44,13 @@ def run(model: str = "demo", steps: int = 16, budget: str = "55%", solver: str =
     base = build_gpt(cfg.model, seed=cfg.seed)
     offload_dir = str(default_offload_dir())
     warmup = cfg.profile_steps + 1
-    methods: dict[str, _Method] = {}
+    warmed: list[_Method] = []  # in VARIANTS' order; _warm_up appends at once, so the finally closes each
     torch._dynamo.reset()
     try:
-        for name, (method, checksum) in VARIANTS.items():
-            warmed: list[_Method] = []  # _warm_up appends at once, so the finally below closes it
-            try:
-                _warm_up(
-                    method, base, replace(cfg, checksum=bool(checksum)), offload_dir, None, warmup, warmed
-                )
-            finally:
-                if warmed:
-                    methods[name] = warmed[0]
-        first_timed = same_step(list(methods.values()), cfg)
+        for method, checksum in VARIANTS.values():
+            _warm_up(method, base, replace(cfg, checksum=bool(checksum)), offload_dir, None, warmup, warmed)
+        methods = dict(zip(VARIANTS, warmed))
+        first_timed = same_step(warmed, cfg)
         cpu_s: dict[str, list[float]] = {name: [] for name in methods}
         for r in range(steps):
             for name, m in methods.items():
@@ -69,7 +63,7 @@ def run(model: str = "demo", steps: int = 16, budget: str = "55%", solver: str =
         checksum_used = {name: e.config.checksum if e is not None else None for name, e in engines.items()}
         checksum_failures = sum(e.stats().checksum_failures for e in engines.values() if e is not None)
     finally:
-        for m in methods.values():
+        for m in warmed:
             m.backend.close()
     ref = methods["no-offload"].times
     rows = {
