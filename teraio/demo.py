@@ -63,6 +63,9 @@ class DemoConfig:
     hardware: str | None = "calibrate"
     # Note: [Freed CPU memory and step time] in teraio.cpu_malloc
     cpu_malloc: CpuMalloc = "retain"
+    # Timed steps of one method in a row per round, after one untimed switch step; None: by step time
+    # (Note: [Timing runs of steps]).
+    round_steps: int | None = None
     on_row: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
 
 
@@ -100,6 +103,7 @@ class _Method:
     # teraio@checkpoint only: the checkpoint peak, when it was below teraio's floor and the floor was used.
     budget_raised_from: int | None = None
     steps_run: int = 0
+    warm_up_times: list[float] = field(default_factory=list)  # whole steps, before the memory step
 
     def step(self, step: int, cfg: DemoConfig, measure: bool = False) -> tuple[float, float]:
         """Training step ``step`` (the next one: every method trains on the same batches in the same
@@ -166,16 +170,66 @@ def _warm_up(
     m = _setup(name, base, cfg, offload_dir, budget)
     methods.append(m)
     for step in range(warmup):
-        m.step(step, cfg)
+        m.warm_up_times.append(m.step(step, cfg)[0])
     # A plan may come later than ``profile_steps``: the backend goes on calibrating while it prices a
     # transfer under the model's own compute (Note: [Pricing transfers under the model's own compute]
     # in teraio.probe). Bounded, in case a graph never finishes profiling.
     while m.steps_run < warmup + PROBE_STEPS + 2 and any(
         r.phase in (Phase.PROFILING, Phase.PLANNING) for r in m.backend.runners
     ):
-        m.step(m.steps_run, cfg)
+        m.warm_up_times.append(m.step(m.steps_run, cfg)[0])
     m.step(m.steps_run, cfg, measure=True)
     return m
+
+
+#: Below this step time (the first method's warm-up median), the timed rounds run each method's steps
+#: in a row (Note: [Timing runs of steps]).
+SHORT_STEP_S = 0.1  # the CLI's --round-steps help says so
+#: Timed steps of one method in a row per round on short steps.
+SHORT_STEP_ROUND_STEPS = 4
+
+
+def round_steps_for(methods: list[_Method], cfg: DemoConfig) -> int:
+    """Timed steps of one method in a row per round: ``cfg.round_steps``, or by the step time.
+
+    Note: [Timing runs of steps]
+    A user trains one model, step after step; the demo trains several in one process. Interleaving
+    them one step each per round cancels the shared machine's slow and fast periods, which matters on
+    steps of seconds (the demo model's), but on steps of milliseconds each step then starts on another
+    model's cache contents and after another model's I/O, which no user's loop and no profile sees:
+    on the tiny GPT, no offload's forward+backward took 9% longer interleaved step by step than in runs
+    of four in the same processes, and a teraio plan's 6% (medians of six processes; benchmarks/results,
+    session 9). So on short steps each method runs ``SHORT_STEP_ROUND_STEPS`` timed steps in a row per
+    round, after one untimed switch step that absorbs the change of model; the rounds still alternate
+    the methods every few milliseconds, so drift still falls on all alike. Every method runs the same
+    steps (the switch steps train too), so the losses still compare batch for batch.
+    """
+    if cfg.round_steps is not None:
+        return cfg.round_steps
+    times = methods[0].warm_up_times[1:] if methods else []  # the first step compiles
+    if times and statistics.median(times) < SHORT_STEP_S:
+        return SHORT_STEP_ROUND_STEPS
+    return 1
+
+
+def run_rounds(methods: list[_Method], cfg: DemoConfig, round_steps: int) -> int:
+    """Run ``cfg.steps`` timed steps of every method in rounds of ``round_steps`` each (Note: [Timing
+    runs of steps]); return the number of untimed switch steps each method ran."""
+    switch_steps = 0
+    left = cfg.steps
+    while left > 0:
+        n = min(round_steps, left)
+        for m in methods:
+            if round_steps > 1:
+                m.step(m.steps_run, cfg)  # the switch step: untimed
+            for _ in range(n):
+                step_s, fwd_bwd_s = m.step(m.steps_run, cfg)
+                m.times.append(step_s)
+                m.fwd_bwd_times.append(fwd_bwd_s)
+        switch_steps += 1 if round_steps > 1 else 0
+        left -= n
+    assert len({m.steps_run for m in methods}) <= 1, "every method ran the same steps"
+    return switch_steps
 
 
 def same_step(methods: list[_Method], cfg: DemoConfig) -> int:
@@ -214,7 +268,7 @@ def _row(m: _Method, ref: _Method | None) -> dict[str, Any]:
         "step_s": step_s,
         # Forward+backward only: what a plan's predicted_step_s predicts (step_s adds the optimizer).
         "fwd_bwd_s": statistics.median(m.fwd_bwd_times),
-        "step_times_s": list(m.times),  # per round, in the order the rounds ran
+        "step_times_s": list(m.times),  # per timed step, in the order they ran
         "fwd_bwd_times_s": list(m.fwd_bwd_times),
         "steps_measured": len(m.times),
         "activation_bytes": profile.activation_bytes() if profile is not None else None,
@@ -224,7 +278,8 @@ def _row(m: _Method, ref: _Method | None) -> dict[str, Any]:
         "final_loss": float(m.losses[-1]),
     }
     if ref is not None:
-        # Paired by round: both methods ran back to back, so machine noise mostly cancels.
+        # Paired by round and place in it: both methods ran within milliseconds or seconds of each
+        # other, so machine noise mostly cancels.
         row["overhead"] = statistics.median(t / r for t, r in zip(m.times, ref.times)) - 1.0
         row["fwd_bwd_overhead"] = (
             statistics.median(t / r for t, r in zip(m.fwd_bwd_times, ref.fwd_bwd_times)) - 1.0
@@ -257,8 +312,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """Train with every method in ``cfg.methods``; return ``{"rows": [...], ...}`` (see docs/cli.md).
 
     Each method first runs its warm-up (profiling, planning, compiling) and one memory-measurement
-    step; then the timed steps run in rounds, one step of each method per round, so that the shared
-    machine's slow and fast periods fall on every method alike.
+    step; then the timed steps run in rounds that alternate the methods (one step of each, or a few in
+    a row on short steps: Note: [Timing runs of steps]), so that the shared machine's slow and fast
+    periods fall on every method alike.
     """
     cpu_malloc = apply_cpu_malloc(cfg.cpu_malloc)
     base = build_gpt(cfg.model, seed=cfg.seed)
@@ -298,12 +354,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 )
                 m = _warm_up(name, base, cfg, offload_dir, e.smallest_peak_bytes, warmup, methods)
                 m.budget_raised_from = budget
-        first_timed = same_step(methods, cfg)
-        for r in range(cfg.steps):
-            for m in methods:
-                step_s, fwd_bwd_s = m.step(first_timed + r, cfg)
-                m.times.append(step_s)
-                m.fwd_bwd_times.append(fwd_bwd_s)
+        same_step(methods, cfg)
+        round_steps = round_steps_for(methods, cfg)
+        switch_steps = run_rounds(methods, cfg, round_steps)
         by_name = {m.name: m for m in methods}
         ref = by_name.get("no-offload")
         rows = [_row(m, ref) for m in methods]
@@ -323,6 +376,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         "inner": cfg.inner,
         "budget": cfg.budget,
         "steps": cfg.steps,
+        # Timed steps of one method in a row per round, and the untimed switch steps each method ran
+        # (Note: [Timing runs of steps]).
+        "round_steps": round_steps,
+        "switch_steps": switch_steps,
         "cpu_malloc": cpu_malloc,
         "rows": rows,
         # Saved activations of one step without offload (the bytes a plan can move).

@@ -29,6 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model", default="demo", choices=["demo", "tiny"], help="built-in GPT config (default demo)"
     )
     p.add_argument("--steps", type=int, default=12, help="timed steps per method, run in rounds (default 12)")
+    p.add_argument(
+        "--round-steps",
+        type=int,
+        default=None,
+        help="timed steps of one method in a row per round, after one untimed switch step when above 1 "
+        "(default: 4 on steps under 0.1 s, else 1)",
+    )
     p.add_argument("--budget", default="55%", help="teraio memory budget: bytes, units, fraction or auto")
     p.add_argument("--solver", default="ilp", help="planner solver (ilp, greedy, all, none)")
     p.add_argument("--time-limit", type=float, default=30.0, help="solver time limit in seconds")
@@ -123,6 +130,11 @@ def _table(result: dict[str, Any]) -> None:
         )
     console = Console(width=max(Console().width, 132))
     console.print(t)
+    k = result.get("round_steps", 1)
+    console.print(
+        f"timed: {result['steps']} steps per method, in rounds of {k}"
+        + (" after an untimed switch step" if k > 1 else " (one step of each method per round)")
+    )
     acts = next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None)
     if acts:
         console.print(f"saved activations without offload: {format_bytes(acts)}")
@@ -171,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.steps < 1:
         raise UserInputError("--steps must be at least 1")
+    if args.round_steps is not None and args.round_steps < 1:
+        raise UserInputError(f"--round-steps must be at least 1, got {args.round_steps}")
     # The budget and solver are used only after the first method has run and teraio's has profiled:
     # a typo must fail now, not minutes in. (The unplanned peak a fraction refers to is not known yet,
     # so this only checks that the budget parses and is positive.)
@@ -205,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         hardware=args.hardware,
         model=args.model,
         steps=args.steps,
+        round_steps=args.round_steps,
         budget=args.budget,
         solver=args.solver,
         time_limit=args.time_limit,

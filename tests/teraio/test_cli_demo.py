@@ -14,9 +14,12 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     offload_dir = tmp_path / "off"
     offload_dir.mkdir()
     out_file = tmp_path / "demo.json"
-    assert main([*TINY, "--json", "--offload-dir", str(offload_dir), "--out", str(out_file)]) == 0
+    argv = [*TINY, "--json", "--offload-dir", str(offload_dir), "--out", str(out_file), "--round-steps", "3"]
+    assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert json.loads(out_file.read_text()) == result
+    # Two timed steps per method (fewer than a round), after one untimed switch step each.
+    assert result["round_steps"] == 3 and result["switch_steps"] == 1
     rows = {r["method"]: r for r in result["rows"]}
     assert list(rows) == ["no-offload", "teraio", "checkpoint", "teraio@checkpoint"]
     for row in rows.values():
@@ -90,9 +93,44 @@ def test_demo_rejects_bad_options_with_one_line(capsys, tmp_path: Path) -> None:
         ([*TINY, "--offload-dir", str(tmp_path / "missing")], "--offload-dir"),
         ([*TINY, "--methods", "teraio,magic"], "--methods"),
         ([*TINY, "--steps", "0"], "--steps"),
+        ([*TINY, "--round-steps", "0"], "--round-steps"),
         ([*TINY, "--hardware", str(tmp_path / "missing.json")], "does not exist"),
         ([*TINY, "--cpu-malloc", "sometimes"], "--cpu-malloc"),
     ):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0], err
+
+
+def test_rounds_run_short_steps_in_a_row_and_every_method_the_same_steps() -> None:
+    """Note: [Timing runs of steps] in teraio.demo: the choice by step time, and the rounds' order."""
+    from teraio.demo import SHORT_STEP_ROUND_STEPS, DemoConfig, round_steps_for, run_rounds
+
+    order: list[tuple[str, int]] = []
+
+    class Fake:
+        def __init__(self, name: str, step_s: float) -> None:
+            self.name, self.steps_run, self.times, self.fwd_bwd_times = name, 0, [], []
+            self.warm_up_times = [9.0] + [step_s] * 5  # the first step compiles
+
+        def step(self, step: int, cfg: DemoConfig) -> tuple[float, float]:
+            assert step == self.steps_run
+            self.steps_run += 1
+            order.append((self.name, step))
+            return 0.001, 0.001
+
+    short, long = [Fake("a", 0.005), Fake("b", 0.006)], [Fake("a", 2.0), Fake("b", 2.1)]
+    assert round_steps_for(short, DemoConfig()) == SHORT_STEP_ROUND_STEPS
+    assert round_steps_for(long, DemoConfig()) == 1
+    assert round_steps_for(long, DemoConfig(round_steps=3)) == 3
+    assert run_rounds(short, DemoConfig(steps=5), 3) == 2  # rounds of 3, then 2, each after a switch step
+    assert [m.steps_run for m in short] == [7, 7] and [len(m.times) for m in short] == [5, 5]
+    assert order == [
+        *[("a", s) for s in range(4)],
+        *[("b", s) for s in range(4)],
+        *[("a", s) for s in range(4, 7)],
+        *[("b", s) for s in range(4, 7)],
+    ]
+    order.clear()
+    assert run_rounds(long, DemoConfig(steps=2), 1) == 0  # one step of each per round, none untimed
+    assert order == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
