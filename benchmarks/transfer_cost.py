@@ -153,6 +153,7 @@ def measure(
             "io_threads_cpu_s_per_round_trip": io_cpu_s / steps / max(round_trips, 1e-9),
             "cpu_s_per_transfer": hw.cpu_s_per_transfer,
             "cpu_s_per_step_with_io": hw.cpu_s_per_step_with_io,
+            "cpu_s_per_byte": hw.cpu_s_per_byte,
             "stall_s_per_step": stall_s / steps,
         }
     finally:
@@ -192,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         f"per round trip: engine calls {r['top_level_calls_s_per_round_trip'] * 1e6:.0f} us on the compute "
         f"thread, I/O threads {r['io_threads_cpu_s_per_round_trip'] * 1e6:.0f} us of CPU; the plan priced "
         f"{2 * r['cpu_s_per_transfer'] * 1e6:.0f} us (cpu_s_per_transfer x 2), and "
-        f"{r['cpu_s_per_step_with_io'] * 1e6:.0f} us once per step (cpu_s_per_step_with_io)"
+        f"{r['cpu_s_per_step_with_io'] * 1e6:.0f} us once per step (cpu_s_per_step_with_io), "
+        f"{r['cpu_s_per_byte'] * 1e9:.3f} ns per byte (cpu_s_per_byte)"
     )
     print(
         f"the plan's step without migration {r['predicted_compute_s'] * 1e3:.3f} ms: profiled ops "

@@ -48,7 +48,7 @@ from teraio.outside import OutsideTimer
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
-from teraio.probe import PROBE_STEPS, TransferPrice, TransferProbe, round_trips_for
+from teraio.probe import PROBE_STEPS, TransferPrice, TransferProbe, probe_variants, round_trips_for
 from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
@@ -260,17 +260,17 @@ class GraphRunner:
         f, b = prof.calibrations[-1]
         round_trips = round_trips_for(f.wall_s + b.wall_s)
         assert round_trips is not None
-        prof.probe = TransferProbe(self.backend.probe_engine_id(), (1, round_trips))
+        prof.probe = TransferProbe(self.backend.probe_engine_id(), probe_variants(round_trips))
         # The last plain step is the first probed one's pair.
         prof.probe.record(0, f.wall_s + b.wall_s)
         if prof.outside_samples_s:
             prof.probe.record_outside(prof.outside_samples_s[-1])
         log.info(
             "%s: pricing transfers under its own compute: %d more calibration steps, every other one "
-            "making %d or %d page round trips",
+            "making page round trips (%s)",
             self.name,
             PROBE_STEPS,
-            *prof.probe.sizes,
+            ", ".join(v.label for v in prof.probe.variants),
         )
 
     def _finish_profiling(self) -> None:
@@ -361,7 +361,7 @@ class GraphRunner:
             probing = prof.probe is not None and not prof.probe.done()
             # Probed and plain steps alternate, so drift falls on both kinds alike; the plain ones
             # calibrate the op times too.
-            prof.probe_next = prof.probe.next_round_trips if probing else 0
+            prof.probe_next = prof.probe.next_variant if probing else 0
             prof.calibrate_next = probing or prof.steps_calibrated < calibration
         if self.invocations >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
             # Called with grad enabled again and again, never backpropagated (a validation loss in
@@ -792,6 +792,7 @@ class TeraioBackend:
                 "ssd",
                 cpu_s_per_transfer=self.transfer_price.per_transfer_s,
                 cpu_s_per_step_with_io=self.transfer_price.per_step_s,
+                cpu_s_per_byte=self.transfer_price.per_byte_s,
             )
         if self.run_dir is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
             hw.save(self.run_dir / "hardware.json", overwrite=True)  # what the plans were made with
@@ -864,10 +865,11 @@ class TeraioBackend:
             if measured is not None and self.transfer_price is None:
                 self.transfer_price, how = measured
                 log.info(
-                    "priced moving tensors under the model's own compute: %.0f us per transfer and %.0f us "
-                    "per step that moves any (%s)",
+                    "priced moving tensors under the model's own compute: %.0f us per transfer, %.0f us "
+                    "per step that moves any and %.3f ns per byte (%s)",
                     self.transfer_price.per_transfer_s * 1e6,
                     self.transfer_price.per_step_s * 1e6,
+                    self.transfer_price.per_byte_s * 1e9,
                     how,
                 )
             for _, p in done:
@@ -901,13 +903,16 @@ class TeraioBackend:
             self.transfer_probes.append(
                 {
                     "graph": r.graph_id,
-                    "round_trips": list(p.sizes),
-                    "differences_s": {str(n): d for n, d in diffs.items()},
+                    # Per variant: round trips per step and the bytes of each page.
+                    "round_trips": [v.round_trips for v in p.variants],
+                    "page_bytes": [v.page_nbytes for v in p.variants],
+                    "differences_s": {p.variants[v - 1].label: d for v, d in sorted(diffs.items())},
                     "per_transfer_s": price.per_transfer_s if price else None,
                     "per_step_s": price.per_step_s if price else None,
+                    "per_byte_s": price.per_byte_s if price else None,
                 }
             )
-            shown = "; ".join(f"{n} round trips: {_ms(d)}" for n, d in sorted(diffs.items()))
+            shown = "; ".join(f"{p.variants[v - 1].label}: {_ms(d)}" for v, d in sorted(diffs.items()))
             if price is None:
                 log.info(
                     "%s: the probe's round trips did not show above the step's noise (probed minus plain, "
@@ -922,6 +927,7 @@ class TeraioBackend:
         price = TransferPrice(
             statistics.median(p.per_transfer_s for p, _ in priced),
             statistics.median(p.per_step_s for p, _ in priced),
+            statistics.median(p.per_byte_s for p, _ in priced),
         )
         return price, " | ".join(how for _, how in priced)
 

@@ -40,8 +40,8 @@ class GraphRun:
     wall_s: float = 0.0
     #: Ran as the graph's own generated code, not op by op: only ``wall_s`` (Note: [Calibrated times]).
     uninstrumented: bool = False
-    #: The transfer probe's round trips it also made (Note: [Pricing transfers under the model's own
-    #: compute] in teraio.probe), 0: none. Its time prices transfers, not the graph's ops.
+    #: The transfer probe's variant whose round trips it also made, 1-based (Note: [Pricing transfers
+    #: under the model's own compute] in teraio.probe), 0: none. Its time prices transfers, not the ops.
     probed: int = 0
 
 
@@ -220,7 +220,7 @@ class StepProfiler:
         #: Set by the runner: the graph's transfer probe, and whether the next calibration step makes
         #: its round trips (Note: [Pricing transfers under the model's own compute] in teraio.probe).
         self.probe: TransferProbe | None = None
-        self.probe_next = 0  # round trips
+        self.probe_next = 0  # the probe's variant, 1-based; 0: plain
         self._last_calibration_probed = False
         self.last_backward_calibrated = False  # the backward that just ran was a calibration run
         self._probed_gms: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
@@ -309,11 +309,11 @@ class StepProfiler:
         if not self._last_calibration_probed:
             self.outside_samples_s.append(outside_s)
 
-    def _probed_graphs(self, round_trips: int) -> tuple[fx.GraphModule, fx.GraphModule]:
-        if round_trips not in self._probed_gms:
+    def _probed_graphs(self, variant: int) -> tuple[fx.GraphModule, fx.GraphModule]:
+        if variant not in self._probed_gms:
             assert self.probe is not None
-            self._probed_gms[round_trips] = self.probe.probed(self.step.fw_gm, self.step.bw_gm, round_trips)
-        return self._probed_gms[round_trips]
+            self._probed_gms[variant] = self.probe.probed(self.step.fw_gm, self.step.bw_gm, variant)
+        return self._probed_gms[variant]
 
     @property
     def steps_recorded(self) -> int:

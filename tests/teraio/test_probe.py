@@ -11,15 +11,19 @@ from torch import fx
 import teraio.calibrate
 from teraio.lifecycle import TeraioBackend
 from teraio.ops import register_engine, unregister_engine
+from teraio.planner.hardware import HardwareModel
 from teraio.probe import (
+    BYTES_PAGE_NBYTES,
     MAX_ROUND_TRIPS,
     MIN_ROUND_TRIPS,
     PROBE_PAIRS,
     PROBE_STEPS,
     ProbeOp,
     ProbeStep,
+    ProbeVariant,
     TransferProbe,
     probe_hook,
+    probe_variants,
     round_trips_for,
 )
 from teraio.runtime.errors import DiskIOError
@@ -40,20 +44,34 @@ def _hooks(gm: fx.GraphModule) -> list[tuple[int, int]]:
     return [(n.args[1], n.args[2]) for n in gm.graph.nodes if n.target is probe_hook]
 
 
+def _positions(gm: fx.GraphModule, op: ProbeOp) -> list[int]:
+    """Where the hooks doing ``op`` sit among the graph's calls."""
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return [k for k, n in enumerate(order) if n.target is probe_hook and n.args[1] == op]
+
+
 def test_probed_graph_computes_the_same_and_spreads_its_round_trips() -> None:
     gm = _mlp_graph()
-    probe = TransferProbe(engine_id=0, sizes=(1, 4))
+    probe = TransferProbe(engine_id=0, variants=probe_variants(4))
     try:
-        fw, bw = probe.probed(gm, gm, 4)
+        fw, bw = probe.probed(gm, gm, 2)  # four round trips of small pages, each waited half a slot later
         assert _hooks(fw) == [(op, i) for i in range(4) for op in (ProbeOp.OFFLOAD, ProbeOp.WAIT)], (
             "each offload comes before its wait, the round trips in order"
         )
         assert [op for op, _ in _hooks(bw)] == [ProbeOp.PREFETCH, ProbeOp.FETCH] * 4
         # Spread over the graph: compute nodes between consecutive offloads, not all at the start.
-        order = [n for n in fw.graph.nodes if n.op == "call_function"]
-        offloads = [k for k, n in enumerate(order) if n.target is probe_hook and n.args[1] == ProbeOp.OFFLOAD]
+        offloads = _positions(fw, ProbeOp.OFFLOAD)
         assert all(b - a > 2 for a, b in zip(offloads, offloads[1:]))
+        assert all(n.args[3] == 4096 for n in fw.graph.nodes if n.target is probe_hook)
         fw.graph.lint()
+        # The per-byte variant: large pages, each wait a whole slot after its offload (at the next
+        # offload; the last one's before returning).
+        fw, bw = probe.probed(gm, gm, 3)
+        assert all(n.args[3] == BYTES_PAGE_NBYTES for n in fw.graph.nodes if n.target is probe_hook)
+        waits, offloads = _positions(fw, ProbeOp.WAIT), _positions(fw, ProbeOp.OFFLOAD)
+        assert [w + 1 for w in waits[:3]] == offloads[1:], "each wait just before the next offload"
+        order = [n for n in fw.graph.nodes if n.op != "placeholder"]
+        assert order[-2].target is probe_hook and order[-2].args[1:3] == (ProbeOp.WAIT, 3)
         # The copies do not touch the original graph.
         assert not _hooks(gm)
     finally:
@@ -65,18 +83,19 @@ def test_probe_round_trips_pages_through_the_runtime_and_a_wrong_page_raises(tmp
 
     with Engine(RuntimeConfig(dirs=[str(tmp_path)], backend="posix")) as engine:
         eid = register_engine(engine)
-        probe = TransferProbe(engine_id=eid, sizes=(1, 2))
+        probe = TransferProbe(engine_id=eid, variants=probe_variants(2))
         try:
             for op in (ProbeOp.OFFLOAD, ProbeOp.WAIT):
                 for i in range(2):
-                    probe_hook(probe.probe_id, int(op), i)
+                    probe_hook(probe.probe_id, int(op), i, 4096 if i == 0 else BYTES_PAGE_NBYTES)
             for i in range(2):
                 probe_hook(probe.probe_id, int(ProbeOp.PREFETCH), i)
-                probe_hook(probe.probe_id, int(ProbeOp.FETCH), i)
+                probe_hook(probe.probe_id, int(ProbeOp.FETCH), i, 4096 if i == 0 else BYTES_PAGE_NBYTES)
             stats = engine.stats()  # read back from the directory, not forwarded from memory
             assert stats.forwarded_fetches == 0
             assert (
-                stats.direct_read_nbytes + stats.bounced_read_nbytes + stats.buffered_read_nbytes >= 2 * 4096
+                stats.direct_read_nbytes + stats.bounced_read_nbytes + stats.buffered_read_nbytes
+                >= 4096 + BYTES_PAGE_NBYTES
             )
 
             class Corrupting:
@@ -103,61 +122,84 @@ def test_probe_round_trips_pages_through_the_runtime_and_a_wrong_page_raises(tmp
 
 
 def _steps(pairs: list[tuple[int, float, float]], outside: bool = False) -> list[ProbeStep]:
-    """(round trips, plain seconds, probed seconds) per pair, as the runner records them."""
+    """(variant, plain seconds, probed seconds) per pair, as the runner records them."""
     steps = []
-    for round_trips, plain_s, probed_s in pairs:
+    for variant, plain_s, probed_s in pairs:
         steps.append(ProbeStep(0, plain_s, 0.001 if outside else None))
-        steps.append(ProbeStep(round_trips, probed_s, 0.001 + round_trips * 1e-4 if outside else None))
+        steps.append(ProbeStep(variant, probed_s, 0.001 + variant * 1e-4 if outside else None))
     return steps
 
 
-def _pairs(small_s: float, large_s: float, plain_s: float = 0.004) -> list[tuple[int, float, float]]:
-    # One slow first probed step of each size (as in a fresh process): the medians do not move.
-    pairs = [(1, plain_s, 0.03), (4, plain_s, 0.03)]
+def _pairs(
+    small_s: float, large_s: float, bytes_s: float, plain_s: float = 0.004
+) -> list[tuple[int, float, float]]:
+    """Variant 1 (one round trip) costs ``small_s``, 2 (four) ``large_s``, 3 (four of large pages)
+    ``bytes_s``. One slow first probed step of each (as in a fresh process): the medians do not move."""
+    extra = {1: small_s, 2: large_s, 3: bytes_s}
+    pairs = [(v, plain_s, 0.03) for v in extra]
     for _ in range(PROBE_PAIRS - 1):
-        pairs += [(1, plain_s, plain_s + small_s), (4, plain_s, plain_s + large_s)]
+        pairs += [(v, plain_s, plain_s + e) for v, e in extra.items()]
     return pairs
 
 
-def test_price_separates_per_transfer_from_per_step() -> None:
-    probe = TransferProbe(engine_id=0, sizes=(1, 4))
+def test_price_separates_per_transfer_per_step_and_per_byte() -> None:
+    probe = TransferProbe(engine_id=0, variants=probe_variants(4))
+    big = BYTES_PAGE_NBYTES
     try:
-        # 2 transfers cost 0.9 ms and 8 cost 2.1 ms: 0.2 ms each, 0.5 ms per step.
-        probe.steps = _steps(_pairs(0.0009, 0.0021))
+        # 8 transfers of large pages cost 1.2 ms more than of small ones: per byte, 1.2 ms over 8 x the
+        # difference in bytes; 2 transfers cost 0.9 ms and 8 cost 2.1 ms less their bytes' part.
+        probe.steps = _steps(_pairs(0.0009, 0.0021, 0.0033))
         assert probe.done()
         price = probe.estimate()
-        assert price.per_transfer_s == pytest.approx(0.0002) and price.per_step_s == pytest.approx(0.0005)
-        # Outside time counts when both steps of a pair have it (here 0.1 ms more per round trip).
-        probe.steps = _steps(_pairs(0.0009, 0.0021), outside=True)
+        per_byte = 0.0012 / (8 * (big - 4096))
+        d1, d2 = 0.0009 - 2 * 4096 * per_byte, 0.0021 - 8 * 4096 * per_byte
+        assert price.per_byte_s == pytest.approx(per_byte)
+        assert price.per_transfer_s == pytest.approx((d2 - d1) / 6)
+        assert price.per_step_s == pytest.approx(d1 - 2 * (d2 - d1) / 6)
+        # No measurable per-byte part (large pages no dearer than small, within noise): none, and the
+        # line through the small pages as it is: 0.2 ms per transfer, 0.5 ms per step.
+        probe.steps = _steps(_pairs(0.0009, 0.0021, 0.0020))
         price = probe.estimate()
-        assert price.per_transfer_s == pytest.approx((0.0021 + 0.0004 - 0.0009 - 0.0001) / 6)
+        assert price.per_byte_s == 0.0
+        assert price.per_transfer_s == pytest.approx(0.0002) and price.per_step_s == pytest.approx(0.0005)
+        # Outside time counts when both steps of a pair have it (here 0.1 ms more per variant number).
+        probe.steps = _steps(_pairs(0.0009, 0.0021, 0.0020), outside=True)
+        price = probe.estimate()
+        assert price.per_transfer_s == pytest.approx((0.0021 + 0.0002 - 0.0009 - 0.0001) / 6)
         # Noise tilting the line (more per transfer at one round trip than all of four): the larger
-        # size's difference per transfer, nothing per step.
-        probe.steps = _steps(_pairs(0.0030, 0.0024))
+        # count's difference per transfer, nothing per step.
+        probe.steps = _steps(_pairs(0.0030, 0.0024, 0.0024))
         price = probe.estimate()
         assert price.per_transfer_s == pytest.approx(0.0003) and price.per_step_s == 0.0
         # Too few pairs, or a probe the noise hid: no price.
-        probe.steps = _steps(_pairs(0.0009, 0.0021)[:-1])
+        probe.steps = _steps(_pairs(0.0009, 0.0021, 0.0033)[:-1])
         assert not probe.done() and probe.estimate() is None
-        probe.steps = _steps(_pairs(-0.0001, -0.0001))
+        probe.steps = _steps(_pairs(-0.0001, -0.0001, 0.0))
         assert probe.estimate() is None
     finally:
         probe.close()
 
 
-def test_steps_alternate_plain_and_probed_and_the_sizes() -> None:
-    probe = TransferProbe(engine_id=0, sizes=(1, 4))
+def test_steps_alternate_plain_and_probed_and_the_variants() -> None:
+    probe = TransferProbe(engine_id=0, variants=probe_variants(4))
     try:
         probe.record(0, 0.004)
         seen = []
         for _ in range(PROBE_STEPS):
-            n = probe.next_round_trips
-            seen.append(n)
-            probe.record(n, 0.004 + n * 1e-4)
-        assert seen[:5] == [1, 0, 4, 0, 1]
-        assert probe.done() and seen.count(1) == seen.count(4) == PROBE_PAIRS
+            v = probe.next_variant
+            seen.append(v)
+            probe.record(v, 0.004 + v * 1e-4)
+        assert seen[:7] == [1, 0, 2, 0, 3, 0, 1]
+        assert probe.done() and seen.count(1) == seen.count(2) == seen.count(3) == PROBE_PAIRS
     finally:
         probe.close()
+
+
+def test_probe_variants() -> None:
+    small, large, big = probe_variants(6)
+    assert (small.round_trips, large.round_trips, big.round_trips) == (1, 6, 6)
+    assert small.page_nbytes == large.page_nbytes == 4096 < big.page_nbytes == BYTES_PAGE_NBYTES
+    assert big.gap_slots == 1.0 and ProbeVariant(1).label == "1 x 4 KiB"
 
 
 def test_round_trips_are_sized_to_the_step() -> None:
@@ -203,14 +245,17 @@ def test_backend_prices_transfers_under_the_graph_and_trains_bit_identically(mon
         assert runner.plan is not None, "planned after the probe's steps"
         (result,) = be.transfer_probes
         assert result["round_trips"][0] == 1 and result["round_trips"][1] >= MIN_ROUND_TRIPS
-        assert [len(d) for d in result["differences_s"].values()] == [PROBE_PAIRS, PROBE_PAIRS]
+        assert [len(d) for d in result["differences_s"].values()] == [PROBE_PAIRS] * 3
+        assert result["page_bytes"] == [4096, 4096, BYTES_PAGE_NBYTES]
         ssd = runner.plan.hardware.tiers["ssd"]
         if result["per_transfer_s"] is not None:
             assert be.transfer_price is not None
             assert ssd.cpu_s_per_transfer == result["per_transfer_s"] > 0
             assert ssd.cpu_s_per_step_with_io == result["per_step_s"] >= 0
+            assert ssd.cpu_s_per_byte == result["per_byte_s"] >= 0
         else:  # the step's noise hid the probe: the blocks' figure stands, nothing per step
             assert be.transfer_price is None and ssd.cpu_s_per_step_with_io == 0
+            assert ssd.cpu_s_per_byte == HardwareModel().tiers["ssd"].cpu_s_per_byte
         # The plain calibration steps still calibrate the op times, the probed ones do not.
         assert runner.profile.meta["calibration_steps"] == 1 + (PROBE_STEPS - 1) // 2
         assert be._probe_engine is None, "the probe's engine outlived the first plan"
