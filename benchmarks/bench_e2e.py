@@ -3,8 +3,9 @@ teraio with the checkpoint method's measured peak as its budget).
 
 A thin wrapper over ``teraio.demo.run_demo`` that adds machine and version info and writes the rows as
 JSON/CSV. Step times are medians of the timed steps, which run in rounds (one step of each method per
-round) so the shared machine's noise falls on every method alike; warm-up, profiling, compile and the
-memory-measurement step are excluded.
+round, or on steps under 0.1 s a few in a row after an untimed switch step: Note [Timing runs of
+steps] in teraio.demo) so the shared machine's noise falls on every method alike; warm-up, profiling,
+compile and the memory-measurement step are excluded.
 
     python -m benchmarks.bench_e2e [--model demo] [--budget 55%] [--solver ilp] [--steps 12] [--json] [--out F]
 """
