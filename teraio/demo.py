@@ -184,7 +184,7 @@ def _warm_up(
 
 #: Below this step time (the first method's warm-up median), the timed rounds run each method's steps
 #: in a row (Note: [Timing runs of steps]).
-SHORT_STEP_S = 0.1  # the CLI's --round-steps help says so
+SHORT_STEP_S = 0.1  # the CLI's --round-steps help repeats it
 #: Timed steps of one method in a row per round on short steps.
 SHORT_STEP_ROUND_STEPS = 4
 

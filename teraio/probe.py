@@ -322,6 +322,8 @@ class TransferProbe:
                 self._reset()
             # Marked once per 4 KiB, not filled: the compute thread's own work must not grow with the
             # page (a plan's tensors are already computed), or it would be priced as the transfer's.
+            # The rest is what the allocator handed out, this process's own memory, written to the
+            # engine's own files (owner-only, removed when the probe's engine closes).
             page = torch.empty(page_nbytes // 4)
             page[::_MARK_STRIDE] = float(i + 1)
             self._pages[i] = page
