@@ -127,7 +127,8 @@ def test_calibration_steps_run_inductors_kernels(runs) -> None:
 
 def test_migration_ops_leave_inductors_kernels_unchanged(runs) -> None:
     """Notes: [Anchors must not change fusion], [Migration ops sit between kernels]: the plan adds
-    calls between kernels, never changes one."""
+    calls between kernels, never changes what one computes (tests.teraio.loops.kernels: which input a
+    kernel overwrites in place may differ)."""
     _ref, _got, codes, be, _, ref_codes = runs
     assert be.runners[0].plan.decisions
     assert any("teraio.offload" in c for c in codes) and not any("teraio.offload" in c for c in ref_codes)
