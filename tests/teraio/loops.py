@@ -346,9 +346,9 @@ def kernels(codes: list[str]) -> list[str]:
     and its buffers' names too. Which input a kernel overwrites in place (``in_out_ptr``) depends on
     which buffers are still needed after it, and a plan's offload keeps the tensor it writes alive
     until the write is done, so Inductor may overwrite another input instead (seen once in CI: a
-    residual add's kernel overwrote its first operand's buffer with the plan, its third without). The loops, loads,
-    operations in their order, conversions and stores are still compared: what the kernel computes
-    and how it rounds."""
+    residual add's kernel overwrote its first operand's buffer with the plan, its third without).
+    The loops, loads, operations in their order, conversions and stores are still compared: what
+    the kernel computes and how it rounds."""
     return sorted(BUFFER_ARG.sub("ptr", src) for code in codes for _name, src in KERNEL_SOURCE.findall(code))
 
 
