@@ -496,7 +496,8 @@ class TeraioBackend:
         # Note: [Pricing transfers under the model's own compute] in teraio.probe
         self._probe_engine: Any = None
         self._probe_engine_id: int | None = None
-        #: Per probed graph: round trips per step, probed-minus-plain seconds, the price (None: hidden).
+        #: Per probed graph: each variant's round trips and page bytes, its probed-minus-plain seconds,
+        #: and the price (None: hidden).
         self.transfer_probes: list[dict[str, Any]] = []
         #: The price of moving tensors measured under the graphs' own compute (the first probe's).
         self.transfer_price: TransferPrice | None = None

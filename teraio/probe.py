@@ -10,17 +10,16 @@ from one calibration to the next while one plan's measured overhead held within 
 moving tensors on the profiled graph itself. After the calibration steps, ``PROBE_STEPS`` more
 alternate between the graph as it is and a copy whose FX code also makes page round trips through the
 same ``teraio::`` ops a plan calls, spread over the forward (offload, then its wait half a slot later)
-and the backward (prefetch, then its fetch). The probed steps alternate between three variants, because the price has three parts.
-One round trip of a page and ``MIN_ROUND_TRIPS`` or more separate a part per transfer from a part
-per step: a step's first transfer costs more than the next ones (it wakes the I/O path), and a step
-making one round trip paid about twice per transfer what one making four did. The larger count again
-with pages of ``BYTES_PAGE_NBYTES`` adds a part per byte (the I/O threads' copies and checksums
-taking a core from the step): on the tiny GPT the default per-byte figure, measured on the demo
-model's megabyte tensors, over-predicted a plan's overhead by about the 10 points it charged. The
-median extra time of each variant over the plain step just before it gives three points, and they
-give the planner the three parts of the price: ``cpu_s_per_transfer``, ``cpu_s_per_step_with_io``
-and ``cpu_s_per_byte``. It needs
-the graph's own Python code (the FX-only path: an Inductor-compiled graph has no place to call from)
+and the backward (prefetch, then its fetch). The probed steps alternate between three variants,
+because the price has three parts. One round trip of a page and ``MIN_ROUND_TRIPS`` or more
+separate a part per transfer from a part per step: a step's first transfer costs more than the next
+ones (it wakes the I/O path), and a step making one round trip paid about twice per transfer what
+one making four did. The larger count again with pages of ``BYTES_PAGE_NBYTES`` adds a part per
+byte (the I/O threads' copies and checksums taking a core from the step), which the built-in model
+otherwise takes from the demo model's megabyte tensors. The median extra time of each variant over
+the plain step just before it gives three points, and they give the planner the three parts of the
+price: ``cpu_s_per_transfer``, ``cpu_s_per_step_with_io`` and ``cpu_s_per_byte``. It needs the
+graph's own Python code (the FX-only path: an Inductor-compiled graph has no place to call from)
 and a step short enough that a few dozen round trips show above the step's noise; elsewhere the
 synthetic blocks stand. The pages are the probe's own: the model's tensors, its RNG and its
 statistics are untouched, so a probed step computes exactly what a plain one does, and the plain
@@ -59,9 +58,9 @@ MIN_ROUND_TRIPS = 4
 #: Above this many round trips the step is long enough that a transfer's CPU barely matters to its time
 #: (and the probe would be lost in the step's noise): the synthetic calibration is used.
 MAX_ROUND_TRIPS = 64
-#: Probed steps per size, each paired with the plain step before it: a step of a few milliseconds
+#: Probed steps per variant, each paired with the plain step before it: a step of a few milliseconds
 #: varies by a tenth from one to the next, and the first probed step of a process is often slow, so
-#: each size's figure is the median of this many differences.
+#: each variant's figure is the median of this many differences.
 PROBE_PAIRS = 8
 #: Calibration steps a probe adds: per variant (three), PROBE_PAIRS probed steps, each after a plain
 #: one (the first pairs with the last plain calibration step).
