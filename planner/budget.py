@@ -11,6 +11,9 @@ smallest peak that predicts no stall, which only a solver can find, so it resolv
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass
+from typing import Literal
 
 from teraio.planner.sizes import SIZE_RE, SizeError, nbytes_of
 
@@ -61,50 +64,93 @@ def parse_size(text: str | int | float) -> int:
         raise BudgetError(str(e)) from None
 
 
-def _parse_fraction(spec: str | float) -> float | None:
-    """The fraction a spec denotes ("40%", 0.4, "0.4"), or None when it is not a fraction."""
-    if isinstance(spec, float):
-        return spec if 0 < spec <= 1 else None
+#: The largest budget in bytes that is accepted (1 EiB): more is no machine's memory, and solvers count
+#: bytes in 64-bit integers.
+MAX_BUDGET_BYTES = 1 << 60
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """A budget as the user wrote it, checked: ``kind`` "auto", "fraction" (of the unplanned peak) or
+    "bytes", with ``value`` the fraction in (0, 1] or the bytes."""
+
+    kind: Literal["auto", "fraction", "bytes"]
+    value: float | int | None = None
+
+
+_WHOLE = re.compile(r"^[0-9]+$")
+_GRAMMAR = (
+    "write bytes (an int, or a size with a unit: 512MiB, 2GB), a fraction of the unplanned peak in (0, 1] "
+    "(0.4, '0.4') or a percentage in (0%, 100%] ('40%'), or 'auto'"
+)
+
+
+def parse_budget(spec: object, what: str = "budget") -> BudgetSpec:
+    """Check a budget's grammar without knowing the peak it is a fraction of.
+
+    Bytes: an int, or text with a unit or a whole number ("512MiB", "1024"). A fraction: a float or a
+    unitless decimal text in (0, 1] ("0.4"), or a percentage in (0%, 100%] ("40%"). A float above 1
+    ("1.5") is refused rather than read as bytes: it would mean 2 bytes while "150%" means a fraction;
+    a whole number in exponent form ("1.5e9") is bytes.
+    A budget at or above the whole unplanned peak plans nothing and is refused too.
+
+    Raises:
+        BudgetError: one line naming ``what``, the value and what to write instead.
+    """
+    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+        raise BudgetError(f"{what} {spec!r} is not a budget; {_GRAMMAR}")
+    if isinstance(spec, str) and spec.strip().lower() == AUTO:
+        return BudgetSpec("auto")
+    if isinstance(spec, float) or (isinstance(spec, str) and spec.strip().endswith("%")):
+        text = spec.strip()[:-1] if isinstance(spec, str) else None
+        try:
+            value = float(text) / 100.0 if text is not None else float(spec)
+        except ValueError:
+            raise BudgetError(f"{what} {spec!r} does not parse; {_GRAMMAR}") from None
+        if not math.isfinite(value) or not 0 < value <= 1:
+            if text is not None:
+                raise BudgetError(f"{what} {spec!r} is not a percentage in (0%, 100%]; {_GRAMMAR}")
+            raise BudgetError(
+                f"{what} {spec!r}: a float is a fraction of the unplanned peak and must be in (0, 1]; for "
+                f"bytes write an int or a size with a unit ('1.5GiB')"
+            )
+        return BudgetSpec("fraction", value)
     if isinstance(spec, str):
-        s = spec.strip()
-        if s.endswith("%"):
-            try:
-                return float(s[:-1]) / 100.0
-            except ValueError:
-                raise BudgetError(f"budget {spec!r} does not parse; write a percentage like 40%") from None
-        # A unitless decimal at most 1 ("0.4") is a fraction; "1" or "1024" are bytes.
-        m = SIZE_RE.match(s)
-        if "." in s and m and not m.group(2):
-            value = float(s)
-            if 0 < value <= 1:
-                return value
-    return None
+        m = SIZE_RE.match(spec)
+        if m and not m.group(2) and not _WHOLE.match(m.group(1)):
+            value = float(m.group(1))
+            if 0 < value <= 1:  # "0.4", "5e-1": a fraction
+                return BudgetSpec("fraction", value)
+            if not (math.isfinite(value) and value == int(value)):  # "1.5": neither bytes nor a fraction
+                raise BudgetError(
+                    f"{what} {spec!r}: a unitless decimal is a fraction of the unplanned peak and must be in "
+                    f"(0, 1]; for bytes write a whole number or a size with a unit ('1.5GiB')"
+                )
+    try:
+        nbytes = parse_size(spec)
+    except BudgetError:
+        raise BudgetError(f"{what} {spec!r} does not parse; {_GRAMMAR}") from None
+    if nbytes <= 0:
+        raise BudgetError(f"{what} {spec!r} must be positive; {_GRAMMAR}")
+    if nbytes > MAX_BUDGET_BYTES:
+        raise BudgetError(f"{what} {spec!r} is more than 1 EiB, more memory than any machine has")
+    return BudgetSpec("bytes", nbytes)
 
 
 def resolve_budget(spec: str | int | float, baseline_peak_bytes: int) -> int | None:
     """Resolve a budget spec to bytes; ``None`` for ``"auto"``.
 
     Args:
-        spec: bytes (int), a size with units, a fraction of ``baseline_peak_bytes`` ("40%", 0.4), or "auto".
+        spec: :func:`parse_budget`'s grammar: bytes, a fraction of ``baseline_peak_bytes`` ("40%", 0.4), or
+            "auto".
         baseline_peak_bytes: the unplanned peak, which fractions refer to.
 
     Raises:
         BudgetError: the spec does not parse or is not positive.
     """
-    if isinstance(spec, str) and spec.strip().lower() == AUTO:
+    parsed = parse_budget(spec)
+    if parsed.kind == "auto":
         return None
-    frac = _parse_fraction(spec)
-    if frac is not None:
-        if not (0 < frac <= 10) or not math.isfinite(frac):
-            raise BudgetError(f"budget {spec!r} must be a positive fraction of the unplanned peak, e.g. 40%")
-        return int(math.floor(frac * baseline_peak_bytes))
-    try:
-        nbytes = parse_size(spec)
-    except BudgetError:
-        raise BudgetError(
-            f"budget {spec!r} does not parse; write bytes with units (512MiB, 2GB), a fraction of the "
-            f"unplanned peak (40%, 0.4), or auto"
-        ) from None
-    if nbytes <= 0:
-        raise BudgetError(f"budget {spec!r} must be positive")
-    return nbytes
+    if parsed.kind == "fraction":
+        return int(math.floor(float(parsed.value) * baseline_peak_bytes))  # type: ignore[arg-type]
+    return int(parsed.value)  # type: ignore[arg-type]

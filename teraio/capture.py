@@ -174,6 +174,46 @@ def graph_fingerprint(step: CapturedStep) -> str:
     return h.hexdigest()
 
 
+def computation_fingerprint(step: CapturedStep) -> str:
+    """A hash of what both graphs compute, independent of how their inputs are named and of inputs no op
+    reads: equal for two captures of one computation that torch.compile traced from different Dynamo
+    graphs (a static graph and the dynamic one that replaced it, specialised to the same shapes).
+
+    Unlike :func:`graph_fingerprint` (which plans and profiles carry), node names are left out and only
+    the inputs that are read count, numbered in order, with their shapes, strides and dtypes.
+    """
+    h = hashlib.sha256()
+    h.update(f"num_fwd_outputs={step.num_fwd_outputs}".encode())
+    for tag, gm in (("fwd", step.fw_gm), ("bwd", step.bw_gm)):
+        index: dict[fx.Node, str] = {}
+        used = 0
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                if n.users:
+                    index[n] = f"in{used}"
+                    used += 1
+            else:
+                index[n] = f"%{len(index) - used}"
+
+        def enc(a: Any, index: dict[fx.Node, str] = index) -> Any:
+            if isinstance(a, fx.Node):
+                return index[a]
+            if isinstance(a, (list, tuple)):
+                return [enc(x) for x in a]
+            if isinstance(a, dict):
+                return {str(k): enc(v) for k, v in sorted(a.items())}
+            return repr(a)
+
+        h.update(tag.encode())
+        for n in gm.graph.nodes:
+            if n not in index:
+                continue  # an input no op reads
+            v = _val(n)
+            sig = (tuple(v.shape), str(v.dtype), tuple(v.stride())) if isinstance(v, torch.Tensor) else None
+            h.update(repr((n.op, index[n], str(n.target), enc(n.args), enc(n.kwargs), sig)).encode())
+    return h.hexdigest()
+
+
 def analyse_saved(step: CapturedStep) -> StepAnalysis:
     """Group saved outputs by storage and find each storage's producer and its forward/backward uses."""
     fw_ops, bw_ops = _ops(step.fw_gm), _ops(step.bw_gm)

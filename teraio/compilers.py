@@ -205,3 +205,37 @@ def compile_graph(
     }
     with inductor_config.patch(patches), torch._functorch.config.patch(enable_autograd_cache=False):
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+class _Captured(Exception):  # noqa: N818 - control flow, never seen by a user
+    def __init__(self, step: CapturedStep) -> None:
+        super().__init__("captured")
+        self.step = step
+
+
+def capture_step(
+    gm: fx.GraphModule,
+    example_inputs: list[Any],
+    inner: InnerCompiler,
+    *,
+    inductor_options: dict[str, Any] | None = None,
+) -> CapturedStep | None:
+    """The partitioned training graphs ``compile_graph`` would profile, without compiling them: tracing
+    and the compiler's joint-graph passes run, code generation does not (the partitioner stops it).
+    None when the graph has no backward (nothing requires grad)."""
+
+    def stop(step: CapturedStep) -> CapturedStep | None:
+        raise _Captured(step)
+
+    try:
+        compile_graph(gm, example_inputs, inner, stop, identity="capture", inductor_options=inductor_options)
+    except _Captured as done:
+        return done.step
+    except Exception as exc:  # torch wraps what a partitioner raises in its own errors on some paths
+        cause: BaseException | None = exc
+        while cause is not None:
+            if isinstance(cause, _Captured):
+                return cause.step
+            cause = cause.__cause__ or cause.__context__
+        raise
+    return None

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -77,3 +80,73 @@ class BackendConfig:
             raise UserInputError(f"max_shapes must be a whole number of at least 1, not {self.max_shapes!r}")
         if isinstance(self.offload_dirs, (str, os.PathLike)):
             self.offload_dirs = [str(self.offload_dirs)]
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """Every option a user sets is checked here, when the backend is built, in one line naming the
+        option and what to write instead: never steps later, after profiling and planning."""
+        from teraio.planner.budget import BudgetError, parse_budget
+        from teraio.planner.solve import solver_names
+
+        if self.memory_budget is not None:
+            try:
+                parse_budget(self.memory_budget, "memory_budget")
+            except BudgetError as exc:
+                raise UserInputError(str(exc)) from None
+        if self.solver not in solver_names():
+            raise UserInputError(
+                f"solver must be one of {', '.join(map(repr, solver_names()))}, not {self.solver!r}"
+            )
+        limit = self.time_limit
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
+            raise UserInputError(f"time_limit must be a positive number of seconds, not {limit!r}")
+        for name in ("enabled", "checksum", "measure_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
+        if not isinstance(self.runtime_options, dict):
+            raise UserInputError(
+                f"runtime_options must be a dict of RuntimeConfig fields, not {self.runtime_options!r}"
+            )
+        if self.io_backend == "kvikio" and importlib.util.find_spec("kvikio") is None:
+            raise UserInputError(
+                "io_backend='kvikio' needs kvikio, which is not installed: pip install 'teraio[gds]', or use "
+                "io_backend='posix'"
+            )
+        if self.offload_dirs is not None:
+            if not self.offload_dirs:
+                raise UserInputError("offload_dirs is empty: name at least one directory, or leave it None")
+            for d in self.offload_dirs:
+                problem = directory_problem(d)
+                if problem is not None:
+                    raise UserInputError(f"offload_dirs: {problem}")
+
+
+def directory_problem(path: object) -> str | None:
+    """Why ``path`` cannot be a directory teraio writes into, in words, or None when it can: it is a
+    directory, or can be created as one (its nearest existing ancestor is a directory), and this user may
+    create files there. Nothing is created to find out."""
+    if not isinstance(path, (str, os.PathLike)) or os.fspath(path) == "":
+        return f"{path!r} is not a path"
+    p = os.path.abspath(os.fspath(path))
+    existing = p
+    while True:
+        try:
+            st = os.stat(existing)
+            break
+        except FileNotFoundError:
+            parent = os.path.dirname(existing)
+            if parent == existing:
+                return f"'{p}' cannot be created: no part of it exists"
+            existing = parent
+        except NotADirectoryError:
+            existing = os.path.dirname(existing)
+        except OSError as exc:
+            return f"'{existing}' cannot be read ({exc.strerror}); name another directory"
+    if not stat.S_ISDIR(st.st_mode):
+        if existing == p:
+            return f"'{p}' is a file, not a directory; name a directory"
+        return f"'{p}' cannot be created: '{existing}' is a file, not a directory; name a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is" if existing == p else f"cannot be created: '{existing}' is"
+        return f"'{p}' {what} not writable by this user (or on a read-only filesystem); name a writable directory"
+    return None

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from teraio.capture import CapturedStep, analyse_saved
+from teraio import process
+from teraio.capture import CapturedStep, analyse_saved, computation_fingerprint
 from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
@@ -53,6 +54,7 @@ from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
+from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
 from teraio.steps import InvocationEnd, StepRecord, StepTracker
 
 log = logging.getLogger("teraio")
@@ -85,31 +87,6 @@ def _ensure_log_handler() -> None:
         log.setLevel(logging.INFO)
 
 
-def _is_dynamic(example_inputs: list[Any]) -> bool:
-    for a in example_inputs:
-        if isinstance(a, torch.SymInt):
-            return True
-        if isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape):
-            return True
-    return False
-
-
-def _static_examples(args: tuple[Any, ...]) -> list[Any]:
-    """Example inputs for compiling one concrete shape: fakes of the call's tensors (no data kept)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            f = mode.from_tensor(a, static_shapes=True)
-            out.append(f)
-        else:
-            out.append(a)
-    return out
-
-
 class GraphRunner:
     """The lifecycle of one captured graph at one set of input shapes (see the module docstring)."""
 
@@ -133,6 +110,12 @@ class GraphRunner:
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
         self._call_params: frozenset[int] | None = None  # inputs of the first call that are parameters
+        # Note: [A graph Dynamo replaced keeps its shape] in teraio.shapes: which Dynamo frame the graph
+        # was traced from, its inputs' sources, the shapes it was compiled for, and what it computes.
+        self.frame = frame_of(gm)
+        self.sources = placeholder_sources(gm)
+        self.signature = shape_key(example_inputs)
+        self.computation_fingerprint: str | None = None
         self._training = False
         self.phase = Phase.PROFILING
         self._compiled = compile_graph(
@@ -144,8 +127,12 @@ class GraphRunner:
             graph_compiler=self._profiling_compiler,
             inductor_options=backend.inductor_options,
             # Not with plans from a file: a graph they cover is never profiled (one that is not then
-            # calibrates on the FX graph, and its profile says so in ``calibrated_on``).
-            calibration_kernels=profiling_split(self.cfg.profile_steps)[1] > 0
+            # calibrates on the FX graph, and its profile says so in ``calibrated_on``). On Inductor the
+            # kernels also give the memory timeline: Note: [The budget is of the graph that runs] in
+            # teraio.kernel_memory.
+            calibration_kernels=(
+                profiling_split(self.cfg.profile_steps)[1] > 0 or self.cfg.inner == "inductor"
+            )
             and not backend.plans_from_file,
         )
         if not self._training:
@@ -162,6 +149,7 @@ class GraphRunner:
     # ----------------------------------------------------------------------------------- compiling
     def _on_profiling_partition(self, step: CapturedStep) -> None:
         self._training = True
+        self.computation_fingerprint = computation_fingerprint(step)
         self.profiler = StepProfiler(
             step,
             graph_id=self.graph_id,
@@ -240,6 +228,7 @@ class GraphRunner:
         instrumented, calibration = profiling_split(self.cfg.profile_steps)
         return (
             prof.steps_recorded >= instrumented
+            and not prof.wants_kernel_memory
             and prof.steps_calibrated >= calibration
             and (prof.probe.done() if prof.probe is not None else not self._may_probe())
         )
@@ -275,6 +264,7 @@ class GraphRunner:
 
     def _finish_profiling(self) -> None:
         assert self.profiler is not None
+        self._finish_kernel_memory()
         if self.profile is None and self.profiler.steps_recorded > 0:
             self.profile = self.profiler.build_profile({"inner": self.cfg.inner})
             self.backend._save_profile(self)
@@ -327,6 +317,7 @@ class GraphRunner:
     def __call__(self, *args: Any) -> Any:
         if self._pending_error is not None:
             raise self._pending_error
+        process.note_forward()
         if self._call_params is None:
             self._call_params = frozenset(
                 i for i, kind in enumerate(classify_inputs(list(args))) if kind == "param"
@@ -350,11 +341,45 @@ class GraphRunner:
             self.profiler.bind_last_forward(inv.id, abandoned=inv.end is InvocationEnd.ABANDONED)
         return out
 
+    def _finish_kernel_memory(self) -> None:
+        """Read a kernel-memory step's timeline (outside backward), if one ran; keep it only when that step
+        ran this graph alone: no other forward of any backend in between (Note: [The budget is of the graph
+        that runs] in teraio.kernel_memory)."""
+        prof = self.profiler
+        if prof is None or not prof.kernel_memory_ended:
+            return
+        prof.finish_kernel_memory()
+        if prof.kernel_memory is not None:
+            log.info(
+                "%s: the kernels' memory peaks at %s (the op-by-op census: %s)",
+                self.name,
+                _fmt(prof.kernel_memory.peak_bytes),
+                _fmt(
+                    max((b for r in prof.fwd_runs[:1] + prof.bwd_runs[:1] for b in r.live_bytes), default=0)
+                ),
+            )
+        elif prof.kernel_memory_note is not None:
+            log.warning(
+                "%s: planning on the op-by-op census of memory, not the kernels' own timeline: %s",
+                self.name,
+                prof.kernel_memory_note,
+            )
+
     def _before_profiled_forward(self) -> None:
         prof = self.profiler
         if prof is None:
             return
+        self._finish_kernel_memory()
         instrumented, calibration = profiling_split(self.cfg.profile_steps)
+        step = self.backend.tracker.current_step
+        if (
+            prof.steps_recorded >= instrumented
+            and prof.wants_kernel_memory
+            and (step is None or step.complete)  # the step's first forward: nothing else in flight
+        ):
+            prof.memory_next = True
+            prof.calibrate_next = False
+            return
         if prof.steps_recorded >= instrumented:
             if prof.steps_calibrated >= calibration and prof.probe is None and self._may_probe():
                 self._start_probe()
@@ -422,51 +447,6 @@ def _fmt(nbytes: int | float | None) -> str:
     return format_bytes(nbytes)
 
 
-class ShapeDispatch:
-    """A graph with dynamic shapes: one GraphRunner (profile, plan) per concrete shape, bounded.
-
-    Plans are exact for the shapes they were made for (sizes, offsets, bytes moved), so each shape
-    gets its own; after ``max_shapes`` shapes, further shapes run the captured graph as it is, without
-    compiling or migration (logged once).
-    """
-
-    def __init__(self, backend: TeraioBackend, gm: fx.GraphModule, example_inputs: list[Any]) -> None:
-        self.backend = backend
-        self.gm = gm
-        self.example_inputs = example_inputs
-        self.by_shape: dict[tuple[Any, ...], GraphRunner] = {}
-        self._warned = False
-        self._lock = threading.Lock()
-
-    @staticmethod
-    def _key(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(
-            (tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device), a.requires_grad)
-            if isinstance(a, torch.Tensor)
-            else a
-            for a in args
-        )
-
-    def __call__(self, *args: Any) -> Any:
-        key = self._key(args)
-        with self._lock:
-            runner = self.by_shape.get(key)
-            if runner is None:
-                if len(self.by_shape) < self.backend.cfg.max_shapes:
-                    runner = self.backend._new_runner(self.gm, _static_examples(args))
-                    self.by_shape[key] = runner
-                else:
-                    if not self._warned:
-                        self._warned = True
-                        log.warning(
-                            "a graph has seen more than max_shapes=%d shapes; further shapes run uncompiled "
-                            "and without migration (raise max_shapes to plan them)",
-                            self.backend.cfg.max_shapes,
-                        )
-                    return self.gm(*args)
-        return runner(*args)
-
-
 class TeraioBackend:
     """A configured backend: ``torch.compile(model, backend=teraio.backend(**options))``."""
 
@@ -526,7 +506,7 @@ class TeraioBackend:
     ) -> Callable[..., Any]:
         self.inductor_options = check_compile_mode(mode, options, self.cfg.inner)
         examples = list(example_inputs)
-        if _is_dynamic(examples):
+        if is_dynamic(examples):
             return ShapeDispatch(self, gm, examples)
         return self._new_runner(gm, examples)
 
@@ -698,7 +678,8 @@ class TeraioBackend:
         started = self._step_t0.pop(step.index, None)
         clean = step.abandoned == 0 and not self._compiles_at.pop(step.index, 0)
         self.outside.step_ended(step.index, clean)
-        if started is not None and clean and self._all_final():
+        final = self._step_final(step)
+        if started is not None and clean and final:
             clock, t0 = started
             self._step_ends.append((step, clock, t0, clock.mark()))
             self._read_step_times(wait=False)
@@ -709,9 +690,7 @@ class TeraioBackend:
             else:
                 self._measure = MeasureState.ENDED
                 self._measured_step = None  # discard: not a clean step
-        elif (
-            self._measure is MeasureState.WAITING and clean and self._all_final() and self.cfg.measure_memory
-        ):
+        elif self._measure is MeasureState.WAITING and clean and final and self.cfg.measure_memory:
             self._measure = MeasureState.ARMED
 
     @staticmethod
@@ -742,8 +721,13 @@ class TeraioBackend:
         """The device the step computes on (its graphs' inputs): step times and the peak recorder."""
         return _device_of([p for r in self.runners for p in r.example_inputs])
 
-    def _all_final(self) -> bool:
-        return all(r.phase in (Phase.RUNNING, Phase.INFERENCE) for r in self.runners)
+    @staticmethod
+    def _step_final(step: StepRecord) -> bool:
+        """Whether every graph the step called ran its final compilation. Graphs the step did not call do
+        not count: a graph Dynamo replaced is never called again (Note: [A graph Dynamo replaced keeps its
+        shape] in teraio.shapes), and a graph called only in some steps must not keep the others from
+        being timed and measured."""
+        return bool(step.calls) and all(g.phase in (Phase.RUNNING, Phase.INFERENCE) for g, _, _ in step.calls)
 
     def _maybe_start_measurement(self) -> None:
         step = self.tracker.current_step

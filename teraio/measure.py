@@ -63,7 +63,7 @@ def _is_allocation(node: Any) -> bool:
     return node.tag == torch._C._profiler._EventType.Allocation
 
 
-def _allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
+def allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
     """Every allocation event in the subtrees of ``nodes`` on ``device``'s type, in time order."""
     kind = _device_type(device)
     out: list[AllocationEvent] = []
@@ -76,6 +76,22 @@ def _allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
                 out.append(AllocationEvent(int(n.start_time_ns), int(ef.ptr), int(ef.alloc_size)))
         stack.extend(n.children)
     out.sort(key=lambda e: e.ts_ns)
+    return out
+
+
+def own_running_bytes(events: list[AllocationEvent]) -> list[tuple[int, int]]:
+    """After each event, in time order: its time and the bytes the region's own allocations hold then
+    (Note: [Only the region's own allocations])."""
+    live: dict[int, int] = {}
+    running = 0
+    out: list[tuple[int, int]] = []
+    for e in events:
+        if e.nbytes > 0:
+            live[e.ptr] = live.get(e.ptr, 0) + e.nbytes
+            running += e.nbytes
+        elif e.ptr in live:
+            running -= live.pop(e.ptr)
+        out.append((e.ts_ns, running))
     return out
 
 
@@ -183,8 +199,13 @@ class _QuietStderr:
 class MemoryRecorder:
     """Start/stop form of :func:`measure_memory`, for regions that span calls (a forward+backward)."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", timeline: bool = False, record_shapes: bool = False) -> None:
+        """``timeline``: record the torch profiler's allocation events on every device (``events`` after
+        :meth:`stop`), not only the peak; on CUDA too, where the peak otherwise comes from the allocator's
+        statistics."""
         self.device = device
+        self.timeline = timeline
+        self.record_shapes = record_shapes
         self._quiet: _QuietStderr | None = None
         self._prof: torch.profiler.profile | None = None
         self.events: list[Any] = []  # the session's event tree (root per thread), after stop (CPU path)
@@ -204,7 +225,7 @@ class MemoryRecorder:
             raise ProfilerBusyError(
                 "another teraio memory measurement is running; measure one step at a time"
             )
-        self._dev = _accelerator(self.device)
+        self._dev = None if self.timeline else _accelerator(self.device)
         self._marked = None
         if self._dev is not None:
             d = torch.device(self.device)
@@ -214,10 +235,17 @@ class MemoryRecorder:
         else:
             self._quiet = _QuietStderr().__enter__()
             self._prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True, record_shapes=False
+                activities=[torch.profiler.ProfilerActivity.CPU],
+                profile_memory=True,
+                record_shapes=self.record_shapes,
             )
             self._prof.__enter__()
         self._t0 = time.perf_counter()
+
+    @property
+    def marked(self) -> bool:
+        """Whether :meth:`mark_end` ran (the region ended where it should, not at :meth:`stop`)."""
+        return self._marked is not None or self._wall_s is not None
 
     def mark_end(self) -> None:
         """Mark the end of the measured region without stopping the profiler.
@@ -265,7 +293,7 @@ class MemoryRecorder:
             release_profiler(self)
         roots = self.events = list(self._prof.profiler.kineto_results.experimental_event_tree())
         end_ns = _first_start_ns(roots, _END_MARK)
-        peak, running = own_peak_bytes(_allocations_under(roots, self.device), end_ns)
+        peak, running = own_peak_bytes(allocations_under(roots, self.device), end_ns)
         self._prof = None
         return MemoryMeasurement(peak_bytes=peak, end_bytes=running, wall_s=wall, method="torch.profiler")
 
@@ -310,7 +338,7 @@ def op_transient_bytes(roots: list[Any], marker_prefix: str, num_ops: int, devic
             if 0 <= i < num_ops:
                 spans[i] = (int(n.start_time_ns), int(n.end_time_ns))
         stack.extend(n.children)
-    events = _allocations_under(roots, device)
+    events = allocations_under(roots, device)
     times = [e.ts_ns for e in events]
     out = [0] * num_ops
     for i, (start, end) in spans.items():

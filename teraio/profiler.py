@@ -23,8 +23,17 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
+from teraio import process
 from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
 from teraio.clock import Clock
+from teraio.kernel_memory import (
+    BWD_MARK,
+    FWD_MARK,
+    KernelMemory,
+    MappingError,
+    expected_externs,
+    segment_memory,
+)
 from teraio.planner.profile import Profile, make_profile
 from teraio.probe import TransferProbe
 from teraio.segments import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
@@ -43,6 +52,9 @@ class GraphRun:
     #: The transfer probe's variant whose round trips it also made, 1-based (Note: [Pricing transfers
     #: under the model's own compute] in teraio.probe), 0: none. Its time prices transfers, not the ops.
     probed: int = 0
+    #: Ran the compiler's kernels under the torch profiler for their memory timeline (Note: [The budget is
+    #: of the graph that runs] in teraio.kernel_memory): neither timed nor censused.
+    kernel_memory: bool = False
 
 
 _OP_MARK = "teraio::op"
@@ -230,6 +242,17 @@ class StepProfiler:
         self.outside_samples_s: list[float] = []
         #: The compiler's own code for the forward and the backward, when it is not the GraphModule.
         self._kernels: dict[bool, Any] = {}
+        #: Note: [The budget is of the graph that runs] in teraio.kernel_memory. Set by the runner: the next
+        #: forward (and its backward) runs the kernels under the profiler for their memory timeline.
+        self.memory_next = False
+        self.kernel_memory: KernelMemory | None = None
+        #: Why the kernels' memory is not used (the census is), once that is known; None otherwise.
+        self.kernel_memory_note: str | None = None
+        self._memory_recorder: Any = None  # a measured step's recorder, stopped outside backward
+        self._memory_attempts = 0
+        # The process's forward count (teraio.process) when the kernel-memory step's forward began and
+        # when its backward ended: equal when no other forward ran in between.
+        self._memory_calls = self._memory_calls_end = -1
 
     @property
     def last_forward_calibrated(self) -> bool:
@@ -252,6 +275,11 @@ class StepProfiler:
         self._input_refs = {
             StorageWeakRef(a.untyped_storage()) for a in args_list if isinstance(a, torch.Tensor)
         }
+        if self.memory_next and self.fwd_runs and self._kernels:
+            self.memory_next = False
+            rec = self._start_memory_recorder()
+            if rec is not None:
+                return self._run_kernel_memory_fwd(rec, args_list)
         if self.calibrate_next and self.fwd_runs:
             self.calibrate_next = False
             probed = self.probe_next if self.probe is not None else 0
@@ -268,6 +296,8 @@ class StepProfiler:
     def bind_last_forward(self, invocation: int, abandoned: bool = False) -> None:
         """Name the forward that just ran by its invocation, so its backward pairs with it."""
         rec, self._last_fwd = self._last_fwd, None
+        if rec is not None and rec.kernel_memory and abandoned:
+            self.finish_kernel_memory(abandoned=True)
         if rec is not None and not abandoned:
             self._pending[invocation] = rec
 
@@ -283,6 +313,13 @@ class StepProfiler:
         pairs with its own forward's (``invocation``); a backward whose forward is unknown is not kept.
         """
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
+        if fwd is not None and fwd.kernel_memory:
+            self.last_backward_calibrated = False
+            with torch.profiler.record_function(BWD_MARK):
+                out = self._kernels[True](args_list)
+            self._memory_recorder.mark_end()  # stopped outside backward: Note: [Profiler state inside backward]
+            self._memory_calls_end = process.forward_calls()
+            return out
         self.last_backward_calibrated = fwd is not None and fwd.uninstrumented
         if fwd is not None and fwd.uninstrumented:
             gm = self._probed_graphs(fwd.probed)[1] if fwd.probed else self.step.bw_gm
@@ -300,6 +337,82 @@ class StepProfiler:
             self.fwd_runs.append(fwd)
             self.bwd_runs.append(interp.record)
         return out
+
+    # ------------------------------------------------------------ Note: [The budget is of the graph that runs]
+    #: Attempts at measuring the kernels' memory (the profiler may be busy with another measurement)
+    #: before the census is used instead.
+    MEMORY_ATTEMPTS = 3
+
+    @property
+    def wants_kernel_memory(self) -> bool:
+        """Whether a step should still measure the kernels' memory timeline."""
+        return (
+            bool(self._kernels)
+            and self.kernel_memory is None
+            and self.kernel_memory_note is None
+            and self._memory_recorder is None
+        )
+
+    def _start_memory_recorder(self) -> Any:
+        """A started recorder of allocation events, or None when another measurement holds the profiler
+        (given up after ``MEMORY_ATTEMPTS``: the census stands)."""
+        from teraio.measure import MemoryRecorder, ProfilerBusyError
+
+        rec = MemoryRecorder(self.device, timeline=True, record_shapes=True)
+        try:
+            rec.start()
+        except ProfilerBusyError:
+            self._memory_attempts += 1
+            if self._memory_attempts >= self.MEMORY_ATTEMPTS:
+                self.kernel_memory_note = "the torch profiler was busy with another measurement"
+            return None
+        return rec
+
+    def _run_kernel_memory_fwd(self, rec: Any, args_list: list[Any]) -> Any:
+        self._memory_recorder = rec
+        self._memory_calls = process.forward_calls()
+        try:
+            with torch.profiler.record_function(FWD_MARK):
+                out = self._kernels[False](args_list)
+        except BaseException:
+            self._memory_recorder = None
+            rec.stop()
+            raise
+        self._last_fwd = GraphRun(uninstrumented=True, kernel_memory=True)
+        return out
+
+    @property
+    def kernel_memory_ended(self) -> bool:
+        """A kernel-memory step's backward ended; :meth:`finish_kernel_memory` reads it (outside backward)."""
+        return self._memory_recorder is not None and self._memory_recorder.marked
+
+    def finish_kernel_memory(self, abandoned: bool = False) -> None:
+        """Stop a kernel-memory step's recorder (outside backward) and map its timeline onto the segments.
+
+        The timeline is kept only when the step ran this graph alone, with no other forward of any
+        backend in the process between its forward and its backward (their memory would count as this
+        graph's); ``abandoned``: its forward never got its backward. Otherwise the next step measures
+        again.
+        """
+        rec, self._memory_recorder = self._memory_recorder, None
+        if rec is None:
+            return
+        rec.stop()
+        if abandoned or not rec.marked or self._memory_calls_end != self._memory_calls:
+            return
+        from teraio.measure import allocations_under
+
+        seg = self.segmentation
+        a = self.analysis
+        try:
+            self.kernel_memory = segment_memory(
+                rec.events,
+                allocations_under(rec.events, self.device),
+                expected_externs(a.fw_ops, seg.fw_last),
+                expected_externs(a.bw_ops, seg.bw_last),
+            )
+        except MappingError as exc:
+            self.kernel_memory_note = str(exc)
 
     def add_outside_sample(self, outside_s: float) -> None:
         """The time outside the graphs of the calibration step that just ended (teraio.outside). A
@@ -372,6 +485,14 @@ class StepProfiler:
         ]
         seg_duration = [sum(durations[j] for j in seg.members(i)) for i in range(seg.num_total)]
         seg_live = [max(live[j] for j in seg.members(i)) for i in range(seg.num_total)]
+        after_fwd = int(self.fwd_runs[0].live_bytes[-1]) if self.fwd_runs[0].live_bytes else 0
+        kmem = self.kernel_memory
+        if kmem is not None and len(kmem.segment_live_bytes) != seg.num_total:
+            self.kernel_memory_note = f"the kernels' timeline has {len(kmem.segment_live_bytes)} segments, the graph {seg.num_total}"
+            kmem = None
+        if kmem is not None:  # Note: [The budget is of the graph that runs] in teraio.kernel_memory
+            seg_live = list(kmem.segment_live_bytes)
+            after_fwd = kmem.after_fwd_bytes
 
         from teraio.recompute import recipes, recompute_columns
 
@@ -459,12 +580,14 @@ class StepProfiler:
             "outside_steps": len(self.outside_samples_s),
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
-            "census_peak_bytes": int(max(live)) if live else 0,
+            "census_peak_bytes": int(max(seg_live)) if seg_live else 0,
+            # Where the memory timeline came from: the compiler's kernels run under the profiler, or the
+            # census of the graph run op by op (and why not the kernels, when they ran).
+            "memory_from": "kernels" if kmem is not None else "census",
+            "memory_note": self.kernel_memory_note,
             # Which forward placeholders are parameters (the rewrite may save them for a rebuild).
             "param_positions": sorted(params),
-            "census_after_fwd_bytes": int(self.fwd_runs[0].live_bytes[-1])
-            if self.fwd_runs[0].live_bytes
-            else 0,
+            "census_after_fwd_bytes": after_fwd,
             "created_unix_s": time.time(),
         }
         meta.update(extra_meta or {})

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from teraio.planner.budget import BudgetError, format_size, infeasible, parse_size, resolve_budget
+from teraio.planner.budget import (
+    BudgetError,
+    format_size,
+    infeasible,
+    parse_budget,
+    parse_size,
+    resolve_budget,
+)
 
 
 @pytest.mark.parametrize(
@@ -40,7 +47,8 @@ def test_parse_size_rejects(text):
     [
         ("40%", 400),
         ("100%", 1000),
-        ("150%", 1500),
+        ("1.5e9", 1_500_000_000),
+        ("5e-1", 500),
         (0.4, 400),
         ("0.25", 250),
         (1.0, 1000),
@@ -55,7 +63,27 @@ def test_resolve_budget(spec, nbytes):
     assert resolve_budget(spec, baseline_peak_bytes=1000) == nbytes
 
 
-@pytest.mark.parametrize("spec", ["0%", "-10%", "abc%", "half", "0", 0, "0MB", "1e999%"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "0%",
+        "-10%",
+        "abc%",
+        "half",
+        "0",
+        0,
+        "0MB",
+        "1e999%",
+        "150%",
+        1.5,
+        "1.5",
+        "-5",
+        True,
+        float("nan"),
+        "99999999999999999999999999TB",
+        2.0,
+    ],
+)
 def test_resolve_budget_rejects_with_one_line_hint(spec):
     with pytest.raises(BudgetError) as e:
         resolve_budget(spec, baseline_peak_bytes=1000)
@@ -71,3 +99,29 @@ def test_format_size():
     assert format_size(512) == "512 B"
     assert format_size(3 * 2**20) == "3.00 MiB"
     assert format_size(5 * 2**50) == "5120.00 TiB"
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "value"),
+    [
+        ("auto", "auto", None),
+        ("40%", "fraction", 0.4),
+        (0.4, "fraction", 0.4),
+        ("100%", "fraction", 1.0),
+        (1.0, "fraction", 1.0),
+        ("512MiB", "bytes", 512 * 2**20),
+        (4096, "bytes", 4096),
+        ("1024", "bytes", 1024),
+    ],
+)
+def test_parse_budget_without_a_peak(spec, kind, value):
+    """The grammar is checked where the peak is not known yet (a backend's options at construction)."""
+    parsed = parse_budget(spec, "memory_budget")
+    assert (parsed.kind, parsed.value) == (kind, value)
+
+
+def test_a_float_above_one_is_refused_and_says_what_to_write():
+    with pytest.raises(
+        BudgetError, match=r"memory_budget 1\.5: a float is a fraction .* \(0, 1\]; for bytes"
+    ):
+        parse_budget(1.5, "memory_budget")
