@@ -41,6 +41,7 @@ import torch
 from torch import fx
 
 from teraio import process
+from teraio.call_sites import SiteMemory, call_site
 from teraio.capture import CapturedStep, analyse_saved, computation_fingerprint
 from teraio.clock import Clock
 from teraio.compilers import compile_graph
@@ -55,6 +56,7 @@ from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
+from teraio.step_stats import Measurement, StepStats
 from teraio.steps import InvocationEnd, StepRecord, StepTracker
 
 log = logging.getLogger("teraio")
@@ -116,6 +118,13 @@ class GraphRunner:
         self.sources = placeholder_sources(gm)
         self.signature = shape_key(example_inputs)
         self.computation_fingerprint: str | None = None
+        self.compiles = 1  # compilations so far (a new plan is a new compilation)
+        #: The parameters' storages the graph computes with (which model it belongs to: teraio.step_stats).
+        self.parameter_ids: frozenset[int] = frozenset()
+        self.sites = SiteMemory()  # Note: [Forwards never backpropagated move nothing] in teraio.call_sites
+        self._plain: Callable[..., Any] | None = None
+        self.unplanned_calls = 0
+        self._unplanned_peak_bytes: int | None = None
         self._training = False
         self.phase = Phase.PROFILING
         self._compiled = compile_graph(
@@ -310,18 +319,40 @@ class GraphRunner:
             inductor_options=self.backend.inductor_options,
         )
         self.phase = Phase.RUNNING
+        self.compiles += 1
         self.profiler = None if self.profile is not None else self.profiler
         log.info("running %s with %s", self.name, describe_plan(plan) if plan else "no migration")
+
+    def _without_plan(self) -> Callable[..., Any]:
+        """The graph compiled without migration ops, for calls whose outputs are never backpropagated
+        (compiled once, when first needed)."""
+        if self._plain is None:
+            log.info(
+                "%s: forwards from one line of the loop are never backpropagated; they run without "
+                "migration (their saved tensors are freed with their autograd graph)",
+                self.name,
+            )
+            self._plain = compile_graph(
+                self.gm,
+                self.example_inputs,
+                self.cfg.inner,
+                lambda step: None,
+                identity="final:no-plan",
+                inductor_options=self.backend.inductor_options,
+            )
+        return self._plain
 
     # ------------------------------------------------------------------------------------- calling
     def __call__(self, *args: Any) -> Any:
         if self._pending_error is not None:
             raise self._pending_error
         process.note_forward()
+        self.backend.forward_calls += 1
         if self._call_params is None:
             self._call_params = frozenset(
                 i for i, kind in enumerate(classify_inputs(list(args))) if kind == "param"
             )
+            self.parameter_ids = frozenset(args[i].untyped_storage().data_ptr() for i in self._call_params)
         if self.phase is Phase.INFERENCE or not torch.is_grad_enabled():
             return self._compiled(*args)
         if self.phase is Phase.PROFILING:
@@ -334,8 +365,15 @@ class GraphRunner:
         )
         self.backend.outside.forward_starts(step.index, not step.calls, calibrating)
         self.backend._maybe_start_measurement()
-        out = self._compiled(*args)
-        inv = tracker.end_forward(self, out)
+        compiled, site = self._compiled, None
+        if self.phase is Phase.RUNNING and self.rewrite is not None:
+            # Note: [Forwards never backpropagated move nothing] in teraio.call_sites
+            site = call_site()
+            if self.sites.skip_plan(site):
+                compiled = self._without_plan()
+                self.unplanned_calls += 1
+        out = compiled(*args)
+        inv = tracker.end_forward(self, out, site)
         self.invocations += 1
         if self.phase is Phase.PROFILING and self.profiler is not None and inv is not None:
             self.profiler.bind_last_forward(inv.id, abandoned=inv.end is InvocationEnd.ABANDONED)
@@ -403,17 +441,27 @@ class GraphRunner:
 PREDICTION_SLACK = 1.05
 
 
-def _warn_unplanned_memory(measured_bytes: int, predicted_bytes: int | None) -> None:
-    """Say so when the step used clearly more memory than every graph's plan accounts for."""
+def _warn_unplanned_memory(measured_bytes: int, predicted_bytes: int | None, graphs: int) -> None:
+    """Say so when the step used clearly more memory than its graphs' plans account for, naming what can
+    cause that in a step of this shape (one graph or several)."""
     if predicted_bytes is None or measured_bytes <= PREDICTION_SLACK * predicted_bytes:
         return
+    if graphs > 1:
+        cause = (
+            "memory the step allocates outside teraio's graphs: code torch.compile runs eagerly between them "
+            "(a graph break: TORCH_LOGS=graph_breaks shows where) or tensors the loop creates in the step"
+        )
+    else:
+        cause = (
+            "memory the step allocates outside teraio's graph: the loss or other tensors your loop computes "
+            "between forward and backward, gradient hooks, or tensors it creates in the step"
+        )
     log.warning(
-        "measured step peak %s is %.0f%% above the predicted %s: memory outside teraio's graphs, such as "
-        "code torch.compile runs eagerly (a graph break it could not compile: TORCH_LOGS=graph_breaks "
-        "shows them) or tensors the loop keeps between steps; the budget cannot cover what it cannot see",
+        "measured step peak %s is %.0f%% above the predicted %s: %s; the budget cannot cover what it cannot see",
         _fmt(measured_bytes),
         100 * (measured_bytes / predicted_bytes - 1),
         _fmt(predicted_bytes),
+        cause,
     )
 
 
@@ -458,7 +506,11 @@ class TeraioBackend:
         self._engine_id: int | None = None
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
-        self.tracker = StepTracker(on_step_end=self._on_step_end)
+        self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
+        self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.step_stats
+        self.forward_calls = 0  # this backend's forwards (Note: [A measured step belongs to one backend])
+        self._measure_counts_start = self._measure_counts_end = (0, 0)
+        self._measured_calls: list[tuple[Any, Any, int]] = []
         self.outside = OutsideTimer(on_sample=self._outside_sample)
         self._lock = threading.RLock()
         self._measure = MeasureState.WAITING
@@ -683,15 +735,31 @@ class TeraioBackend:
             clock, t0 = started
             self._step_ends.append((step, clock, t0, clock.mark()))
             self._read_step_times(wait=False)
+        if step.abandoned == 0:
+            self.step_stats.step_ended(step.calls, None)
         if self._measure is MeasureState.ACTIVE and self._measured_step == step.index:
             if clean:
                 self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.measure
-                self._measure = MeasureState.ENDED
+                self._measure_counts_end = (process.forward_calls(), self.forward_calls)
+                self._measured_calls = list(step.calls)
             else:
-                self._measure = MeasureState.ENDED
                 self._measured_step = None  # discard: not a clean step
-        elif self._measure is MeasureState.WAITING and clean and final and self.cfg.measure_memory:
+            self._measure = MeasureState.ENDED
+        elif (
+            self._measure is MeasureState.WAITING
+            and clean
+            and final
+            and self.cfg.measure_memory
+            and self.step_stats.needs_measurement(self._kind_generation)
+        ):
             self._measure = MeasureState.ARMED
+
+    @staticmethod
+    def _on_invocation_end(inv: Any) -> None:
+        # In a backward hook or a finalizer: a dict update only (Note: [Forwards never backpropagated move
+        # nothing] in teraio.call_sites).
+        if inv.site is not None:
+            inv.graph.sites.ended(inv.site, inv.end is InvocationEnd.ABANDONED)
 
     @staticmethod
     def _outside_sample(runner: GraphRunner, outside_s: float) -> None:
@@ -715,6 +783,7 @@ class TeraioBackend:
                     clock.settle(end)
                 self._step_ends.popleft()
                 self.step_times_s.append(clock.elapsed_ns(t0, end) / 1e9)
+                self.step_stats.add_time(StepStats.kind_of(step.calls), self.step_times_s[-1])
                 self._append_stats(step)
 
     def _compute_device(self) -> str:
@@ -747,21 +816,74 @@ class TeraioBackend:
             return  # another measurement is recording: try on a later step
         self._recorder = recorder
         self._measured_step = step.index
+        # This step's first forward has been counted already (GraphRunner.__call__).
+        self._measure_counts_start = (process.forward_calls() - 1, self.forward_calls - 1)
         self._measure = MeasureState.ACTIVE
 
     def _finish_measurement(self) -> None:
-        """Stop a measurement whose step ended; call from outside any backward."""
+        """Stop a measurement whose step ended; call from outside any backward.
+
+        Note: [A measured step belongs to one backend] in teraio.step_stats.
+        """
         if self._measure is not MeasureState.ENDED:
             return
         rec, self._recorder = self._recorder, None
         result = rec.stop()
-        if self._measured_step is not None:
-            self.measured_peak_bytes = result.peak_bytes
-            self._measure = MeasureState.DONE
-            log.info("measured step peak %s", _fmt(self.measured_peak_bytes))
-            _warn_unplanned_memory(self.measured_peak_bytes, self.predicted_step_peak_bytes)
-        else:
-            self._measure = MeasureState.ARMED
+        self._measure = MeasureState.WAITING
+        if self._measured_step is None:
+            return
+        kind = StepStats.kind_of(self._measured_calls)
+        (p0, o0), (p1, o1) = self._measure_counts_start, self._measure_counts_end
+        if (p1 - p0) != (o1 - o0):
+            self.step_stats.foreign(kind)
+            log.debug(
+                "discarded the measurement of step %d: another backend's graphs ran in it",
+                self._measured_step,
+            )
+            return
+        predicted = self._predicted_peak(self._measured_calls)
+        self.step_stats.measurements[kind] = Measurement(
+            self._measured_step, kind, result.peak_bytes, predicted, self._kind_generation(kind)
+        )
+        self.measured_peak_bytes = result.peak_bytes
+        log.info(
+            "measured step peak %s (graphs %s; predicted %s)",
+            _fmt(result.peak_bytes),
+            ", ".join(str(g) for g in sorted(kind)),
+            _fmt(predicted),
+        )
+        _warn_unplanned_memory(result.peak_bytes, predicted, len(kind))
+
+    def _kind_generation(self, kind: frozenset[int]) -> int:
+        """Changes whenever a graph of ``kind`` is recompiled (a new plan): measurements are per plans."""
+        return sum(r.compiles for r in self.runners if r.graph_id in kind)
+
+    def _graph_memory(self, r: GraphRunner) -> Any:
+        """A graph's peak and what one invocation holds between forward and backward, under its plan (or
+        unplanned, from its profile; None when it was never profiled)."""
+        from teraio.planner.lifetimes import analyse
+        from teraio.step_budget import GraphMemory
+
+        if r.profile is None:
+            return None
+        held = max(
+            0, int(r.profile.meta.get("census_after_fwd_bytes", 0)) - (r.plan.moved_bytes if r.plan else 0)
+        )
+        if r.plan is not None and self.cfg.enabled and r.plan.decisions:
+            return GraphMemory(r.plan.predicted_peak_bytes, held)
+        if r._unplanned_peak_bytes is None:
+            r._unplanned_peak_bytes = analyse(r.profile).baseline_peak_bytes
+        return GraphMemory(r._unplanned_peak_bytes, held)
+
+    def _predicted_peak(self, calls: list[tuple[Any, Any, int]]) -> int | None:
+        """The composed prediction for a step with these calls (teraio.step_budget), None when a graph of
+        it has no profile to predict from."""
+        from teraio.step_budget import step_peak
+
+        memory = {g: self._graph_memory(g) for g, _, _ in calls}
+        if any(m is None for m in memory.values()):
+            return None
+        return step_peak([(g, getattr(k, "value", k), i) for g, k, i in calls], memory)[0]
 
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
@@ -1036,19 +1158,24 @@ class TeraioBackend:
         }
 
     def stats(self) -> dict[str, Any]:
-        """What the backend did: per step (``steps``, ``step_s``, peaks, bytes moved) and per graph.
+        """What the backend did, for the model it trained last, per model, and per graph.
 
-        ``steps`` counts complete training steps (a step runs every forward in flight to its backward or
-        its end); ``step_s`` is the median wall time of the steps that ran every graph's final
-        compilation (no profiling or compile inside); the I/O figures are totals since the start.
+        Note: [Models of one backend] in teraio.step_stats. The top-level figures describe the model of
+        the latest complete step (``model`` indexes ``models``): ``running_steps`` and ``step_s`` (the
+        median wall time of its steps that ran every graph's final compilation), its latest measured
+        peak and the prediction for that same step, the bytes it moves per step. ``steps`` counts every
+        complete training step of the backend (a step runs every forward in flight to its backward or its
+        end), and the I/O figures are the backend's totals since the start. ``models`` has the same
+        figures for each model the backend compiled.
         """
         self._finish_measurement()
         self._read_step_times(wait=True)
-        plans = [(r, r.plan) for r in self.runners if r.plan is not None and r.is_training]
-        calls = self._step_calls(
-            [r for r in self.runners if r.is_training and r.profile is not None], absent_too=False
-        )
-        fwd_calls = [g for g, k, _ in calls if k == "fwd"]
+        models = self.step_stats.models(self._parameter_links())
+        summaries = [
+            {"model": i, **self.step_stats.summary(m, self._moved_bytes_of)} for i, m in enumerate(models)
+        ]
+        last = self.step_stats.last_kind
+        current = next((x for x, m in zip(summaries, models) if last is not None and last <= m), None)
         graphs = [
             {
                 "graph": r.graph_id,
@@ -1058,26 +1185,62 @@ class TeraioBackend:
                 "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
                 "predicted_step_s": r.plan.predicted_step_s if r.plan else None,
                 "profiled_s": r.profile.meta.get("step_s") if r.profile is not None else None,
+                "memory_from": r.profile.meta.get("memory_from") if r.profile is not None else None,
+                # Forwards from lines of the loop whose outputs are never backpropagated, run without the
+                # plan (Note: [Forwards never backpropagated move nothing] in teraio.call_sites).
+                "unplanned_calls": r.unplanned_calls,
             }
             for r in self.runners
         ]
+        if current is not None:
+            kind = max(
+                (k for k in self.step_stats.kinds if k <= models[current["model"]]),
+                key=lambda k: self.step_stats.kinds[k].steps,
+            )
+            calls = self.step_stats.kinds[kind].last_calls
+            top = {k: v for k, v in current.items() if k not in ("graphs", "steps")}
+            if top["predicted_peak_bytes"] is None:  # not measured yet: the prediction for its latest step
+                top["predicted_peak_bytes"] = self._predicted_peak(calls)
+        else:
+            calls = []
+            top = {
+                "model": None,
+                "running_steps": 0,
+                "step_s": None,
+                "measured_peak_bytes": None,
+                "predicted_peak_bytes": self.predicted_step_peak_bytes,
+                "measured_step": None,
+                "measure_note": None,
+                "moved_bytes_per_step": 0,
+            }
+        fwd = [g for g, k, _ in calls if getattr(k, "value", k) == "fwd"]
+        planned = [g.plan for g in fwd if g.plan is not None]
         return {
             "steps": self.tracker.completed_steps,
-            "running_steps": len(self.step_times_s),
             "graphs": len(self.runners),
-            "step_s": statistics.median(self.step_times_s) if self.step_times_s else None,
-            "measured_peak_bytes": self.measured_peak_bytes,
-            "predicted_peak_bytes": self.predicted_step_peak_bytes
-            if self.predicted_step_peak_bytes is not None
-            else (max(p.predicted_peak_bytes for _, p in plans) if plans else None),
-            "predicted_step_s": sum(r.plan.predicted_step_s for r in fwd_calls if r.plan is not None)
-            if plans
-            else None,
-            "moved_bytes_per_step": sum(r.plan.moved_bytes for r in fwd_calls if r.plan is not None),
+            **top,
+            "predicted_step_s": sum(p.predicted_step_s for p in planned) if planned else None,
             "phase": [r.phase.value for r in self.runners],
+            "models": summaries,
             "per_graph": graphs,
             **self._io_stats(),
         }
+
+    def _parameter_links(self) -> list[frozenset[int]]:
+        """Graphs that compute with the same parameters (one model's shapes, a graph Dynamo recompiled)."""
+        by_param: dict[int, set[int]] = {}
+        for r in self.runners:
+            for p in r.parameter_ids:
+                by_param.setdefault(p, set()).add(r.graph_id)
+        return [frozenset(g) for g in by_param.values() if len(g) > 1]
+
+    def _moved_bytes_of(self, calls: list[tuple[Any, Any, int]]) -> int:
+        """Bytes a step with these calls moves: each forward's plan, when the backend runs plans."""
+        if not self.cfg.enabled:
+            return 0
+        return sum(
+            g.plan.moved_bytes for g, k, _ in calls if getattr(k, "value", k) == "fwd" and g.plan is not None
+        )
 
 
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")

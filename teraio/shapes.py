@@ -97,11 +97,23 @@ def shape_key(args: tuple[Any, ...] | list[Any], scalars: frozenset[int] = froze
     )
 
 
-def specialize(gm: fx.GraphModule, args: tuple[Any, ...], scalars: frozenset[int]) -> fx.GraphModule:
-    """A copy of ``gm`` for one call's values (Note: [Specialising a symbolic graph]): symbolic sizes and
-    scalars read with ``.item()`` become constants; their placeholders stay, unread."""
+def specialize(
+    gm: fx.GraphModule, args: tuple[Any, ...], scalars: frozenset[int]
+) -> tuple[fx.GraphModule, list[int]]:
+    """A copy of ``gm`` for one call's values (Note: [Specialising a symbolic graph]), and the positions
+    of the call's arguments it takes: symbolic sizes and scalars read with ``.item()`` become constants
+    and their inputs are dropped, so the copy has the inputs a static graph of that shape would have
+    (with inputs left unread, AOTAutograd saw symbolic integers and partitioned differently)."""
     out = fx.GraphModule(gm, copy.deepcopy(gm.graph))
     out.meta = dict(gm.meta)
+    # What AOTAutograd reads of a Dynamo graph beyond its nodes (which inputs are parameters, their
+    # sources): without it, it planned the copy as a graph of unknown origin and partitioned differently.
+    if hasattr(gm, "_param_name_to_source"):
+        out._param_name_to_source = gm._param_name_to_source
+    for original, node in zip(_placeholders(gm), _placeholders(out)):
+        if hasattr(original, "_dynamo_source"):
+            node._dynamo_source = original._dynamo_source
+    kept: list[int] = []
     for i, node in enumerate(_placeholders(out)):
         value = args[i]
         if isinstance(value, (int, float, bool)) and not isinstance(value, torch.Tensor):
@@ -111,6 +123,7 @@ def specialize(gm: fx.GraphModule, args: tuple[Any, ...], scalars: frozenset[int
             const = value.item()
             targets = [u for u in node.users if u.op == "call_method" and u.target == "item"]
         else:
+            kept.append(i)
             continue
         for t in targets:
             for user in list(t.users):
@@ -118,9 +131,13 @@ def specialize(gm: fx.GraphModule, args: tuple[Any, ...], scalars: frozenset[int
                 user.kwargs = fx.node.map_arg(user.kwargs, lambda a, t=t, c=const: c if a is t else a)
             if t is not node and not t.users:
                 out.graph.erase_node(t)
+        if node.users:  # a scalar also used as a tensor
+            kept.append(i)
+        else:
+            out.graph.erase_node(node)
     out.graph.lint()
     out.recompile()
-    return out
+    return out, kept
 
 
 def static_examples(args: tuple[Any, ...]) -> list[Any]:
@@ -134,8 +151,9 @@ def static_examples(args: tuple[Any, ...]) -> list[Any]:
 
 
 class _Alias:
-    """Calls a static graph's runner with the arguments of the dynamic graph that replaced it (Note: [A
-    graph Dynamo replaced keeps its shape])."""
+    """Calls a runner with some of a call's arguments: a specialised copy's (Note: [Specialising a symbolic
+    graph]), or a static graph's with those of the dynamic graph that replaced it (Note: [A graph Dynamo
+    replaced keeps its shape])."""
 
     def __init__(self, runner: GraphRunner, positions: list[int]) -> None:
         self.runner = runner
@@ -174,9 +192,7 @@ class ShapeDispatch:
             entry = self.by_shape.get(key)
             if entry is None:
                 if len(self.by_shape) < self.backend.cfg.max_shapes:
-                    entry = self._twin(args) or self.backend._new_runner(
-                        specialize(self.gm, args, self.scalars), static_examples(args)
-                    )
+                    entry = self._twin(args) or self._specialised(args)
                     self.by_shape[key] = entry
                 else:
                     if not self._warned:
@@ -188,6 +204,11 @@ class ShapeDispatch:
                         )
                     return self.gm(*args)
         return entry(*args)
+
+    def _specialised(self, args: tuple[Any, ...]) -> _Alias:
+        gm, kept = specialize(self.gm, args, self.scalars)
+        runner = self.backend._new_runner(gm, static_examples(tuple(args[i] for i in kept)))
+        return _Alias(runner, kept)
 
     def _twin(self, args: tuple[Any, ...]) -> _Alias | None:
         """The static runner of this frame that serves this call's shape, when it computes the same
@@ -206,9 +227,10 @@ class ShapeDispatch:
             positions = [where[s] for s in runner.sources]  # type: ignore[index]
             if shape_key([args[i] for i in positions]) != runner.signature:
                 continue
+            gm, kept = specialize(self.gm, args, self.scalars)
             step = capture_step(
-                specialize(self.gm, args, self.scalars),
-                static_examples(args),
+                gm,
+                static_examples(tuple(args[i] for i in kept)),
                 runner.cfg.inner,
                 inductor_options=self.backend.inductor_options,
             )

@@ -51,6 +51,7 @@ class Invocation:
     graph: Any  # the GraphRunner (opaque here)
     step: int
     end: InvocationEnd | None = None
+    site: Any = None  # where the loop called it (teraio.call_sites), set by the caller
 
 
 @dataclass
@@ -92,7 +93,11 @@ class StepTracker:
     """Invocations in flight and step boundaries of one backend. Thread-safe: hooks and finalizers run
     on autograd's threads."""
 
-    def __init__(self, on_step_end: Callable[[StepRecord], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_step_end: Callable[[StepRecord], None] | None = None,
+        on_invocation_end: Callable[[Invocation], None] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._in_flight: dict[int, Invocation] = {}
@@ -102,6 +107,8 @@ class StepTracker:
         self.last_complete: StepRecord | None = None
         self.completed_steps = 0
         self._on_step_end = on_step_end
+        # Called without the lock, in a backward hook or a finalizer: it may only note what happened.
+        self._on_invocation_end = on_invocation_end
 
     @property
     def in_flight(self) -> int:
@@ -119,21 +126,25 @@ class StepTracker:
                 self._current = StepRecord(next(self._steps))
             return self._current
 
-    def end_forward(self, graph: Any, outputs: Any) -> Invocation | None:
+    def end_forward(self, graph: Any, outputs: Any, site: Any = None) -> Invocation | None:
         """The forward returned: register its invocation by its backward node (None: no backward)."""
         node = backward_node(outputs)
         with self._lock:
             step = self._current
             assert step is not None, "end_forward without begin_forward"
-            inv = Invocation(next(self._ids), graph, step.index)
+            inv = Invocation(next(self._ids), graph, step.index, site=site)
             step.calls.append((graph, CallKind.FWD, inv.id))
             if node is None:
                 inv.end = InvocationEnd.ABANDONED
                 step.abandoned += 1
                 self._maybe_close(step)
-                return inv
-            self._in_flight[inv.id] = inv
-            self._by_node[id(node)] = inv
+            else:
+                self._in_flight[inv.id] = inv
+                self._by_node[id(node)] = inv
+        if node is None:
+            if self._on_invocation_end is not None:
+                self._on_invocation_end(inv)
+            return inv
         node.register_hook(lambda grad_inputs, grad_outputs, inv=inv: self._backward_ran(inv))
         weakref.finalize(node, self._node_freed, inv, id(node))
         return inv
@@ -147,27 +158,35 @@ class StepTracker:
             return self._by_node.get(id(node))
 
     def _backward_ran(self, inv: Invocation) -> None:
+        ended = False
         with self._lock:
             step = self._current
             if step is not None and step.index == inv.step:
                 step.calls.append((inv.graph, CallKind.BWD, inv.id))
             if inv.end is None:
                 inv.end = InvocationEnd.BACKWARD
+                ended = True
                 self._in_flight.pop(inv.id, None)
                 if step is not None and step.index == inv.step:
                     self._maybe_close(step)
+        if ended and self._on_invocation_end is not None:
+            self._on_invocation_end(inv)
 
     def _node_freed(self, inv: Invocation, node_id: int) -> None:
+        ended = False
         with self._lock:
             if self._by_node.get(node_id) is inv:
                 del self._by_node[node_id]
             if inv.end is None:
                 inv.end = InvocationEnd.ABANDONED
+                ended = True
                 self._in_flight.pop(inv.id, None)
                 step = self._current
                 if step is not None and step.index == inv.step:
                     step.abandoned += 1
                     self._maybe_close(step)
+        if ended and self._on_invocation_end is not None:
+            self._on_invocation_end(inv)
 
     def _maybe_close(self, step: StepRecord) -> None:
         # Called with the lock held.

@@ -163,10 +163,13 @@ def test_budget_below_smallest_peak_is_a_clear_error() -> None:
         be.close()
 
 
-def test_unusable_offload_directory_is_a_clear_error(tmp_path: Path) -> None:
+def test_an_offload_directory_that_becomes_unusable_is_a_clear_error(tmp_path: Path) -> None:
+    """The backend refuses an unusable directory when it is built (tests/teraio/test_options.py); one
+    that was usable then and is not when the engine starts (a file put in its way meanwhile) fails at
+    that step, naming it, and the file is left alone."""
     blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
     be = TeraioBackend(inner="eager", memory_budget="50%", solver="greedy", offload_dirs=[str(blocker / "x")])
+    blocker.write_text("not a directory")
     try:
         _one_failing_step(builtin_workload("tiny"), be, 3, RuntimeIOError, str(blocker))
     finally:
