@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "default_backend", "TeraioBackend", "BackendConfig", "__version__"]
+__all__ = ["backend", "default_backend", "process_stats", "TeraioBackend", "BackendConfig", "__version__"]
 
 if TYPE_CHECKING:
     from teraio.lifecycle import BackendConfig, TeraioBackend, default_backend
@@ -24,6 +24,13 @@ def backend(**options: Any) -> TeraioBackend:
     from teraio.lifecycle import TeraioBackend
 
     return TeraioBackend(**options)
+
+
+def process_stats() -> list[dict[str, Any]]:
+    """Every live backend of this process, what it holds and did (``teraio.process.process_stats``)."""
+    from teraio.process import process_stats as stats
+
+    return stats()
 
 
 def __getattr__(name: str) -> Any:

@@ -121,6 +121,7 @@ class GraphRunner:
         self.compiles = 1  # compilations so far (a new plan is a new compilation)
         #: The parameters' storages the graph computes with (which model it belongs to: teraio.step_stats).
         self.parameter_ids: frozenset[int] = frozenset()
+        self._memory_invocation: Any = None  # the invocation of a kernel-memory step in progress
         self.sites = SiteMemory()  # Note: [Forwards never backpropagated move nothing] in teraio.call_sites
         self._plain: Callable[..., Any] | None = None
         self.unplanned_calls = 0
@@ -237,7 +238,7 @@ class GraphRunner:
         instrumented, calibration = profiling_split(self.cfg.profile_steps)
         return (
             prof.steps_recorded >= instrumented
-            and not prof.wants_kernel_memory
+            and prof.kernel_memory_settled
             and prof.steps_calibrated >= calibration
             and (prof.probe.done() if prof.probe is not None else not self._may_probe())
         )
@@ -320,7 +321,9 @@ class GraphRunner:
         )
         self.phase = Phase.RUNNING
         self.compiles += 1
-        self.profiler = None if self.profile is not None else self.profiler
+        if self.profile is not None and self.profiler is not None:
+            self.profiler.abandon_kernel_memory()  # never leave a profiler session running unowned
+            self.profiler = None
         log.info("running %s with %s", self.name, describe_plan(plan) if plan else "no migration")
 
     def _without_plan(self) -> Callable[..., Any]:
@@ -376,6 +379,8 @@ class GraphRunner:
         inv = tracker.end_forward(self, out, site)
         self.invocations += 1
         if self.phase is Phase.PROFILING and self.profiler is not None and inv is not None:
+            if self.profiler.memory_step_running:
+                self._memory_invocation = inv
             self.profiler.bind_last_forward(inv.id, abandoned=inv.end is InvocationEnd.ABANDONED)
         return out
 
@@ -384,8 +389,18 @@ class GraphRunner:
         ran this graph alone: no other forward of any backend in between (Note: [The budget is of the graph
         that runs] in teraio.kernel_memory)."""
         prof = self.profiler
-        if prof is None or not prof.kernel_memory_ended:
+        if prof is None:
             return
+        inv = self._memory_invocation
+        if inv is not None and inv.end is InvocationEnd.ABANDONED and not prof.kernel_memory_ended:
+            # Its autograd graph was freed without a backward (a forward whose output was detached at once):
+            # stop the recorder, which holds the process's profiler session, and measure on a later step.
+            self._memory_invocation = None
+            prof.finish_kernel_memory(abandoned=True)
+            return
+        if not prof.kernel_memory_ended:
+            return
+        self._memory_invocation = None
         prof.finish_kernel_memory()
         if prof.kernel_memory is not None:
             log.info(
@@ -506,6 +521,7 @@ class TeraioBackend:
         self._engine_id: int | None = None
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
+        self.backend_id = process.register(self)  # the process-wide view: teraio.process_stats()
         self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
         self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.step_stats
         self.forward_calls = 0  # this backend's forwards (Note: [A measured step belongs to one backend])
@@ -573,8 +589,11 @@ class TeraioBackend:
 
     # ---------------------------------------------------------------------------------- lifecycle
     def _advance(self, runner: GraphRunner) -> None:
-        """Move phases at a forward call (outside any backward): finish a measurement, plan, compile."""
-        self._finish_measurement()
+        """Move phases at a forward call (outside any backward): finish measurements, plan, compile."""
+        # The torch profiler's session is the process's one (and holds stderr while it runs): whatever
+        # measurement of any backend ended is read now, so none holds it past the next forward.
+        for b in process.backends():
+            b._finish_recorders()
         self._read_step_times(wait=False)
         if runner.phase is not Phase.PLANNING:
             return
@@ -582,6 +601,11 @@ class TeraioBackend:
             if runner.phase is not Phase.PLANNING:
                 return
             self._collect_probes()  # Note: [Pricing transfers under the model's own compute] in teraio.probe
+            for r in self.runners:
+                if r.phase is Phase.PLANNING and r.profiler is not None and r.profile is None:
+                    r._finish_kernel_memory()
+                    if r.profiler.wants_kernel_memory:  # its step did not run alone: measure again
+                        r.phase = Phase.PROFILING
             ready = [r for r in self.runners if r.phase is Phase.PLANNING]
             for r in ready:
                 if r.plan is None:
@@ -683,12 +707,17 @@ class TeraioBackend:
         log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
 
     def _step_calls(self, graphs: list[GraphRunner], absent_too: bool = True) -> list[tuple[Any, str, int]]:
-        """The last complete step's calls among ``graphs``; with ``absent_too``, graphs that were not
-        called in it are appended as one forward and backward each (planned as if they ran alone)."""
-        step = self.tracker.last_complete
-        calls = []
-        if step is not None:
-            calls = [(g, k.value, i) for g, k, i in step.calls if g in graphs]
+        """The calls among ``graphs`` of every kind of step seen (teraio.step_stats), one kind after the
+        other: a kind's invocations all end within it, so the composed peak of the sequence is the largest
+        of any kind's (a discriminator's step with two forwards, and its other step with one, are both
+        bounded). With ``absent_too``, graphs that no complete step called are appended as one forward
+        and backward each (planned as if they ran alone)."""
+        calls = [
+            (g, getattr(k, "value", k), i)
+            for kind in self.step_stats.kinds.values()
+            for g, k, i in kind.last_calls
+            if g in graphs
+        ]
         if not absent_too:
             return calls
         seen = {g for g, _, _ in calls}
@@ -738,7 +767,7 @@ class TeraioBackend:
         if step.abandoned == 0:
             self.step_stats.step_ended(step.calls, None)
         if self._measure is MeasureState.ACTIVE and self._measured_step == step.index:
-            if clean:
+            if clean and final:  # a step that profiled a graph measured the interpreter, not the plan
                 self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.measure
                 self._measure_counts_end = (process.forward_calls(), self.forward_calls)
                 self._measured_calls = list(step.calls)
@@ -825,7 +854,7 @@ class TeraioBackend:
 
         Note: [A measured step belongs to one backend] in teraio.step_stats.
         """
-        if self._measure is not MeasureState.ENDED:
+        if self._measure is not MeasureState.ENDED or self._recorder is None:
             return
         rec, self._recorder = self._recorder, None
         result = rec.stop()
@@ -853,6 +882,13 @@ class TeraioBackend:
             _fmt(predicted),
         )
         _warn_unplanned_memory(result.peak_bytes, predicted, len(kind))
+
+    def _finish_recorders(self) -> None:
+        """Read this backend's measurements whose steps ended: a measured step's, and any graph's
+        kernel-memory step's. Outside any backward only."""
+        self._finish_measurement()
+        for r in self.runners:
+            r._finish_kernel_memory()
 
     def _kind_generation(self, kind: frozenset[int]) -> int:
         """Changes whenever a graph of ``kind`` is recompiled (a new plan): measurements are per plans."""
@@ -1094,10 +1130,15 @@ class TeraioBackend:
     def close(self) -> None:
         """Stop the engine and remove its files (also done at interpreter exit)."""
         self._close_probes()
+        for r in self.runners:  # a kernel-memory step that ended and was never read, or never ended
+            if r.profiler is not None:
+                r.profiler.abandon_kernel_memory()
         if self._recorder is not None:
             with contextlib.suppress(Exception):
                 self._recorder.stop()
             self._recorder = None
+        self._measure = MeasureState.DONE
+        process.unregister(self)
         if self.engine is not None:
             from teraio.ops import unregister_engine
 

@@ -33,13 +33,50 @@ def forward_calls() -> int:
     return _last_forward
 
 
-def register(backend: Any) -> None:
-    """Add a backend to the process-wide view (held weakly: a backend nobody uses leaves it)."""
+_ids = itertools.count(0)
+
+
+def register(backend: Any) -> int:
+    """Add a backend to the process-wide view (held weakly: a backend nobody uses leaves it); returns its
+    id in this process."""
     with _lock:
         _backends.add(backend)
+        return next(_ids)
+
+
+def unregister(backend: Any) -> None:
+    """A closed backend leaves the view."""
+    with _lock:
+        _backends.discard(backend)
 
 
 def backends() -> list[Any]:
     """The live backends, oldest first."""
     with _lock:
         return sorted(_backends, key=lambda b: b.backend_id)
+
+
+def process_stats() -> list[dict[str, Any]]:
+    """What each live backend of the process holds and did, one entry each, oldest first: its id, run
+    directory, graphs, forward invocations in flight (their saved tensors held between forward and
+    backward), bytes its runtime stores per tier now and at most, and the figures of ``stats()`` for the
+    model it trained last (measured and predicted step peak, bytes moved per step)."""
+    out = []
+    for b in backends():
+        st = b.stats()
+        held = b.engine.stats() if b.engine is not None else None
+        out.append(
+            {
+                "backend": b.backend_id,
+                "run_dir": str(b.run_dir) if b.run_dir is not None else None,
+                "graphs": st["graphs"],
+                "models": len(st["models"]),
+                "in_flight": b.tracker.in_flight,
+                "held_nbytes": dict(held.held_nbytes) if held else {},
+                "peak_held_nbytes": dict(held.peak_held_nbytes) if held else {},
+                "measured_peak_bytes": st["measured_peak_bytes"],
+                "predicted_peak_bytes": st["predicted_peak_bytes"],
+                "moved_bytes_per_step": st["moved_bytes_per_step"],
+            }
+        )
+    return out

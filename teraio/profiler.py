@@ -344,6 +344,17 @@ class StepProfiler:
     MEMORY_ATTEMPTS = 3
 
     @property
+    def kernel_memory_settled(self) -> bool:
+        """Whether profiling may end as far as the kernels' memory goes: it was measured, given up, or a
+        step that measured it ended and is read when the profile is built."""
+        return (
+            not self._kernels
+            or self.kernel_memory is not None
+            or self.kernel_memory_note is not None
+            or self.kernel_memory_ended
+        )
+
+    @property
     def wants_kernel_memory(self) -> bool:
         """Whether a step should still measure the kernels' memory timeline."""
         return (
@@ -381,6 +392,18 @@ class StepProfiler:
         self._last_fwd = GraphRun(uninstrumented=True, kernel_memory=True)
         return out
 
+    def abandon_kernel_memory(self) -> None:
+        """Stop a kernel-memory step's recorder without reading it (the backend is closing): the process's
+        profiler session and stderr go back to the process."""
+        rec, self._memory_recorder = self._memory_recorder, None
+        if rec is not None:
+            rec.stop()
+
+    @property
+    def memory_step_running(self) -> bool:
+        """A kernel-memory step's forward ran and its backward has not ended yet."""
+        return self._memory_recorder is not None and not self._memory_recorder.marked
+
     @property
     def kernel_memory_ended(self) -> bool:
         """A kernel-memory step's backward ended; :meth:`finish_kernel_memory` reads it (outside backward)."""
@@ -399,6 +422,12 @@ class StepProfiler:
             return
         rec.stop()
         if abandoned or not rec.marked or self._memory_calls_end != self._memory_calls:
+            self._memory_attempts += 1
+            if self._memory_attempts >= self.MEMORY_ATTEMPTS:
+                self.kernel_memory_note = (
+                    f"in {self._memory_attempts} steps the graph never ran alone to its backward (other "
+                    "forwards ran inside its step, or its output was dropped without a backward)"
+                )
             return
         from teraio.measure import allocations_under
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import io
 import re
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from teraio.lifecycle import Phase, TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models.gpt import GPT, GPTConfig
 
@@ -144,6 +146,38 @@ class HFLoss(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+class AdapterNet(nn.Module):
+    """What fine-tuning code looks like: a frozen base with low-rank adapters, the head tied to the
+    embedding, in-place ops, BatchNorm (running statistics, train/eval switches) and one checkpointed
+    block."""
+
+    def __init__(self, layers: int = 3, hidden: int = 48, rank: int = 4, vocab: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(vocab, hidden)
+        self.base = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(layers))
+        self.down = nn.ModuleList(nn.Linear(hidden, rank, bias=False) for _ in range(layers))
+        self.up = nn.ModuleList(nn.Linear(rank, hidden, bias=False) for _ in range(layers))
+        self.bn = nn.BatchNorm1d(hidden)
+        self.ln = nn.LayerNorm(hidden)
+        for p in self.base.parameters():  # the frozen base: only the adapters, norms and embedding train
+            p.requires_grad_(False)
+
+    def _block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.base[i](x)
+        h.add_(self.up[i](self.down[i](x)))  # in place on a fresh tensor
+        return x + torch.relu_(h)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for i in range(len(self.base)):
+            x = checkpoint(self._block, i, x, use_reentrant=False) if i == 1 else self._block(i, x)
+        b, t, h = x.shape
+        x = self.bn(x.reshape(b * t, h)).reshape(b, t, h)
+        logits = self.ln(x) @ self.emb.weight.t()  # tied weights
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
 @dataclass(frozen=True)
 class Case:
     """A model and its batches: ``batch(step, size)`` with ``size`` the sequence length / image side."""
@@ -186,6 +220,7 @@ CASES: dict[str, Case] = {
     "hf-bert-checkpoint": Case(
         "hf-bert-checkpoint", lambda: HFLoss("bert", dropout=0.0, checkpointed=True), _tokens(64, 2), (32,)
     ),
+    "adapters": Case("adapters", AdapterNet, _tokens(64, 8), (64,)),
     "convnet": Case("convnet", ConvNet, _images, (16, 12)),
     "convnet-graph-break": Case("convnet-graph-break", lambda: ConvNet(graph_break=True), _images, (16,)),
     "convnet-checkpoint": Case(
@@ -282,13 +317,21 @@ class Trace:
     last_step_peak_bytes: int | None = None
 
 
-def run(case: Case, pattern: str, backend: Any, steps: int, model: nn.Module | None = None) -> Trace:
-    """Train a fresh copy of the case's model for ``steps`` optimizer steps with ``pattern``."""
+def run(
+    case: Case,
+    pattern: str,
+    backend: Any,
+    steps: int,
+    model: nn.Module | None = None,
+    **compile_options: Any,
+) -> Trace:
+    """Train a fresh copy of the case's model for ``steps`` optimizer steps with ``pattern``
+    (``compile_options``: torch.compile's, such as ``dynamic=True`` or ``fullgraph=True``)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = model if model is not None else case.build()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    compiled = torch.compile(model, backend=backend)
+    compiled = torch.compile(model, backend=backend, **compile_options)
     step_fn = PATTERNS[pattern]
     trace = Trace()
     for step in range(steps):
@@ -365,3 +408,119 @@ def capture_inductor_code(codes: list[str]):
 
 def fresh(case: Case) -> nn.Module:
     return copy.deepcopy(case.build())
+
+
+# ------------------------------------------------------------------------------------- the matrix
+STEPS = 4  # 1 profiled step, then the plan runs for 3
+BUDGET = "50%"
+# Budgets a little above each tiny model's floor (the smallest achievable step peak, from the backend's
+# own error message). These models' floors are high: the logits and loss, BatchNorm's and autocast's
+# temporaries cannot be offloaded, and with a graph break one graph's tensors stay while the other runs.
+BUDGETS = {
+    "gpt-graph-break": "60%",
+    "gpt-checkpoint": "65%",
+    "hf-gpt2": "70%",
+    "hf-gpt2-graph-break": "70%",
+    "hf-bert": "60%",
+    "hf-bert-graph-break": "60%",
+    "convnet": "70%",
+    "convnet-graph-break": "75%",
+    "convnet-checkpoint": "95%",
+}
+# Checkpointed HF models save little besides each layer's input, which backward reads at once: their
+# floor is the unplanned peak, so nothing can move. They still run exact and unchanged with teraio on.
+NOTHING_TO_MOVE = {"hf-gpt2-checkpoint": "100%", "hf-bert-checkpoint": "100%"}
+PEAK_SLACK = 1.05
+
+MODELS = ("gpt", "hf-gpt2", "hf-bert", "convnet")
+VARIANTS = ("", "-graph-break", "-checkpoint")
+# Every model in every variant (dropout, a graph break, activation checkpointing inside the model) runs
+# the loop that goes through every pattern (``loops.ALL_SCHEDULE``); changing shapes compile one graph per
+# shape, so they run on their own.
+FX_MATRIX = [(m + v, "all" if not v else "all-fp32") for m in MODELS for v in VARIANTS] + [
+    (m, "changing-shapes") for m in MODELS
+]
+
+
+def loop_backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) -> TeraioBackend:
+    kw.setdefault("solver", "greedy")
+    kw.setdefault("profile_steps", 1)
+    return TeraioBackend(
+        memory_budget=budget,
+        enabled=enabled,
+        inner=inner,
+        measure_memory=False,  # the test measures the step itself
+        io_backend="posix",
+        **kw,
+    )
+
+
+def check_case(
+    case_name: str,
+    pattern: str,
+    inner: str,
+    tmp_path,
+    budget: str | None = None,
+    same_kernels: bool = True,
+    within_budget: bool = True,
+    compile_options: dict[str, Any] | None = None,
+    **options,
+) -> tuple[Trace, TeraioBackend]:
+    case = CASES[case_name]
+    steps = {
+        # Every shape is profiled (on Inductor one step more, its kernels' memory) and then runs its plan.
+        "changing-shapes": STEPS
+        + 2 * (len(case.sizes) - 1)
+        + (2 * len(case.sizes) if inner == "inductor" else 0),
+        "all": len(ALL_SCHEDULE),
+        "all-fp32": len(FP32_SCHEDULE),
+    }.get(pattern, STEPS)
+    budget = budget or NOTHING_TO_MOVE.get(case_name) or BUDGETS.get(case_name, BUDGET)
+    ref_be = loop_backend(False, inner, budget, **options)
+    ref_codes: list[str] = []
+    codes: list[str] = []
+    try:
+        with capture_inductor_code(ref_codes):
+            reference = run(case, pattern, ref_be, steps, **(compile_options or {}))
+    finally:
+        ref_be.close()
+    be = loop_backend(True, inner, budget, offload_dirs=[str(tmp_path)], **options)
+    try:
+        with capture_inductor_code(codes):
+            trace = run(case, pattern, be, steps, **(compile_options or {}))
+        assert_bit_identical(trace, reference)
+        if inner == "inductor" and same_kernels:
+            # Notes: [Migration ops sit between kernels], [Outputs are realised where they are computed]
+            assert any("teraio.offload" in c for c in codes)
+            assert kernels(codes) == kernels(ref_codes), "the plan changed Inductor's kernels"
+        training = [r for r in be.runners if r.is_training and r.plan is not None]
+        assert training, "no training graph was planned"
+        if case_name not in NOTHING_TO_MOVE:
+            assert any(r.plan.decisions for r in training), (
+                "the plan moved nothing: the test would prove nothing"
+            )
+        assert all(r.phase is Phase.RUNNING for r in training)
+        budget = max(r.step_budget_bytes for r in training)
+        gc.collect()
+        assert be.engine is None or be.engine.keys() == [], f"runtime still holds {be.engine.keys()}"
+        if case_name in NOTHING_TO_MOVE:
+            # The budget is then the composed prediction of the unplanned step, which this model's three
+            # graphs exceed by about 7% (tensors passed between graphs; an open modelling gap): what
+            # must hold is that teraio adds nothing to the step.
+            limit = PEAK_SLACK * reference.last_step_peak_bytes
+            assert trace.last_step_peak_bytes <= limit, f"{trace.last_step_peak_bytes} > {limit}"
+            return trace, be
+        over = trace.last_step_peak_bytes > PEAK_SLACK * budget
+        assert not (over and within_budget), (
+            f"measured step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}"
+        )
+        if within_budget:
+            # The prediction describes the graph that runs (Note: [The budget is of the graph that runs] in
+            # teraio.kernel_memory): the measured step is within 5% of what was predicted for it.
+            predicted = be._predicted_peak(be.tracker.last_complete.calls)
+            assert abs(trace.last_step_peak_bytes - predicted) <= (PEAK_SLACK - 1) * predicted, (
+                f"measured step peak {trace.last_step_peak_bytes} is not within 5% of the predicted {predicted}"
+            )
+    finally:
+        be.close()
+    return trace, be

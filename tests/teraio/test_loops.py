@@ -9,136 +9,35 @@ training ends the runtime holds no bytes (forwards never backpropagated released
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teraio.lifecycle import Phase, TeraioBackend
+from teraio.lifecycle import Phase
 
 from .loops import (
     ALL_SCHEDULE,
+    BUDGET,
+    BUDGETS,
     CASES,
     FP32_SCHEDULE,
+    FX_MATRIX,
+    STEPS,
     Case,
     ConvNet,
     GPTLoss,
     Trace,
     assert_bit_identical,
-    capture_inductor_code,
-    kernels,
+    check_case,
+    loop_backend,
     run,
 )
-
-STEPS = 4  # 1 profiled step, then the plan runs for 3
-BUDGET = "50%"
-# Budgets a little above each tiny model's floor (the smallest achievable step peak, from the backend's
-# own error message). These models' floors are high: the logits and loss, BatchNorm's and autocast's
-# temporaries cannot be offloaded, and with a graph break one graph's tensors stay while the other runs.
-BUDGETS = {
-    "gpt-graph-break": "60%",
-    "gpt-checkpoint": "65%",
-    "hf-gpt2": "70%",
-    "hf-gpt2-graph-break": "70%",
-    "hf-bert": "60%",
-    "hf-bert-graph-break": "60%",
-    "convnet": "70%",
-    "convnet-graph-break": "75%",
-    "convnet-checkpoint": "95%",
-}
-# Checkpointed HF models save little besides each layer's input, which backward reads at once: their
-# floor is the unplanned peak, so nothing can move. They still run exact and unchanged with teraio on.
-NOTHING_TO_MOVE = {"hf-gpt2-checkpoint": "100%", "hf-bert-checkpoint": "100%"}
-PEAK_SLACK = 1.05
-
-MODELS = ("gpt", "hf-gpt2", "hf-bert", "convnet")
-VARIANTS = ("", "-graph-break", "-checkpoint")
-# Every model in every variant (dropout, a graph break, activation checkpointing inside the model) runs
-# the loop that goes through every pattern (``loops.ALL_SCHEDULE``); changing shapes compile one graph per
-# shape, so they run on their own.
-FX_MATRIX = [(m + v, "all" if not v else "all-fp32") for m in MODELS for v in VARIANTS] + [
-    (m, "changing-shapes") for m in MODELS
-]
-
-
-def _backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) -> TeraioBackend:
-    kw.setdefault("solver", "greedy")
-    kw.setdefault("profile_steps", 1)
-    return TeraioBackend(
-        memory_budget=budget,
-        enabled=enabled,
-        inner=inner,
-        measure_memory=False,  # the test measures the step itself
-        io_backend="posix",
-        **kw,
-    )
-
-
-def _check(
-    case_name: str,
-    pattern: str,
-    inner: str,
-    tmp_path,
-    budget: str | None = None,
-    same_kernels: bool = True,
-    within_budget: bool = True,
-    **options,
-) -> tuple[Trace, TeraioBackend]:
-    case = CASES[case_name]
-    steps = {
-        "changing-shapes": STEPS + 2 * (len(case.sizes) - 1),
-        "all": len(ALL_SCHEDULE),
-        "all-fp32": len(FP32_SCHEDULE),
-    }.get(pattern, STEPS)
-    budget = budget or NOTHING_TO_MOVE.get(case_name) or BUDGETS.get(case_name, BUDGET)
-    ref_be = _backend(False, inner, budget, **options)
-    ref_codes: list[str] = []
-    codes: list[str] = []
-    try:
-        with capture_inductor_code(ref_codes):
-            reference = run(case, pattern, ref_be, steps)
-    finally:
-        ref_be.close()
-    be = _backend(True, inner, budget, offload_dirs=[str(tmp_path)], **options)
-    try:
-        with capture_inductor_code(codes):
-            trace = run(case, pattern, be, steps)
-        assert_bit_identical(trace, reference)
-        if inner == "inductor" and same_kernels:
-            # Notes: [Migration ops sit between kernels], [Outputs are realised where they are computed]
-            assert any("teraio.offload" in c for c in codes)
-            assert kernels(codes) == kernels(ref_codes), "the plan changed Inductor's kernels"
-        training = [r for r in be.runners if r.is_training and r.plan is not None]
-        assert training, "no training graph was planned"
-        if case_name not in NOTHING_TO_MOVE:
-            assert any(r.plan.decisions for r in training), (
-                "the plan moved nothing: the test would prove nothing"
-            )
-        assert all(r.phase is Phase.RUNNING for r in training)
-        budget = max(r.step_budget_bytes for r in training)
-        gc.collect()
-        assert be.engine is None or be.engine.keys() == [], f"runtime still holds {be.engine.keys()}"
-        if case_name in NOTHING_TO_MOVE:
-            # The budget is then the composed prediction of the unplanned step, which this model's three
-            # graphs exceed by about 7% (tensors passed between graphs; an open modelling gap): what
-            # must hold is that teraio adds nothing to the step.
-            limit = PEAK_SLACK * reference.last_step_peak_bytes
-            assert trace.last_step_peak_bytes <= limit, f"{trace.last_step_peak_bytes} > {limit}"
-            return trace, be
-        over = trace.last_step_peak_bytes > PEAK_SLACK * budget
-        assert not (over and within_budget), (
-            f"measured step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}"
-        )
-    finally:
-        be.close()
-    return trace, be
 
 
 @pytest.mark.parametrize(("case_name", "pattern"), FX_MATRIX, ids=[f"{c}-{p}" for c, p in FX_MATRIX])
 def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
-    _check(case_name, pattern, "eager", tmp_path)
+    check_case(case_name, pattern, "eager", tmp_path)
 
 
 INDUCTOR_MATRIX = ["gpt", "hf-gpt2", "hf-bert", "convnet"]  # every one with dropout
@@ -163,7 +62,7 @@ def test_inductor_matrix(case_name: str, deterministic_inductor, tmp_path) -> No
     """Inductor's own passes (random-op replacement for dropout included) with and without the plan:
     exact, within budget, and the same kernels."""
     budget = INDUCTOR_BUDGETS[case_name]
-    _check(case_name, "plain", "inductor", tmp_path, budget)
+    check_case(case_name, "plain", "inductor", tmp_path, budget)
 
 
 @pytest.mark.slow
@@ -173,7 +72,7 @@ def test_inductor_bf16_autocast_moving_every_tensor_keeps_the_kernels(
     """In bf16 a kernel split changes rounding: with every saved tensor moved (the plan that inserts
     the most migration ops), the kernels are still Inductor's own and the run is exact."""
     # "all" is the baseline that moves everything and fetches it back at once: over any budget.
-    _check("gpt", "autocast", "inductor", tmp_path, "70%", within_budget=False, solver="all")
+    check_case("gpt", "autocast", "inductor", tmp_path, "70%", within_budget=False, solver="all")
 
 
 @pytest.mark.slow
@@ -182,7 +81,7 @@ def test_inductor_convnet_kernels_with_every_tensor_moved(deterministic_inductor
     moved: the convolutions' outputs and the ReLU between them come back channels-last, as the
     backward's placeholders had them (Note: [Saved tensors keep Inductor's layout]); the kernels are
     Inductor's own and the run is exact."""
-    _check("convnet", "plain", "inductor", tmp_path, "95%", within_budget=False, solver="all")
+    check_case("convnet", "plain", "inductor", tmp_path, "95%", within_budget=False, solver="all")
 
 
 class ConvMix(nn.Module):
@@ -212,12 +111,12 @@ def test_inductor_channels_last_statistics_are_realised_where_computed(
     layout: it is still realised where it is computed, not inlined into the pointwise ops that read
     it (Note: [Outputs are realised where they are computed]); the kernels are Inductor's own."""
     monkeypatch.setitem(CASES, "convmix", Case("convmix", ConvMix, CASES["convnet"].batch, (16,)))
-    _check("convmix", "plain", "inductor", tmp_path, "100%", within_budget=False, solver="all")
+    check_case("convmix", "plain", "inductor", tmp_path, "100%", within_budget=False, solver="all")
 
 
 def test_graph_break_has_one_budget_for_the_step(tmp_path) -> None:
     """Several graphs, one budget: each is planned with the others' memory in the step composed in."""
-    _trace, be = _check("gpt-graph-break", "plain", "eager", tmp_path)
+    _trace, be = check_case("gpt-graph-break", "plain", "eager", tmp_path)
     training = [r for r in be.runners if r.is_training and r.plan is not None]
     # Two graphs, and Dynamo recompiles the second once (it specialises on the printed float first).
     assert len(training) >= 2
@@ -236,13 +135,13 @@ def test_two_backends_in_one_process(tmp_path) -> None:
     )
     refs = []
     for case in cases:
-        be = _backend(False, budget="85%")
+        be = loop_backend(False, budget="85%")
         try:
             refs.append(run(case, "plain", be, STEPS))
         finally:
             be.close()
     torch._dynamo.reset()
-    backends = [_backend(True, budget="85%", offload_dirs=[str(tmp_path / n)]) for n in ("a", "b")]
+    backends = [loop_backend(True, budget="85%", offload_dirs=[str(tmp_path / n)]) for n in ("a", "b")]
     models = [case.build() for case in cases]
     compiled = [torch.compile(m, backend=be) for m, be in zip(models, backends)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in models]
@@ -282,12 +181,12 @@ def test_calibration_steps_in_every_pattern_are_exact(case_name: str, pattern: s
     case = CASES[case_name]
     steps = 2 * len(ALL_SCHEDULE if pattern == "all" else FP32_SCHEDULE)
     budget = BUDGETS.get(case_name, BUDGET)
-    ref_be = _backend(False, budget=budget, profile_steps=5)
+    ref_be = loop_backend(False, budget=budget, profile_steps=5)
     try:
         reference = run(case, pattern, ref_be, steps)
     finally:
         ref_be.close()
-    be = _backend(True, budget=budget, profile_steps=5, offload_dirs=[str(tmp_path)])
+    be = loop_backend(True, budget=budget, profile_steps=5, offload_dirs=[str(tmp_path)])
     try:
         trace = run(case, pattern, be, steps)
         assert_bit_identical(trace, reference)
