@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +27,9 @@ import torch
 from teraio.runtime import Engine
 from teraio.runtime.errors import DiskIOError
 from teraio.runtime.fake_device import POISON_BYTE, FakeDevice
-from teraio.runtime.staging import SlotRing
+from teraio.runtime.staging import DeviceIO, SlotRing
 from teraio.runtime.testing import FaultInjector
+from teraio.runtime.tiers.gds import KvikioTier
 
 from .conftest import DEVICE_TIERS, device_config, prepare_device_tier
 
@@ -95,6 +97,52 @@ def write_after_producer(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
         fake.synchronize(out.device)
         assert torch.equal(out, torch.full((10_000,), 7.0)), (
             f"the write copied the bytes before the producer (read back {out.unique().tolist()[:3]}, not [7.0])"
+        )
+
+
+def write_done_before_release(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(1') A write completes only once its bytes left the device (Note: [A write waits for its source
+    bytes]): ``release`` waits for it, and the caller may then reuse the memory. With the write's copies
+    held back, a write that reported done early would send bytes the caller changed after release."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        eng.offload("warm-up", fake.adopt(torch.zeros(10))).wait()  # the I/O thread's streams exist now
+        eng.release("warm-up")
+        _hold_io(fake)
+        x = fake.adopt(torch.full((10_000,), 3.0))
+        handle = eng.offload("x", x)
+        fake.wait_until(lambda: fake.settled() and (handle.done() or fake.host_waiters > 0))
+        if not handle.done():
+            fake.resume()  # the write is waiting for its copy: let it run
+        eng.release("x")
+        x.fill_(-1.0)  # released: the caller's memory is its own again
+        fake.resume()
+        out = eng.fetch("x")
+        fake.synchronize(out.device)
+        assert torch.equal(out, torch.full((10_000,), 3.0)), (
+            "the write reported done before its bytes were copied off the device "
+            f"(read back {out.unique().tolist()[:3]}, not [3.0])"
+        )
+
+
+def gds_copy_after_disk_read(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """(7) kvikio-gds: a read's device-to-device copy out of its staging slot runs only after the cuFile
+    read into the slot finished (Note: [GDS reads land in staging first]): the I/O thread waits for the
+    GDS stream, held back here, before queueing the copy."""
+    with _engine(fake, tier, tmp_path, io_threads=1, checksum=False) as eng:
+        expected = torch.randn(10_000)
+        eng.offload("x", fake.adopt(expected.clone())).wait()
+        eng.release("x")
+        fake.pause_new_streams = True  # the thread's GDS stream, made at its first read, starts paused
+        got: list[torch.Tensor] = []
+        fetching = threading.Thread(target=lambda: got.append(eng.fetch("x")))
+        fetching.start()
+        fake.wait_until(lambda: fake.settled() and (got or fake.host_waiters > 0))
+        fake.resume()
+        fetching.join(timeout=60)
+        seen = _consume(fake, got[0])
+        assert torch.equal(seen, expected), (
+            "the copy out of the GDS staging slot ran before the cuFile read landed in it "
+            f"(bytes {seen.view(torch.uint8)[:4].tolist()}, poison is {POISON_BYTE})"
         )
 
 
@@ -283,6 +331,34 @@ def _no_producer_wait(self, io, event) -> None:
     return None
 
 
+def _download_without_wait(self, dst_pinned, src) -> None:
+    self.device.copy_async(dst_pinned, src, self.write_stream)
+
+
+def _gds_without_byte_checks(f, action, piece, chunk, io) -> int:
+    """The GDS path with its ``check_bytes_done`` calls removed (the futures kept, never asked)."""
+    dev = io.device
+    if action == "write":
+        _kept.append(
+            f.raw_write_async(
+                dev.cuda_array(piece), dev.raw_stream(io.write_stream), chunk.nbytes, chunk.file_offset
+            )
+        )
+        return chunk.nbytes
+    slot = io.acquire_device_slot()
+    staging = slot.buffer[: chunk.nbytes]
+    _kept.append(
+        f.raw_read_async(
+            dev.cuda_array(staging), dev.raw_stream(io.gds_stream), chunk.nbytes, chunk.file_offset
+        )
+    )
+    io.upload(piece, staging, slot)
+    return chunk.nbytes
+
+
+_kept: list = []  # futures never checked: dropping one would synchronise its stream (kvikio's destructor)
+
+
 def _slot_always_free(self, slot) -> bool:
     return True
 
@@ -309,6 +385,15 @@ def _no_device_checks(self, req, entry, idxs, buf, io, keys) -> None:
 
 RACES = {
     "write_after_producer": (write_after_producer, (Engine, "_order_after_producer", _no_producer_wait)),
+    "write_done_before_release": (write_done_before_release, (DeviceIO, "download", _download_without_wait)),
+    "gds_write_done_before_release": (
+        write_done_before_release,
+        (KvikioTier, "_gds_device_io", staticmethod(_gds_without_byte_checks)),
+    ),
+    "gds_copy_after_disk_read": (
+        gds_copy_after_disk_read,
+        (KvikioTier, "_gds_device_io", staticmethod(_gds_without_byte_checks)),
+    ),
     "staging_reuse": (staging_reuse, (SlotRing, "slot_free", _slot_always_free)),
     "consumer_after_read": (consumer_after_read, (Engine, "_order_before_consumer", _no_consumer_wait)),
     "consumer_on_another_stream": (
@@ -337,6 +422,12 @@ RACES = {
 def _skip_if_not_applicable(race: str, tier: str) -> None:
     if tier in NO_FILES and race in ("staging_reuse", "settle_after_failed_fetch"):
         pytest.skip("the host tier copies from its own pinned blocks: no staging, no file read to fail")
+    if race.startswith("gds_") and tier != "kvikio-gds":
+        pytest.skip("the GPUDirect path's own rule")
+    if race == "write_done_before_release" and tier == "kvikio-gds":
+        pytest.skip(
+            "a GDS write waits for cuFile's stream write, not a download: gds_write_done_before_release"
+        )
 
 
 @pytest.mark.parametrize("tier", RACE_TIERS)

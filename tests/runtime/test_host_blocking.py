@@ -41,7 +41,7 @@ def fake() -> Iterator[FakeDevice]:
     assert not dev.errors, dev.errors
 
 
-def _with_compute_busy(fake: FakeDevice, calls: Callable[[], None]) -> None:
+def _with_compute_busy(fake: FakeDevice, calls: Callable[[], None], timeout_s: float = 120) -> None:
     """Run ``calls`` on another thread while the compute stream is paused with a kernel queued; wait
     until they returned (a deadlock guard only: a blocked call never returns while compute is paused)."""
     fake.pause(fake.default_stream)
@@ -60,7 +60,7 @@ def _with_compute_busy(fake: FakeDevice, calls: Callable[[], None]) -> None:
     caller = threading.Thread(target=run, name="training-thread")
     caller.start()
     try:
-        fake.wait_until(done.is_set, timeout_s=120)
+        fake.wait_until(done.is_set, timeout_s=timeout_s)
     finally:
         fake.resume()
         caller.join(timeout=120)
@@ -108,6 +108,32 @@ def fetch_and_drop_while_compute_is_busy(fake: FakeDevice, tier: str, tmp_path: 
 def test_fetch_and_drop_return_while_compute_is_busy(fake, tier, checksum, tmp_path, monkeypatch):
     prepare_device_tier(tier, fake, monkeypatch)
     fetch_and_drop_while_compute_is_busy(fake, tier, tmp_path, checksum)
+
+
+@pytest.mark.parametrize("tier", DEVICE_TIERS)
+def test_a_write_is_not_held_behind_a_read_waiting_for_compute(fake, tier, tmp_path, monkeypatch):
+    """Reads and writes have their own I/O streams: a read prefetched while compute is busy waits for
+    it on the device (its buffer's allocation), and a write issued after it on the same I/O thread,
+    whose producer ran on an idle side stream, must not queue behind that wait (``release`` would
+    block until compute finished)."""
+    prepare_device_tier(tier, fake, monkeypatch)
+    config = device_config(tier, tmp_path, chunk_bytes=CHUNK_NBYTES, io_threads=1)
+    with Engine(config, device=fake) as eng:
+        eng.offload("r", fake.adopt(torch.randn(SIZES["a"]))).wait()
+        eng.release("r")
+        side = fake.new_stream(None)
+        written = torch.randn(SIZES["c"])
+
+        def step() -> None:
+            eng.prefetch("r").wait()  # its copies wait behind the busy compute stream
+            with fake.stream_context(side):  # produced on an idle stream
+                eng.offload("w", fake.adopt(written.clone())).wait()
+                eng.release("w")
+
+        _with_compute_busy(fake, step, timeout_s=30)
+        out = eng.fetch("w")
+        fake.synchronize(None)
+        assert torch.equal(out, written)
 
 
 # -- the old behaviours, put back one at a time: each must make the scenario fail ---------------------
