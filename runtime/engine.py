@@ -87,6 +87,16 @@ Note: [A read nobody fetched is settled by the allocator]
     allocator records an event per non-blocking copy; Note: [Staging slots are recycled by events]),
     and a file read has finished on the host before its handle completes, so file space may be freed.
 
+Note: [Fetch waits for the disk, never for the device]
+    A read's handle completes when its host side is done: the file's bytes are in host memory (a CPU
+    tensor, or a pinned staging slot whose copy to the device is queued) and verified when they are host
+    bytes. Nothing on that path waits for a device stream (Note: [Every host wait has a reason]), so
+    ``fetch`` (and ``drop`` of a read nobody fetched, which must let the file reads finish before the
+    space is reused) waits for the disk only. One indirect case remains: the I/O pool runs requests in
+    the order they were issued, so a read queued behind a write on the same I/O thread starts after
+    that write, which waits for its producer's kernels (Note: [A write waits for its source bytes],
+    runtime/staging.py); the plan issues offloads in the forward pass and reads in the backward.
+
 Note: [Device checks are read later]
     A device read's checksums are computed on its read stream behind its copies, and their results
     copied to pinned host memory there (``Device.checksum_async``): the I/O thread does not wait for
@@ -900,7 +910,7 @@ class Engine:
                 if req is None:
                     req = entry.read_req = self._submit_read(key, entry)
             try:
-                req.handle.wait()
+                req.handle.wait()  # Note: [Fetch waits for the disk, never for the device]
             except BaseException:
                 self._settle_device(req)  # failed chunks may have left copies into the buffer in flight
                 with self._lock:
@@ -964,7 +974,7 @@ class Engine:
             pending = [r for r in (entry.write_req, entry.read_req, entry.last_read) if r is not None]
             entry.read_req = entry.write_req = entry.last_read = None
         for req in pending:  # no chunk may still touch the space: wait for the host side of the I/O
-            wait_futures([req.handle])
+            wait_futures([req.handle])  # Note: [Fetch waits for the disk, never for the device]
             self._settle_device(req)  # device copies: no wait (Note: [A read nobody fetched ...])
             req.buffer = None  # Note: [Buffers die on the caller's thread]
         entry.tier.free(entry.placement)
