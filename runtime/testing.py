@@ -398,7 +398,7 @@ def standin_device_memory(fake) -> ctypes.CDLL:
     kvikio: each allocation's address range is registered with the driver stand-in (and unregistered
     when freed), so kvikio takes its device-memory branch for it, and the stand-in's streams, copies and
     stream synchronisations run on the fake (:func:`_install_hooks`; undo with
-    :func:`release_standin_hooks`). Returns the stand-in library, whose
+    :func:`release_standin_hooks`, which ``fake.close()`` calls). Returns the stand-in library, whose
     ``teraio_standin_device_copies()`` / ``teraio_standin_device_bytes()`` count kvikio's copies that
     touched such ranges (proof that the device branch ran), and ``teraio_standin_blocking_streams()`` /
     ``teraio_standin_nonblocking_streams()`` the streams created with and without
@@ -408,6 +408,13 @@ def standin_device_memory(fake) -> ctypes.CDLL:
     """
     lib = load_cuda_driver_standin()
     _install_hooks(lib, fake)
+    close = fake.close
+
+    def close_and_release() -> None:  # the hooks must not outlive the fake they run on
+        release_standin_hooks()
+        close()
+
+    fake.close = close_and_release
 
     def on_alloc(addr: int, nbytes: int) -> None:
         if lib.teraio_standin_register(addr, nbytes) != 0:

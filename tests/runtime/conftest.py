@@ -100,18 +100,12 @@ def prepare_device_tier(tier: str, fake, monkeypatch):
         return None
     if not HAS_KVIKIO:
         pytest.skip("kvikio not installed")
-    from teraio.runtime.testing import (
-        StandinRefusedError,
-        fake_cufile,
-        release_standin_hooks,
-        standin_device_memory,
-    )
+    from teraio.runtime.testing import StandinRefusedError, fake_cufile, standin_device_memory
 
     try:
-        standin = standin_device_memory(fake)
+        standin = standin_device_memory(fake)  # its hooks go when the fake closes
     except StandinRefusedError as exc:
         pytest.skip(str(exc))
-    monkeypatch.setattr(fake, "close", _closing_hooks_too(fake.close, release_standin_hooks))
     if tier == "kvikio-gds":
         import kvikio
 
@@ -121,11 +115,3 @@ def prepare_device_tier(tier: str, fake, monkeypatch):
         monkeypatch.setattr(gds, "kvikio_io_path", lambda: ("kvikio-gds", "test: GDS wanted"))
         monkeypatch.setattr(gds, "gds_conditions", lambda: (True, "test: the fake cuFile does GDS"))
     return standin
-
-
-def _closing_hooks_too(close, release):
-    def wrapped() -> None:
-        release()
-        close()
-
-    return wrapped

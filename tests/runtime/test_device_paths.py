@@ -232,6 +232,10 @@ def test_driver_standin_build_never_follows_links_planted_in_its_build_dir(tmp_p
     """It wrote standin.c (and gcc wrote libcuda.so.1) at fixed names in ``build_dir``: links planted
     there were followed. Now it builds in a fresh private directory inside it. In a subprocess: the
     stand-in is loaded once per process, RTLD_GLOBAL."""
+    from teraio.runtime.testing import real_cuda_driver_present
+
+    if real_cuda_driver_present():
+        pytest.skip("a real CUDA driver is present: the stand-in is never loaded here")
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
