@@ -25,6 +25,14 @@ For measurement (teraio's profiler and peak recorder), with ``dev = current()``:
 
 The fake makes both testable on CPU: ``fake.launch(fn)`` queues a "kernel" that runs late, its timing
 events bracket the kernel's execution, and ``fake.empty``/``fake.adopt`` memory is counted.
+
+Note: [Every host wait has a reason]
+    A runtime thread that blocks on the device (``synchronize_event``/``synchronize_stream``/
+    ``synchronize``) does so inside ``with host_wait(HostWait.X):``, where ``X`` names the Note that
+    justifies it; there are only the few listed in :class:`HostWait`, and none is on the path of
+    ``fetch``, ``prefetch`` or ``drop``. The fake device's host-blocked detector
+    (``runtime.fake_device``) fails any wait that would be held back by paused (busy) device work
+    unless it carries such a reason, so a new, unjustified wait shows up as a failing test.
 """
 
 from __future__ import annotations
@@ -32,12 +40,62 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 # The checksum of device bytes views them as rows of this many bytes (see byte_checksum).
 CHECKSUM_ROW_NBYTES = 4096
+
+
+class HostWait(Enum):
+    """The reasons a runtime thread may block on the device (Note: [Every host wait has a reason]).
+
+    Each value is the Note that justifies the wait; the fake device's detector lets a wait through only
+    inside ``host_wait(reason)``.
+    """
+
+    #: An I/O thread waits for its own device-to-host copy of a write's source (which runs after the
+    #: producer's kernels) before it can write the bytes to the file: the file write needs them.
+    WRITE_SOURCE = "Note: [A write waits for its source bytes] (runtime/staging.py)"
+    #: An I/O thread waits for a GPUDirect read into its staging memory: a disk read, ordered after
+    #: nothing else (the stream carries no other work), like a POSIX pread.
+    DISK_READ = "Note: [GDS reads land in staging first] (runtime/tiers/gds.py)"
+    #: ``Engine.synchronize``/``close``: the caller asked for every transfer and check to finish.
+    SYNCHRONIZE = "Note: [Device checks are read later] (runtime/engine.py)"
+
+
+_wait_reason = threading.local()
+
+
+@contextlib.contextmanager
+def host_wait(reason: HostWait) -> Iterator[None]:
+    """Declare why the calling thread is about to block on the device (see :class:`HostWait`)."""
+    previous = getattr(_wait_reason, "value", None)
+    _wait_reason.value = reason
+    try:
+        yield
+    finally:
+        _wait_reason.value = previous
+
+
+def current_host_wait() -> HostWait | None:
+    """The reason the calling thread declared with :func:`host_wait`, if it is inside one."""
+    return getattr(_wait_reason, "value", None)
+
+
+@dataclass(eq=False)
+class PendingChecksum:
+    """A device checksum on its way to the host: ``result`` (2 pinned int64 values) is valid once
+    ``event`` completed; :meth:`value` reads it without waiting (the caller checks the event first)."""
+
+    result: torch.Tensor
+    event: Any
+
+    def value(self) -> int:
+        return fold_checksum(self.result)
 
 
 @runtime_checkable
@@ -66,7 +124,9 @@ class Device(Protocol):
         ...
 
     def new_stream(self, device: torch.device) -> Any:
-        """A new stream on ``device`` (each I/O thread owns one per device)."""
+        """A new non-blocking stream on ``device``: no implicit ordering with the legacy default stream
+        (a blocking stream's work would wait for every kernel queued on torch's default compute stream).
+        Each I/O thread owns a few per device (``runtime.staging``)."""
         ...
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -134,9 +194,10 @@ class Device(Protocol):
         allocation stream itself."""
         ...
 
-    def checksum(self, t: torch.Tensor, stream: Any) -> int:
-        """:func:`byte_checksum` of device bytes ``t`` computed on the device, ordered on ``stream``;
-        blocks the calling thread until the value is on the host."""
+    def checksum_async(self, t: torch.Tensor, stream: Any) -> PendingChecksum:
+        """Enqueue :func:`byte_checksum` of device bytes ``t`` on ``stream`` and a copy of its result into
+        pinned host memory; return at once. The value is on the host when the returned event completed
+        (no host wait here, and a pinned destination: a copy to pageable memory would block)."""
         ...
 
     def cuda_array(self, t: torch.Tensor) -> Any:
@@ -229,6 +290,8 @@ class CudaDevice:
         return torch.cuda.current_stream(device)
 
     def new_stream(self, device: torch.device) -> Any:
+        # torch's pool streams are created with cudaStreamNonBlocking (c10/cuda/CUDAStream.cpp,
+        # kDefaultFlags): no implicit synchronisation with the legacy default stream.
         return torch.cuda.Stream(device)
 
     def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
@@ -281,10 +344,16 @@ class CudaDevice:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
-    def checksum(self, t: torch.Tensor, stream: Any) -> int:
+    def checksum_async(self, t: torch.Tensor, stream: Any) -> PendingChecksum:
         with torch.cuda.stream(stream):
-            pair = byte_checksum(t).cpu()  # a synchronous copy on ``stream``: waits for the sums only
-        return fold_checksum(pair)
+            pair = byte_checksum(t)  # allocated on ``stream``: its block is reused only after this copy
+            result = self.empty_pinned(16).view(torch.int64)
+            # Pinned and non_blocking: a cudaMemcpyAsync on ``stream``; torch records an event on the
+            # pinned block, so the block outlives the copy even if ``result`` is dropped first.
+            result.copy_(pair, non_blocking=True)
+            event = self.new_event()
+            self.record(event, stream)
+        return PendingChecksum(result, event)
 
     def cuda_array(self, t: torch.Tensor) -> Any:
         return _CudaArray(t)

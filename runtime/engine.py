@@ -46,29 +46,70 @@ Note: [Buffers die on the caller's thread]
 
 Note: [CUDA ordering]
     Every stream, event and copy goes through ``self._dev`` (``runtime.device``; a fake in tests). Each
-    I/O thread owns one stream per device (``runtime.staging``), so transfers never queue behind, or
-    hold up, the training kernels on the compute stream. Four waits and one allocator declaration order
-    them, and the fake-device tests in tests/runtime/test_device_races.py fail when any one is removed:
+    I/O thread owns a write and a read stream per device (``runtime.staging``), non-blocking, so
+    transfers never queue behind, or hold up, the training kernels on the compute stream. Four waits,
+    two allocator declarations and the staging ring's event check order them, and the fake-device tests
+    in tests/runtime/test_device_races.py fail when any one is removed (docs/gpu_checklist.md lists
+    each rule with the test that kills it):
     (1) producer -> write: a device tensor's producing kernels may still be queued when ``offload``
         returns; an event recorded then on the caller's current stream is made a dependency of the
-        I/O thread's stream before its first copy (``_order_after_producer``), without blocking the host.
-    (2) staging reuse: Note: [Staging reuse waits for its last copy] (runtime/staging.py).
-    (3) read -> consumer: a read's last copies may still be in flight when its handle completes; each
-        I/O thread records an event behind its copies and ``fetch`` makes the caller's current stream
-        wait for all of them (``_order_before_consumer``) instead of copying synchronously on the
-        critical path. Kernels the caller enqueues after ``fetch`` see the bytes.
+        I/O thread's write stream before its first copy (``_order_after_producer``), without blocking
+        the host.
+    (2) staging reuse: Note: [Staging slots are recycled by events] (runtime/staging.py).
+    (3) read -> consumer: a read's last copies (and its device checksums) may still be queued when its
+        handle completes; each I/O thread records an event behind them and ``fetch`` makes the
+        caller's current stream wait for all of them (``_order_before_consumer``) instead of copying
+        synchronously on the critical path. Kernels the caller enqueues after ``fetch`` see the bytes,
+        after they were checked.
     (4) allocation -> read: a read buffer is allocated in the caller's thread on its current stream, so
         the caching allocator may hand it a block that kernels queued earlier on that stream still
-        write; an event recorded right after the allocation orders the I/O stream's copies after them
-        (``_order_after_allocation``).
+        write; an event recorded right after the allocation orders the read stream's copies after them
+        (``_order_after_allocation``). This is the one place a read depends on the compute stream, so
+        nothing on the read path may wait for the read stream on the host (Note: [Every host wait has
+        a reason], runtime/device.py).
     (5) consumer -> reuse: the read buffer's block belongs to the stream that was current at
         ``prefetch``; a ``fetch`` from another stream (a side stream, or a sibling key forwarded from the
         live buffer) reads it there, and once the tensor is freed the allocator would hand the block to
         the next allocation on the first stream while those kernels still read it. ``fetch`` records
         the consumer's stream on the buffer (``record_stream``, in ``_keep_block_for_consumer``), so the
         block is reused only after that stream finished its work up to the free.
-    Space is given back (``drop``, ``close``) only after a host wait for the read's events, so no copy
-    still reads a freed host block.
+    (6) settle: Note: [A read nobody fetched is settled by the allocator].
+
+Note: [A read nobody fetched is settled by the allocator]
+    A read buffer that no ``fetch`` took (the read failed, or its key was dropped or the engine closed
+    first) may still have copies and checksums queued on I/O read streams when the engine lets it go.
+    CUDA's caching allocator would hand its block to the next allocation on the compute stream at
+    once, and the late copy would land in the new owner's bytes. ``_settle_device`` records every read
+    stream the request used on the buffer before letting it go, so the block is reused only after
+    those streams reached this point: no host wait. A fetched read needs nothing: its buffer belongs
+    to the caller's tensors, ordered by (3) and (5), and ``drop`` waits for nothing. Host memory needs
+    nothing either: pinned blocks and staging slots are kept until their copies ran (torch's host
+    allocator records an event per non-blocking copy; Note: [Staging slots are recycled by events]),
+    and a file read has finished on the host before its handle completes, so file space may be freed.
+
+Note: [Fetch waits for the disk, never for the device]
+    A read's handle completes when its host side is done: the file's bytes are in host memory (a CPU
+    tensor, or a pinned staging slot whose copy to the device is queued) and verified when they are host
+    bytes. Nothing on that path waits for a device stream (Note: [Every host wait has a reason]), so
+    ``fetch`` (and ``drop`` of a read nobody fetched, which must let the file reads finish before the
+    space is reused) waits for the disk only. One indirect case remains: the I/O pool runs requests in
+    the order they were issued, so a read queued behind a write on the same I/O thread starts after
+    that write, which waits for its producer's kernels (Note: [A write waits for its source bytes],
+    runtime/staging.py); the plan issues offloads in the forward pass and reads in the backward.
+
+Note: [Device checks are read later]
+    A device read's checksums are computed on its read stream behind its copies, and their results
+    copied to pinned host memory there (``Device.checksum_async``): the I/O thread does not wait for
+    them, since the copies may wait for the compute stream (4). The read's completion event is
+    recorded behind the checks, so the consumer's kernels run after them (3). The verdicts are read
+    without waiting at the start of every ``offload``, ``release``, ``prefetch`` and ``fetch`` of this
+    engine (those whose event completed), and with a wait (``HostWait.SYNCHRONIZE``) by
+    ``synchronize()`` and ``close()``. A mismatch raises ``ChecksumError`` from the first of those calls
+    after the device finished the check, before the call does anything; the read's buffer is no
+    longer served to sibling keys. ``drop`` never raises it (it runs from finalizers, which would
+    swallow it) and never discards it: a pending verdict stays with the engine until one of those calls
+    reads it. So a corrupted read can reach the kernels already queued behind its fetch, but never
+    without an error from the same engine afterwards, at the latest from ``close()``.
 """
 
 from __future__ import annotations
@@ -92,7 +133,7 @@ import torch
 from teraio.runtime import device as device_module
 from teraio.runtime.buffers import fetch_buffer
 from teraio.runtime.config import ResolvedConfig, RuntimeConfig
-from teraio.runtime.device import Device
+from teraio.runtime.device import Device, HostWait, PendingChecksum, host_wait
 from teraio.runtime.errors import (
     ChecksumError,
     ConfigError,
@@ -243,6 +284,12 @@ class _Request:
         self.lock = threading.Lock()
         self.on_done = on_done
         self.device_events: list[Any] = []  # one per chunk group of a device read, behind its copies
+        self.device_streams: list[Any] = []  # the read streams its copies were queued on
+
+    def add_device_stream(self, stream: Any) -> None:
+        with self.lock:
+            if not any(s is stream for s in self.device_streams):
+                self.device_streams.append(stream)
 
     def add_device_event(self, event: Any) -> None:
         with self.lock:
@@ -256,6 +303,18 @@ class _Request:
             last = self.remaining == 0
         if last:
             self.on_done(self)
+
+
+@dataclass(eq=False)
+class _DeviceCheck:
+    """A device checksum of one read chunk whose verdict is read later (Note: [Device checks are read later])."""
+
+    pending: PendingChecksum
+    expected: int
+    entry: _Entry
+    chunk: Chunk
+    keys: list[str]
+    req: _Request
 
 
 class Engine:
@@ -290,6 +349,8 @@ class Engine:
         self._closed = False
         self._stats = StatsCollector()
         self._checksum = make_checksum(cfg.checksum)
+        self._checks_lock = threading.Lock()
+        self._device_checks: list[_DeviceCheck] = []  # Note: [Device checks are read later]
         self._dirs: list[OffloadDir] = []
         self._dev: Device = device if device is not None else device_module.current()
         self._streams = ThreadStreams(self._dev, cfg.chunk_nbytes)
@@ -430,6 +491,7 @@ class Engine:
         """
         self._validate(key, tensor)
         target = self._tier(tier)
+        self._deliver_checks(wait=False)
         with self._lock:
             self._check_open()
             if key in self._offloading:
@@ -564,9 +626,20 @@ class Engine:
                 io = self._io(entry)
                 if io is not None:
                     self._order_after_producer(io, event)
+                pending = None
                 if checksum is not None:
-                    entry.checksums[idx] = self._chunk_checksum(region, chunk, io, checksum)
+                    if io is None:
+                        entry.checksums[idx] = checksum(region.data_ptr() + chunk.region_offset, chunk.nbytes)
+                    else:  # on the write stream, before the tier's copies of the same bytes
+                        piece = region[chunk.region_offset : chunk.region_offset + chunk.nbytes]
+                        pending = io.checksum_async(piece, io.write_stream)
+                        del piece
                 entry.tier.write_chunk(entry.placement, chunk, region, io)
+                if pending is not None:
+                    # The tier waited for its own later copy on the write stream: already complete.
+                    with host_wait(HostWait.WRITE_SOURCE):
+                        self._dev.synchronize_event(pending.event)
+                    entry.checksums[idx] = pending.value()
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             exc = _without_locals(e)
         del region
@@ -579,11 +652,11 @@ class Engine:
 
     def _order_after_producer(self, io: DeviceIO, producer_event: Any) -> None:
         """(1) The write's copies run after the kernels queued before ``offload`` returned."""
-        io.wait(producer_event)
+        io.order_write_after(producer_event)
 
     def _order_after_allocation(self, io: DeviceIO, alloc_event: Any) -> None:
-        """The read's copies run after earlier kernels that used the read buffer's recycled block."""
-        io.wait(alloc_event)
+        """(4) The read's copies run after earlier kernels that used the read buffer's recycled block."""
+        io.order_read_after(alloc_event)
 
     def _order_before_consumer(self, device: torch.device, events: list[Any], buffer: torch.Tensor) -> None:
         """(3) Work the caller enqueues after ``fetch`` runs after the read's copies landed; (5) the
@@ -598,13 +671,49 @@ class Engine:
         ``stream`` is the one the buffer was allocated for)."""
         self._dev.record_stream(buffer, stream)
 
-    @staticmethod
-    def _chunk_checksum(buf: torch.Tensor, chunk: Chunk, io: DeviceIO | None, checksum) -> int:
-        """Host bytes: ``checksum`` (crc32c/xxhash) on the I/O thread; device bytes: a reduction on the
-        device, ordered on the I/O stream (after the producer for writes, after the copies for reads)."""
-        if io is None:
-            return checksum(buf.data_ptr() + chunk.region_offset, chunk.nbytes)
-        return io.checksum(buf[chunk.region_offset : chunk.region_offset + chunk.nbytes])
+    # -- device checks (Note: [Device checks are read later]) ------------------------------------
+    def _deliver_checks(self, *, wait: bool) -> None:
+        """Read the verdicts of device checks whose event completed (all of them, waiting, with ``wait``)
+        and raise ``ChecksumError`` for the first mismatch (naming how many more there were)."""
+        with self._checks_lock:
+            if not self._device_checks:
+                return
+            if wait:
+                ready, self._device_checks = self._device_checks, []
+            else:
+                ready = [c for c in self._device_checks if self._dev.event_done(c.pending.event)]
+                if not ready:
+                    return
+                done = {id(c) for c in ready}
+                self._device_checks = [c for c in self._device_checks if id(c) not in done]
+        failed = []
+        for check in ready:
+            if wait:
+                with host_wait(HostWait.SYNCHRONIZE):
+                    self._dev.synchronize_event(check.pending.event)
+            if check.pending.value() != check.expected:
+                failed.append(check)
+        if not failed:
+            return
+        self._stats.count("checksum_failures", len(failed))
+        with self._lock:
+            for check in failed:  # its buffer is not served to sibling keys any more
+                if check.entry.last_read is check.req:
+                    check.entry.loaded_ref = None
+                    check.entry.last_read = None
+        first = failed[0]
+        more = f"; {len(failed) - 1} more chunk(s) failed too" if len(failed) > 1 else ""
+        raise self._checksum_error(first.keys, first.chunk, "checked on the device after the read" + more)
+
+    def synchronize(self) -> None:
+        """Wait for the device-side checks of every read so far and raise ``ChecksumError`` if one failed.
+
+        A device read's checksum verdict is otherwise read without waiting by the next request of this
+        engine (Note: [Device checks are read later]); call this where a step must end verified.
+        """
+        with self._lock:
+            self._check_open()
+        self._deliver_checks(wait=True)
 
     # -- release --------------------------------------------------------------------------------
     def release(self, key: str) -> None:
@@ -613,6 +722,7 @@ class Engine:
         Raises:
             RuntimeIOError: the write failed; the tensor then stays in memory (fetch still works).
         """
+        self._deliver_checks(wait=False)
         with self._lock:
             self._check_open()
             rec = self._record(key)
@@ -634,7 +744,11 @@ class Engine:
         """Start reading ``key`` back into a fresh buffer; return a handle at once.
 
         Forwards (a done handle, no read) when the data is still in memory.
+
+        Raises:
+            ChecksumError: an earlier device read failed its check (Note: [Device checks are read later]).
         """
+        self._deliver_checks(wait=False)
         with self._lock:
             self._check_open()
             rec = self._record(key)
@@ -697,39 +811,64 @@ class Engine:
             if req.error is None:
                 io = self._io(entry)
                 if io is not None:
+                    req.add_device_stream(io.read_stream)  # before any copy: Note: [A read nobody ...]
                     self._order_after_allocation(io, event)
                 if len(idxs) == 1:
                     entry.tier.read_chunk(entry.placement, entry.placement.chunks[idxs[0]], buf, io)
                 else:  # only host buffers are grouped
                     cast(GroupedReads, entry.tier).read_group(entry.placement, idxs, buf)
-                self._verify(entry, idxs, buf, io, verify, keys)
-                if io is not None:  # Note: [CUDA ordering] (3): fetch orders the consumer after this
+                if io is None:
+                    self._verify(entry, idxs, buf, verify, keys)
+                else:
+                    if verify is not None:
+                        self._check_on_device(req, entry, idxs, buf, io, keys)
+                    # Note: [CUDA ordering] (3): fetch orders the consumer after the copies and checks
                     done = self._dev.new_event()
-                    self._dev.record(done, io.stream)
+                    self._dev.record(done, io.read_stream)
                     req.add_device_event(done)
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             exc = _without_locals(e)
         del buf
         req.chunk_finished(exc)
 
-    def _verify(self, entry, idxs: list[int], buf, io: DeviceIO | None, verify, keys) -> None:
+    def _verify(self, entry, idxs: list[int], buf, verify, keys) -> None:
+        """Host bytes: ``verify`` (crc32c/xxhash) on the I/O thread, before the handle completes."""
         for idx in idxs:
             chunk = entry.placement.chunks[idx]
             expected = entry.checksums[idx]
             if verify is not None and expected is not None:
-                got = self._chunk_checksum(buf, chunk, io, verify)
-                if got != expected:
+                if verify(buf.data_ptr() + chunk.region_offset, chunk.nbytes) != expected:
                     self._stats.count("checksum_failures")
-                    path = self._chunk_path(chunk)
-                    raise ChecksumError(
-                        f"checksum mismatch for key {keys[0]!r}"
-                        + (f" (shared with {keys[1:]})" if len(keys) > 1 else "")
-                        + f": {path} at offset {chunk.file_offset}, {chunk.nbytes} bytes read back "
-                        f"differ from those written; the device or filesystem corrupted data",
-                        key=keys[0],
-                        path=path,
-                        file_offset=chunk.file_offset,
-                    )
+                    raise self._checksum_error(keys, chunk, "")
+
+    def _check_on_device(self, req, entry, idxs: list[int], buf, io: DeviceIO, keys) -> None:
+        """Device bytes: queue each chunk's checksum behind its copies (Note: [Device checks are read later])."""
+        checks = []
+        for idx in idxs:
+            chunk = entry.placement.chunks[idx]
+            expected = entry.checksums[idx]
+            if expected is None:
+                continue
+            piece = buf[chunk.region_offset : chunk.region_offset + chunk.nbytes]
+            checks.append(
+                _DeviceCheck(io.checksum_async(piece, io.read_stream), expected, entry, chunk, keys, req)
+            )
+            del piece
+        with self._checks_lock:
+            self._device_checks.extend(checks)
+
+    def _checksum_error(self, keys: list[str], chunk: Chunk, how: str) -> ChecksumError:
+        path = self._chunk_path(chunk)
+        return ChecksumError(
+            f"checksum mismatch for key {keys[0]!r}"
+            + (f" (shared with {keys[1:]})" if len(keys) > 1 else "")
+            + f": {path} at offset {chunk.file_offset}, {chunk.nbytes} bytes read back "
+            f"differ from those written{' (' + how + ')' if how else ''}; the device or filesystem "
+            "corrupted data",
+            key=keys[0],
+            path=path,
+            file_offset=chunk.file_offset,
+        )
 
     def _chunk_path(self, chunk: Chunk) -> str:
         if chunk.dir_idx < 0:
@@ -742,8 +881,10 @@ class Engine:
         as views of one buffer.
 
         Raises:
-            ChecksumError, DiskIOError, RuntimeIOError: the read failed (the key stays readable).
+            ChecksumError, DiskIOError, RuntimeIOError: the read failed (the key stays readable); or an
+                earlier device read failed its check (Note: [Device checks are read later]).
         """
+        self._deliver_checks(wait=False)
         while True:
             with self._lock:
                 self._check_open()
@@ -769,7 +910,7 @@ class Engine:
                 if req is None:
                     req = entry.read_req = self._submit_read(key, entry)
             try:
-                req.handle.wait()
+                req.handle.wait()  # Note: [Fetch waits for the disk, never for the device]
             except BaseException:
                 self._settle_device(req)  # failed chunks may have left copies into the buffer in flight
                 with self._lock:
@@ -803,7 +944,10 @@ class Engine:
     def drop(self, key: str, *, missing_ok: bool = False) -> None:
         """Forget ``key``; when no other key shares its bytes, free its space for reuse.
 
-        Waits for in-flight I/O on those bytes first. Raises UnknownKeyError unless ``missing_ok``.
+        Waits for the disk I/O still running on those bytes (a read never fetched, a write never
+        released), never for a device stream: a fetched read's buffer is the caller's, and one nobody
+        fetched is settled by the allocator (Note: [A read nobody fetched is settled by the
+        allocator]). Raises UnknownKeyError unless ``missing_ok``.
         """
         with self._lock:
             self._check_open()
@@ -829,19 +973,24 @@ class Engine:
                 self._by_storage.pop(entry.storage_id, None)
             pending = [r for r in (entry.write_req, entry.read_req, entry.last_read) if r is not None]
             entry.read_req = entry.write_req = entry.last_read = None
-        for req in pending:  # no chunk, and no copy on a device stream, may still touch the space
-            wait_futures([req.handle])
-            self._settle_device(req)
+        for req in pending:  # no chunk may still touch the space: wait for the host side of the I/O
+            wait_futures([req.handle])  # Note: [Fetch waits for the disk, never for the device]
+            self._settle_device(req)  # device copies: no wait (Note: [A read nobody fetched ...])
             req.buffer = None  # Note: [Buffers die on the caller's thread]
         entry.tier.free(entry.placement)
         self._stats.hold(entry.tier.name, -entry.nbytes)
 
     def _settle_device(self, req: _Request) -> None:
-        """Host-wait for the device copies a finished request may have left in flight."""
+        """Before an unfetched read buffer is let go: the allocator reuses its block only after every read
+        stream that queued copies into it reached this point (Note: [A read nobody fetched is settled
+        by the allocator]). No host wait; nothing to do for a fetched read or a write."""
         with req.lock:
-            events = list(req.device_events)
-        for event in events:
-            self._dev.synchronize_event(event)
+            streams = list(req.device_streams)
+        buffer = req.buffer
+        if buffer is None or not streams or not self._dev.owns(buffer):
+            return
+        for stream in streams:
+            self._dev.record_stream(buffer, stream)
 
     def keys(self) -> list[str]:
         """The keys currently offloaded."""
@@ -871,6 +1020,7 @@ class Engine:
             for odir in self._dirs:
                 odir.close()
             _LIVE_ENGINES.discard(self)
+            self._deliver_checks(wait=True)  # Note: [Device checks are read later]: never lost
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:

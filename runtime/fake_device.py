@@ -19,6 +19,20 @@ unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` 
   until their storage dies;
 - pinned memory (page-aligned, accounted with the power-of-two rounding of torch's caching host
   allocator); ``copy_async`` refuses pageable host memory (on CUDA such a copy is not asynchronous);
+- copies and checksums that, like CUDA's, hold only raw addresses of pool blocks: a block freed while
+  a copy into it is still queued is handed to the next allocation, and the late copy then lands in
+  the new owner's bytes, exactly what CUDA does when nothing settled the block. Pinned host memory and
+  adopted tensors stay referenced by the queued copy (torch's caching host allocator records an event
+  on a pinned block used by a non-blocking copy and reuses it only after that event);
+- non-blocking streams from ``new_stream`` (torch's are), and blocking ones from
+  ``new_blocking_stream`` (what a library gets with ``cuStreamCreate(..., CU_STREAM_DEFAULT)``): as on
+  CUDA's legacy default stream, work on a blocking stream waits for the default stream's queued work
+  and the default stream's work waits for every blocking stream's;
+- a host-blocked detector (Note: [Every host wait has a reason], runtime/device.py): a host wait
+  (``synchronize_event``/``synchronize_stream``/``synchronize``, from any thread) whose work is held
+  back by a paused stream, i.e. by busy compute or a busy copy engine, raises
+  :class:`HostBlockedError` (also recorded in ``errors``) unless the waiting thread declared a reason
+  with ``runtime.device.host_wait``. Every host wait is logged in ``host_waits``;
 - ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream;
 - timing events stamped with ``clock`` when their stream reaches them: a test may pass a virtual clock
   that its fake kernels advance, so that durations measured with events are exact numbers instead of
@@ -41,10 +55,32 @@ from typing import Any
 
 import torch
 
+from teraio.runtime import device as device_module
 from teraio.runtime.buffers import aligned_buffer
-from teraio.runtime.device import byte_checksum, fold_checksum, pow2_ceil
+from teraio.runtime.device import HostWait, PendingChecksum, byte_checksum, pow2_ceil
 
 POISON_BYTE = 0xA5  # what fresh fake device memory holds (real device memory is uninitialised)
+
+
+class HostBlockedError(RuntimeError):
+    """A thread waited on the fake device for work held back by a paused stream, without a reason."""
+
+
+@dataclass(frozen=True)
+class HostWaitRecord:
+    """One host wait on the fake device: who waited, on what, why, and which paused stream held it."""
+
+    thread: str
+    what: str
+    reason: HostWait | None
+    held_by: str | None
+
+
+def _raw_view(addr: int, nbytes: int) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` at ``addr``: what a kernel sees through its raw pointer."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_char * nbytes).from_address(addr), dtype=torch.uint8)
 
 
 class FakeEvent:
@@ -55,6 +91,7 @@ class FakeEvent:
         self._cond = threading.Condition()
         self._recorded = 0  # generation of the last record()
         self._completed = 0  # highest generation its stream reached
+        self._positions: dict[int, tuple[FakeStream, int]] = {}  # generation -> (stream, op number)
         self.time_s: float | None = None
         self.timing = timing
 
@@ -76,27 +113,50 @@ class FakeEvent:
 
 
 class FakeStream:
-    """A queue run in order by its own thread. ``blocked`` is True while it waits on an event."""
+    """A queue run in order by its own thread. ``blocked`` is True while it waits on an event.
 
-    def __init__(self, device: FakeDevice, name: str, lag_s: float, paused: bool) -> None:
+    Ops are numbered in enqueue order (``enqueued_seq``); ``done_seq`` counts those that ran, so "the
+    stream reached op n" is ``done_seq >= n``. ``blocking`` streams follow the legacy default stream's
+    implicit synchronisation (see :meth:`FakeDevice.new_blocking_stream`).
+    """
+
+    def __init__(
+        self, device: FakeDevice, name: str, lag_s: float, paused: bool, handle: int, blocking: bool = False
+    ) -> None:
         self.device = device
         self.name = name
         self.lag_s = lag_s
+        self.blocking = blocking
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._run = threading.Event()
         if not paused:
             self._run.set()
         self._cond = threading.Condition()
         self.pending = 0  # ops enqueued and not finished
+        self.enqueued_seq = 0
+        self.done_seq = 0
         self.blocked = False
-        self.handle = id(self)
+        # (op number of a wait op, event, generation): what this stream waits for, for the detector
+        self.waits: list[tuple[int, FakeEvent, int]] = []
+        self.handle = handle
         self._thread = threading.Thread(target=self._loop, name=f"fake-stream-{name}", daemon=True)
         self._thread.start()
 
-    def enqueue(self, op: Callable[[], None]) -> None:
+    def enqueue(self, op: Callable[[], None]) -> int:
+        """Enqueue ``op`` after the implicit waits of a blocking stream; return its op number."""
+        self.device._implicit_sync(self)
+        return self._put(op)
+
+    def _put(self, op: Callable[[], None], waits_for: tuple[FakeEvent, int] | None = None) -> int:
         with self._cond:
             self.pending += 1
-        self._queue.put(op)
+            self.enqueued_seq += 1
+            seq = self.enqueued_seq
+            if waits_for is not None:
+                self.waits = [w for w in self.waits if w[0] > self.done_seq]
+                self.waits.append((seq, *waits_for))
+            self._queue.put(op)
+        return seq
 
     def _loop(self) -> None:
         while True:
@@ -115,7 +175,11 @@ class FakeStream:
             op = None
             with self._cond:
                 self.pending -= 1
+                self.done_seq += 1
                 self._cond.notify_all()
+
+    def paused(self) -> bool:
+        return not self._run.is_set()
 
     def synchronize(self) -> None:
         with self._cond:
@@ -167,9 +231,13 @@ class FakeDevice:
         self.errors: list[BaseException] = []
         self.log: list[tuple[str, str]] = []  # (what, stream name) of every copy and kernel run
         self.stream_uses: list[tuple[int, str]] = []  # (address, stream name) of every record_stream
+        self.host_waits: list[HostWaitRecord] = []  # every host wait, in order
+        self.queued: list[tuple[str, FakeStream, int]] = []  # (what, stream, op number) of each copy/kernel
         self._lock = threading.Lock()
         self._streams: list[FakeStream] = []
+        self._by_handle: dict[int, FakeStream] = {}
         self._local = threading.local()
+        # Handle 0 is CUDA's legacy default stream (what a driver call with a NULL stream means).
         self.default_stream = self._make_stream("default", paused=False)
         self._device_storages: dict[int, weakref.ref] = {}
         self._blocks: list[
@@ -186,11 +254,46 @@ class FakeDevice:
         self.on_free: Callable[[int], None] | None = None
 
     # -- test controls ---------------------------------------------------------------------------
-    def _make_stream(self, name: str, paused: bool) -> FakeStream:
-        stream = FakeStream(self, name, self.lag_s, paused)
+    def _make_stream(self, name: str, paused: bool, blocking: bool = False) -> FakeStream:
+        with self._lock:
+            handle = 0 if not self._streams else 0x7E7A0000 + len(self._streams)
+        stream = FakeStream(self, name, self.lag_s, paused, handle, blocking)
         with self._lock:
             self._streams.append(stream)
+            self._by_handle[handle] = stream
         return stream
+
+    def new_blocking_stream(self, name: str | None = None) -> FakeStream:
+        """A stream with CUDA's legacy implicit synchronisation, like one a library creates with
+        ``cuStreamCreate(&s, CU_STREAM_DEFAULT)``: its work waits for the work queued on the default
+        stream before it, and later default-stream work waits for it. (torch's own streams, and the
+        runtime's from :meth:`new_stream`, are non-blocking.)"""
+        return self._make_stream(name or f"blocking{len(self._streams)}", paused=False, blocking=True)
+
+    def stream_for_handle(self, handle: int) -> FakeStream:
+        """The stream whose :meth:`raw_stream` is ``handle`` (0: the legacy default stream)."""
+        with self._lock:
+            stream = self._by_handle.get(handle)
+        if stream is None:
+            raise ValueError(f"fake device: no stream with handle {handle:#x}")
+        return stream
+
+    def _implicit_sync(self, stream: FakeStream) -> None:
+        """CUDA's legacy default stream semantics: a blocking stream's next op waits for the default
+        stream's queued work; a default-stream op waits for every blocking stream's queued work."""
+        if stream.blocking:
+            others = [self.default_stream]
+        elif stream is self.default_stream:
+            others = [s for s in self.streams if s.blocking]
+        else:
+            return
+        for other in others:
+            with other._cond:
+                busy = other.pending > 0
+            if busy:
+                marker = FakeEvent(self, timing=False)
+                self._record_raw(marker, other)
+                self._wait_raw(stream, marker)
 
     @property
     def streams(self) -> list[FakeStream]:
@@ -217,7 +320,30 @@ class FakeDevice:
             self.log.append(("kernel", target.name))
             kernel()
 
-        target.enqueue(op)
+        self.queued.append(("kernel", target, target.enqueue(op)))
+
+    def ordered_after(self, earlier: tuple[FakeStream, int], later: tuple[FakeStream, int]) -> bool:
+        """Whether op ``later`` (stream, op number) cannot run before op ``earlier`` has: same stream and
+        later in it, or behind a wait for an event recorded after ``earlier`` (transitively). Ask before
+        the ops ran (the record of waits that already ran is dropped)."""
+        seen: set[tuple[int, int]] = set()
+
+        def after(stream: FakeStream, seq: int) -> bool:
+            if stream is earlier[0]:
+                return seq > earlier[1]
+            if (id(stream), seq) in seen:
+                return False
+            seen.add((id(stream), seq))
+            with stream._cond:
+                waits = [w for w in stream.waits if w[0] < seq]
+            for _, event, generation in waits:
+                with event._cond:
+                    where = event._positions.get(generation)
+                if where is not None and after(*where):
+                    return True
+            return False
+
+        return after(*later)
 
     def settled(self) -> bool:
         """Every stream idle, paused or blocked on an event (nothing would run without help)."""
@@ -279,12 +405,24 @@ class FakeDevice:
         return FakeEvent(self, timing)
 
     def record(self, event: FakeEvent, stream: FakeStream) -> None:
+        self._implicit_sync(stream)
+        self._record_raw(event, stream)
+
+    def _record_raw(self, event: FakeEvent, stream: FakeStream) -> None:
         with event._cond:
             event._recorded += 1
             generation = event._recorded
-        stream.enqueue(lambda: event._complete(generation))
+            # Numbered before it is queued, so a host wait right after sees where it is.
+            seq = stream._put(lambda: event._complete(generation))
+            # Keep the generations a stream may still wait for (older ones completed).
+            event._positions = {g: w for g, w in event._positions.items() if g > event._completed}
+            event._positions[generation] = (stream, seq)
 
     def wait(self, stream: FakeStream, event: FakeEvent) -> None:
+        self._implicit_sync(stream)
+        self._wait_raw(stream, event)
+
+    def _wait_raw(self, stream: FakeStream, event: FakeEvent) -> None:
         with event._cond:
             generation = event._recorded
 
@@ -297,7 +435,7 @@ class FakeDevice:
                 with stream._cond:
                     stream.blocked = False
 
-        stream.enqueue(op)
+        stream._put(op, waits_for=(event, generation))
 
     @contextlib.contextmanager
     def _host_waiting(self) -> Iterator[None]:
@@ -309,9 +447,59 @@ class FakeDevice:
             with self._lock:
                 self.host_waiters -= 1
 
+    def _held_by(
+        self, stream: FakeStream, seq: int, seen: set[tuple[int, int]] | None = None
+    ) -> FakeStream | None:
+        """The paused stream holding back op ``seq`` of ``stream`` (directly, or through the events its
+        wait ops wait for), or None when that op will run without anyone resuming a stream."""
+        seen = set() if seen is None else seen
+        if (id(stream), seq) in seen:
+            return None
+        seen.add((id(stream), seq))
+        with stream._cond:
+            if stream.done_seq >= seq:
+                return None
+            waits = [w for w in stream.waits if stream.done_seq < w[0] <= seq]
+        if stream.paused():
+            return stream
+        for _, event, generation in waits:
+            with event._cond:
+                if event._completed >= generation:
+                    continue
+                where = event._positions.get(generation)
+            if where is not None:
+                held = self._held_by(where[0], where[1], seen)
+                if held is not None:
+                    return held
+        return None
+
+    def _check_host_wait(self, targets: list[tuple[FakeStream, int]], what: str) -> None:
+        """The host-blocked detector (see the module docstring): log the wait, and raise when paused
+        work holds it back and the thread declared no reason (Note: [Every host wait has a reason])."""
+        held = None
+        for stream, seq in targets:
+            held = self._held_by(stream, seq)
+            if held is not None:
+                break
+        reason = device_module.current_host_wait()
+        thread = threading.current_thread().name
+        with self._lock:
+            self.host_waits.append(HostWaitRecord(thread, what, reason, held.name if held else None))
+        if held is not None and reason is None:
+            err = HostBlockedError(
+                f"host thread {thread!r} waits on {what}, which paused stream {held.name!r} holds back "
+                "(busy device work): a host wait with no reason from runtime.device.HostWait "
+                "(Note: [Every host wait has a reason])"
+            )
+            self.errors.append(err)
+            raise err
+
     def synchronize_event(self, event: FakeEvent) -> None:
         with event._cond:
             generation = event._recorded
+            where = event._positions.get(generation)
+        if where is not None:
+            self._check_host_wait([where], f"an event on stream {where[0].name!r}")
         with self._host_waiting():
             event._wait_for(generation)
 
@@ -324,16 +512,19 @@ class FakeDevice:
         return (end.time_s - start.time_s) * 1e3
 
     def synchronize_stream(self, stream: FakeStream) -> None:
+        self._check_host_wait([(stream, stream.enqueued_seq)], f"stream {stream.name!r}")
         with self._host_waiting():
             stream.synchronize()
 
     def synchronize(self, device: torch.device) -> None:
+        streams = self.streams
+        self._check_host_wait([(s, s.enqueued_seq) for s in streams], "every stream (device synchronize)")
         with self._host_waiting():
-            for s in self.streams:
+            for s in streams:
                 s.synchronize()
 
     def raw_stream(self, stream: FakeStream) -> int:
-        return 0  # the stand-in driver's streams are synchronous; ordering is done before the call
+        return stream.handle  # stream_for_handle maps it back (the driver stand-in's hooks use it)
 
     # -- Device: memory ---------------------------------------------------------------------------
     def _register_device(self, storage: torch.UntypedStorage, pooled: _PooledBlock | None = None) -> None:
@@ -375,7 +566,7 @@ class FakeDevice:
         if not pooled.uses:
             reached()
         for stream in pooled.uses:
-            stream.enqueue(reached)
+            stream._put(reached)  # allocator bookkeeping, not stream work: no implicit waits
 
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Device memory from a pool that behaves like CUDA's caching allocator: a block freed by the host
@@ -438,16 +629,26 @@ class FakeDevice:
             )
         dst_addr, src_addr = dst.data_ptr(), src.data_ptr()
         what = "copy D2H" if host and host[0] is dst else ("copy H2D" if host else "copy D2D")
+        # Like a CUDA copy, hold raw addresses only of pool blocks (their memory lives as long as the
+        # fake; a freed one may already belong to the next allocation when the copy runs). Pinned host
+        # memory stays referenced (torch's host allocator keeps a block until its copy's event), and so
+        # does adopted memory (the test's own tensors, not pooled).
+        keep = tuple(t for t in (dst, src) if not self._pooled_block(t))
 
         def op() -> None:
             self.log.append((what, stream.name))
-            # dst/src are referenced by this closure, so the CPU memory stays valid (the fake does not
-            # model the caching allocator's reuse; the runtime's own buffer reuse is what it tests).
             ctypes.memmove(dst_addr, src_addr, nbytes)
-            assert keep
+            del keep_alive[:]
 
-        keep = (dst, src)
-        stream.enqueue(op)
+        keep_alive = list(keep)
+        self.queued.append((what, stream, stream.enqueue(op)))
+
+    def _pooled_block(self, t: torch.Tensor) -> bool:
+        storage = t.untyped_storage()
+        with self._lock:
+            pooled = self._pooled.get(storage._cdata)
+            ref = self._device_storages.get(storage._cdata)
+        return pooled is not None and ref is not None and ref() is storage
 
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
         """Logged in ``stream_uses``; for a pool block, ``stream`` (unless it is the block's allocation
@@ -460,11 +661,23 @@ class FakeDevice:
             if pooled is not None and ref is not None and ref() is storage and stream is not pooled.stream:
                 pooled.uses.add(stream)
 
-    def checksum(self, t: torch.Tensor, stream: FakeStream) -> int:
-        result: list[torch.Tensor] = []
-        stream.enqueue(lambda: result.append(byte_checksum(t).clone()))
-        self.synchronize_stream(stream)
-        return fold_checksum(result[0])
+    def checksum_async(self, t: torch.Tensor, stream: FakeStream) -> PendingChecksum:
+        """The checksum "kernel" reads ``t`` through its raw address when the stream reaches it (a freed
+        and reused pool block gives the new owner's bytes, as on CUDA); its result lands in 16 pinned
+        bytes, and the returned event completes behind that copy."""
+        result = self.empty_pinned(16).view(torch.int64)
+        addr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        keep_alive = [] if self._pooled_block(t) else [t]
+
+        def op() -> None:
+            self.log.append(("checksum", stream.name))
+            result.copy_(byte_checksum(_raw_view(addr, nbytes)))
+            del keep_alive[:]
+
+        self.queued.append(("checksum", stream, stream.enqueue(op)))
+        event = FakeEvent(self, timing=False)
+        self.record(event, stream)
+        return PendingChecksum(result, event)
 
     def cuda_array(self, t: torch.Tensor) -> Any:
         from teraio.runtime.device import _CudaArray

@@ -52,7 +52,8 @@ SUBDIR_RE = re.compile(r"^teraio-r(\d+)-p(\d+)-([0-9a-f]{8})$")
 NEW_SUBDIR_RE = re.compile(r"^\.teraio-new-r(\d+)-p(\d+)-([0-9a-f]{8})$")
 LOCK_NAME = "lock"
 DATA_NAME = "data.bin"
-_OUR_FILES = (DATA_NAME, LOCK_NAME)
+CUFILE_CONFIG_NAME = "cufile.json"  # written by the kvikio tier when the machine has none
+_OUR_FILES = (DATA_NAME, LOCK_NAME, CUFILE_CONFIG_NAME)
 _RAM_FS_MAGICS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -464,6 +465,20 @@ class OffloadDir:
         # Note: [Lock before visible]: only now may cleanup in other processes see the directory.
         os.rename(new_name, name, src_dir_fd=self._base_fd, dst_dir_fd=self._base_fd)
         self.path = path
+
+    def write_private_file(self, name: str, data: bytes) -> Path:
+        """Create ``name`` (one of this module's known names, removed at close) in the private
+        subdirectory, 0600 with O_EXCL|O_NOFOLLOW, and write ``data`` to it; return its path."""
+        if name not in _OUR_FILES or name in (DATA_NAME, LOCK_NAME):
+            raise ValueError(f"{name!r} is not a file OffloadDir writes on request")
+        fd = self._create_file(name, 0)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        return self.path / name
 
     def _create_file(self, name: str, extra_flags: int) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | extra_flags

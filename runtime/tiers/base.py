@@ -61,11 +61,13 @@ class Tier(Protocol):
     "host-pinned", "host-pageable"); ``abilities`` lists the optional protocols it implements.
 
     Chunk methods run on an I/O thread. ``io`` is None when the request's tensor is host memory; for
-    device memory it is that thread's :class:`teraio.runtime.staging.DeviceIO` (its stream, already
-    ordered after the producer or the buffer's allocation, and its pinned staging ring). A tier moves
-    device bytes only through ``io`` and returns once its copies are *enqueued*: a write must have read
-    the source completely before it returns (the engine then lets the source go), a read may leave its
-    last copies in flight on ``io.stream`` (the engine records the completion event behind them).
+    device memory it is that thread's :class:`teraio.runtime.staging.DeviceIO` (its write stream,
+    already ordered after the producer, its read stream, already ordered after the buffer's allocation,
+    and its staging rings). A tier moves device bytes only through ``io`` and returns once its copies are
+    *enqueued*: a write must have read the source completely before it returns (the engine then lets the
+    source go; Note: [A write waits for its source bytes]), a read may leave its copies in flight on
+    ``io.read_stream`` (the engine records the completion event behind them) and must never wait for the
+    read stream on the host (Note: [Every host wait has a reason], runtime/device.py).
     """
 
     name: str

@@ -92,7 +92,9 @@ class HostTier:
         if io is None:
             memmove(piece.data_ptr(), block.data_ptr(), chunk.nbytes)
         else:
-            # In flight when this returns; ``free`` waits for the read's events (the engine's drop).
+            # In flight when this returns. The copy keeps the pinned block until it ran (torch's host
+            # allocator records an event on it), so ``free`` needs no wait (Note: [A read nobody
+            # fetched is settled by the allocator], runtime/engine.py).
             io.upload(piece, block)
 
     def finish_write(self, placement: Placement) -> None:

@@ -6,8 +6,9 @@ the cache lets go (the fallback is logged once by :class:`runtime.space.OffloadD
 
 Writes: source tensors are rarely 4096-aligned, so each chunk is staged into a per-thread aligned
 buffer with a GIL-free memmove. Device tensors are staged through the I/O thread's pinned slots
-(``runtime.staging``): device-to-host on the thread's own stream, then the same O_DIRECT write; reads
-land in a pinned slot and are copied to the device asynchronously.
+(``runtime.staging``): device-to-host on the thread's write stream, then the same O_DIRECT write; reads
+land in a pinned slot and are copied to the device on its read stream without waiting (Note: [Staging
+slots are recycled by events]).
 
 Reads land in an ordinary torch allocation (``runtime.buffers.fetch_buffer``), so the torch profiler
 and allocator see every fetched byte. Two paths, chosen per read by the destination's address and

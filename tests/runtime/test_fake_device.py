@@ -1,17 +1,28 @@
 """The fake device behaves like a CUDA device where the runtime's correctness depends on it: queued work
 runs late and in order per stream, events complete only when their stream reaches them, cross-stream
-waits hold a stream back, and memory is accounted as torch.cuda and its caching host allocator do."""
+waits hold a stream back, a freed block may be reused while a copy into it is queued, blocking streams
+follow the legacy default stream, memory is accounted as torch.cuda and its caching host allocator do,
+and a host wait held back by busy (paused) work fails unless it carries a reason."""
 
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
 from teraio.runtime import device as device_module
-from teraio.runtime.device import CudaDevice, Device, byte_checksum, fold_checksum, pow2_ceil
-from teraio.runtime.fake_device import POISON_BYTE, FakeDevice
+from teraio.runtime.device import (
+    CudaDevice,
+    Device,
+    HostWait,
+    byte_checksum,
+    fold_checksum,
+    host_wait,
+    pow2_ceil,
+)
+from teraio.runtime.fake_device import POISON_BYTE, FakeDevice, HostBlockedError
 
 
 @pytest.fixture
@@ -155,3 +166,153 @@ def test_pool_reuses_a_block_per_stream_and_after_recorded_streams(fake):
     fake.resume(side)
     fake.synchronize_stream(side)
     assert fake.empty(4096, None).data_ptr() == addr
+
+
+def test_a_freed_block_is_reused_while_a_copy_into_it_is_queued(fake):
+    """As on CUDA: the queued copy holds a raw pointer, so once the host frees the tensor its block goes
+    to the next allocation on the same stream, and the late copy lands in the new owner's bytes. (This
+    is what the runtime's settle rule guards against; an allocator-aware copy would hide the bug.)"""
+    io = fake.new_stream(None)
+    fake.pause(io)
+    src = fake.empty_pinned(4096)
+    src.fill_(1)
+    dst = fake.empty(4096, None)
+    addr = dst.data_ptr()
+    fake.copy_async(dst, src, io)
+    del dst
+    reused = fake.empty(4096, None)
+    assert reused.data_ptr() == addr
+    reused.fill_(2)
+    fake.resume(io)
+    fake.synchronize_stream(io)
+    assert torch.all(reused == 1)  # the stale copy overwrote the new owner
+
+
+def test_record_stream_keeps_a_block_until_the_queued_copy_ran(fake):
+    io = fake.new_stream(None)
+    fake.pause(io)
+    src = fake.empty_pinned(4096)
+    dst = fake.empty(4096, None)
+    addr = dst.data_ptr()
+    fake.copy_async(dst, src, io)
+    fake.record_stream(dst, io)
+    del dst
+    assert fake.empty(4096, None).data_ptr() != addr
+    fake.resume(io)
+    fake.synchronize_stream(io)
+    assert fake.empty(4096, None).data_ptr() == addr
+
+
+def test_pinned_memory_stays_alive_while_its_copy_is_queued(fake):
+    """torch's caching host allocator keeps a pinned block used by a non-blocking copy until the copy's
+    event: the fake's queued copy keeps the pinned tensor."""
+    io = fake.new_stream(None)
+    fake.pause(io)
+    dst = fake.empty(4096, None)
+    src = fake.empty_pinned(4096)
+    src.fill_(9)
+    fake.copy_async(dst, src, io)
+    del src
+    gc.collect()
+    assert fake.pinned_allocated_nbytes == 4096
+    fake.resume(io)
+    fake.synchronize_stream(io)
+    assert torch.all(dst == 9)
+    gc.collect()
+    assert fake.pinned_allocated_nbytes == 0
+
+
+def test_a_blocking_stream_follows_the_legacy_default_stream(fake):
+    """CU_STREAM_DEFAULT streams wait for the default stream's queued work and the default stream waits
+    for theirs; the runtime's streams (new_stream) are non-blocking and wait for nothing."""
+    order: list[str] = []
+    fake.pause(fake.default_stream)
+    fake.launch(lambda: order.append("compute"))
+    blocking, nonblocking = fake.new_blocking_stream(), fake.new_stream(None)
+    fake.launch(lambda: order.append("non-blocking copy"), stream=nonblocking)
+    fake.launch(lambda: order.append("blocking copy"), stream=blocking)
+    fake.synchronize_stream(nonblocking)
+    fake.wait_until(fake.settled)
+    assert order == ["non-blocking copy"] and blocking.blocked  # held behind the compute kernel
+    fake.resume(fake.default_stream)
+    fake.synchronize_stream(blocking)
+    assert order == ["non-blocking copy", "compute", "blocking copy"]
+    fake.pause(blocking)
+    fake.launch(lambda: order.append("blocking 2"), stream=blocking)
+    fake.launch(lambda: order.append("compute 2"))  # the default stream waits for the blocking one
+    fake.wait_until(fake.settled)
+    assert order[-1] == "blocking copy"
+    fake.resume(blocking)
+    fake.synchronize(None)
+    assert order[-2:] == ["blocking 2", "compute 2"]
+
+
+def test_host_blocked_detector(fake):
+    """A host wait held back by a paused stream raises (and is recorded) unless it carries a reason;
+    waits on work that will run by itself pass; every wait is logged."""
+    compute, io = fake.default_stream, fake.new_stream(None)
+    fake.pause(compute)
+    fake.launch(lambda: None)
+    with pytest.raises(HostBlockedError, match="paused stream 'default'"):
+        fake.synchronize_stream(compute)
+    # Transitively: the I/O stream waits for an event behind the busy kernel.
+    behind = fake.new_event()
+    fake.record(behind, compute)
+    fake.wait(io, behind)
+    done = fake.new_event()
+    fake.record(done, io)
+    with pytest.raises(HostBlockedError, match="paused stream 'default'"):
+        fake.synchronize_event(done)
+    assert len(fake.errors) == 2
+    fake.errors.clear()
+    # A declared reason lets the wait through (it blocks until the stream is resumed).
+    waited = threading.Event()
+
+    def declared() -> None:
+        with host_wait(HostWait.WRITE_SOURCE):
+            fake.synchronize_event(done)
+        waited.set()
+
+    waiter = threading.Thread(target=declared)
+    waiter.start()
+    fake.wait_until(lambda: fake.host_waiters == 1)
+    fake.resume(compute)
+    waiter.join(timeout=60)
+    assert waited.is_set() and not fake.errors
+    # Pending work on a running stream is not "held back".
+    fake.launch(lambda: None)
+    fake.synchronize_stream(compute)
+    reasons = [(w.reason, w.held_by) for w in fake.host_waits]
+    assert reasons[:3] == [(None, "default"), (None, "default"), (HostWait.WRITE_SOURCE, "default")]
+    assert reasons[-1] == (None, None)
+
+
+def test_checksum_async_reads_through_the_raw_address_when_the_stream_gets_there(fake):
+    io = fake.new_stream(None)
+    fake.pause(io)
+    t = fake.empty(10_000, None)
+    t.fill_(3)
+    pending = fake.checksum_async(t, io)
+    assert not fake.event_done(pending.event)
+    t.fill_(4)  # changed before the "kernel" ran: it sees the new bytes, as a GPU kernel would
+    fake.resume(io)
+    fake.synchronize_event(pending.event)
+    assert pending.value() == fold_checksum(byte_checksum(torch.full((10_000,), 4, dtype=torch.uint8)))
+    assert fake.is_pinned(pending.result)
+
+
+def test_ordered_after_follows_event_waits(fake):
+    a, b, c = fake.new_stream(None), fake.new_stream(None), fake.new_stream(None)
+    for s in (a, b, c):
+        fake.pause(s)
+    fake.launch(lambda: None, stream=a)
+    first = fake.queued[-1][1:]
+    ev = fake.new_event()
+    fake.record(ev, a)
+    fake.wait(b, ev)
+    fake.launch(lambda: None, stream=b)
+    on_b = fake.queued[-1][1:]
+    fake.launch(lambda: None, stream=c)
+    on_c = fake.queued[-1][1:]
+    assert fake.ordered_after(first, on_b) and not fake.ordered_after(first, on_c)
+    fake.resume()
