@@ -640,6 +640,9 @@ class Engine:
                     with host_wait(HostWait.WRITE_SOURCE):
                         self._dev.synchronize_event(pending.event)
                     entry.checksums[idx] = pending.value()
+                    # Its 16 pinned bytes go back before the request completes: whoever waits on the write
+                    # then sees the allocator as the write left it (this thread's frame held them after).
+                    pending = None
         except BaseException as e:  # noqa: BLE001 - delivered through the handle
             exc = _without_locals(e)
         del region
