@@ -22,6 +22,7 @@ from torch import nn
 
 import teraio
 from teraio.lifecycle import Phase, TeraioBackend
+from teraio.measure import MemoryRecorder
 
 from .loops import (
     CASES,
@@ -33,6 +34,7 @@ from .loops import (
     assert_bit_identical,
     check_case,
     loop_backend,
+    rec_ctx,
 )
 
 INNERS = [
@@ -159,7 +161,8 @@ def _mlp(n_in: int, n_out: int, act: type[nn.Module]) -> nn.Sequential:
 
 def _gan(backend_g: TeraioBackend, backend_d: TeraioBackend, steps: int) -> Trace:
     """A GAN loop: the generator's output for the discriminator's step is detached at once (that forward
-    is never backpropagated), and the generator runs again for its own step."""
+    is never backpropagated), and the generator runs again for its own step. The last discriminator step
+    is measured with the torch profiler (``Trace.last_step_peak_bytes``)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     g, d = _mlp(16, 64, nn.ReLU), _mlp(64, 1, nn.Tanh)
@@ -171,11 +174,14 @@ def _gan(backend_g: TeraioBackend, backend_d: TeraioBackend, steps: int) -> Trac
         gen = torch.Generator().manual_seed(step)
         z, real = torch.randn(512, 16, generator=gen), torch.randn(512, 64, generator=gen)
         fake = gc(z).detach()
-        d_loss = F.binary_cross_entropy_with_logits(dc(real), ones) + F.binary_cross_entropy_with_logits(
-            dc(fake), zeros
-        )
-        opt_d.zero_grad()
-        d_loss.backward()
+        opt_d.zero_grad(set_to_none=False)
+        rec = MemoryRecorder() if step == steps - 1 else None
+        with rec_ctx(rec):
+            real_loss = F.binary_cross_entropy_with_logits(dc(real), ones)
+            d_loss = real_loss + F.binary_cross_entropy_with_logits(dc(fake), zeros)
+            d_loss.backward()
+        if rec is not None:
+            trace.last_step_peak_bytes = rec.stop().peak_bytes
         opt_d.step()
         g_loss = F.binary_cross_entropy_with_logits(dc(gc(z)), ones)
         opt_g.zero_grad()
@@ -201,6 +207,9 @@ def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> 
         "solver": "greedy",
         "io_backend": "posix",
         "profile_steps": 1,
+        # Inductor is bit-exact under the torch profiler only most of the time (README, Limits): there
+        # the test measures the discriminator's step itself, as on both paths, and the backends do not.
+        "measure_memory": inner == "eager",
     }
     refs = [TeraioBackend(enabled=False, **options) for _ in range(2)]
     try:
@@ -213,12 +222,21 @@ def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> 
     try:
         trace = _gan(bg, bd, steps)
         assert_bit_identical(trace, reference)
-        sd = bd.stats()
         budget_d = max(r.step_budget_bytes for r in bd.runners if r.plan is not None)
-        assert sd["measured_peak_bytes"] is not None and sd["measured_peak_bytes"] <= PEAK_SLACK * budget_d
-        _within(sd["measured_peak_bytes"], sd["predicted_peak_bytes"], "the prediction")
+        assert trace.last_step_peak_bytes <= PEAK_SLACK * budget_d
+        _within(
+            trace.last_step_peak_bytes, bd._predicted_peak(bd.tracker.last_complete.calls), "the prediction"
+        )
         sg = bg.stats()
-        assert sg["measured_peak_bytes"] is None  # every generator step had the discriminator inside
+        if (
+            inner == "eager"
+        ):  # the backends' own measurements (Note: [A measured step belongs to one backend])
+            sd = bd.stats()
+            assert (
+                sd["measured_peak_bytes"] is not None and sd["measured_peak_bytes"] <= PEAK_SLACK * budget_d
+            )
+            _within(sd["measured_peak_bytes"], sd["predicted_peak_bytes"], "the prediction")
+            assert sg["measured_peak_bytes"] is None  # every generator step had the discriminator inside
         (runner,) = [r for r in bg.runners if r.plan is not None]
         assert runner.plan.moved_bytes > 0
         wasted = sg["offloaded_bytes"] - sg["prefetched_bytes"]
@@ -249,9 +267,13 @@ def test_two_models_with_two_backends_each_within_its_budget(
         traces = [Trace(), Trace()]
         for step in range(steps):
             for case, c, m, opt, tr in zip(cases, compiled, models, opts, traces):
-                opt.zero_grad(set_to_none=True)
-                loss = c(*case.batch(step, case.sizes[0]))
-                loss.backward()
+                opt.zero_grad(set_to_none=False)
+                rec = MemoryRecorder() if step == steps - 1 else None
+                with rec_ctx(rec):
+                    loss = c(*case.batch(step, case.sizes[0]))
+                    loss.backward()
+                if rec is not None:
+                    tr.last_step_peak_bytes = rec.stop().peak_bytes
                 tr.losses.append(loss.detach().clone())
                 tr.grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
                 opt.step()
@@ -266,25 +288,18 @@ def test_two_models_with_two_backends_each_within_its_budget(
         for b in refs:
             b.close()
     backends = [
-        TeraioBackend(
-            memory_budget=b,
-            inner=inner,
-            solver="greedy",
-            profile_steps=1,
-            io_backend="posix",
-            offload_dirs=[str(tmp_path / str(i))],
-        )
-        for i, b in enumerate(budgets)
+        loop_backend(True, inner, b, offload_dirs=[str(tmp_path / str(i))]) for i, b in enumerate(budgets)
     ]
     try:
-        for tr, ref in zip(train(backends), references):
+        traces = train(backends)
+        for tr, ref, be in zip(traces, references, backends):
             assert_bit_identical(tr, ref)
-        for be in backends:
-            st = be.stats()
             budget = max(r.step_budget_bytes for r in be.runners if r.plan is not None)
-            assert st["moved_bytes_per_step"] > 0
-            assert st["measured_peak_bytes"] is not None and st["measured_peak_bytes"] <= PEAK_SLACK * budget
-            _within(st["measured_peak_bytes"], st["predicted_peak_bytes"], "the prediction")
+            assert be.stats()["moved_bytes_per_step"] > 0
+            assert tr.last_step_peak_bytes <= PEAK_SLACK * budget
+            _within(
+                tr.last_step_peak_bytes, be._predicted_peak(be.tracker.last_complete.calls), "the prediction"
+            )
         seen = {s["backend"]: s for s in teraio.process_stats()}
         assert all(seen[b.backend_id]["moved_bytes_per_step"] > 0 for b in backends)
     finally:
