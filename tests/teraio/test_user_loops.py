@@ -347,3 +347,37 @@ def test_resume_in_a_new_process_is_exact(inner: str, tmp_path) -> None:
         assert runs[True][part]["losses"] == runs[False][part]["losses"]
     assert runs[True][1]["params_digest"] == runs[False][1]["params_digest"]
     assert runs[True][1]["moved_bytes_per_step"] > 0
+
+
+def test_one_backend_two_models_in_a_row_keeps_their_figures_apart(tmp_path) -> None:
+    """One backend trains a model, then another: ``stats()`` reports each model's measured peak with the
+    prediction for that model's step (never one model's measurement with the other's prediction), and its
+    top-level figures are the model trained last."""
+    be = TeraioBackend(
+        memory_budget="65%",
+        inner="eager",
+        solver="greedy",
+        profile_steps=1,
+        io_backend="posix",
+        offload_dirs=[str(tmp_path)],
+    )
+    try:
+        for case in (CASES["gpt"], CASES["adapters"]):
+            model = case.build()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            compiled = torch.compile(model, backend=be)
+            for step in range(4):
+                loss = compiled(*case.batch(step, case.sizes[0]))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        st = be.stats()
+        assert len(st["models"]) == 2
+        first, second = st["models"]
+        for m in (first, second):
+            assert m["measured_peak_bytes"] is not None
+            _within(m["measured_peak_bytes"], m["predicted_peak_bytes"], "its own prediction")
+        assert st["model"] == second["model"] and st["measured_peak_bytes"] == second["measured_peak_bytes"]
+        assert first["graphs"] != second["graphs"] and first["steps"] == second["steps"] == 4
+    finally:
+        be.close()
