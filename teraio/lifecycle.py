@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from teraio import process
 from teraio.call_sites import SiteMemory, call_site
@@ -349,6 +350,12 @@ class GraphRunner:
     def __call__(self, *args: Any) -> Any:
         if self._pending_error is not None:
             raise self._pending_error
+        if any(isinstance(a, FakeTensor) for a in args):
+            # Note: [DDP's fake first call] DDP's graph optimizer runs each compiled piece once on fake
+            # tensors while it compiles, to learn its outputs' strides, and AOTAutograd answers that first
+            # call with fake outputs without running the compiled graphs. It is not a step: nothing is
+            # profiled or counted. Answered any other way, AOTAutograd's first *real* call returned fakes.
+            return self._compiled(*args)
         process.note_forward()
         self.backend.forward_calls += 1
         if self._call_params is None:
