@@ -47,12 +47,14 @@ from teraio.capture import CapturedStep, analyse_saved, computation_fingerprint
 from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
+from teraio.errors import UserInputError
 from teraio.outside import OutsideTimer
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
 from teraio.probe import PROBE_STEPS, TransferPrice, TransferProbe, probe_variants, round_trips_for
 from teraio.profiler import StepProfiler, classify_inputs, profiling_split
+from teraio.ranks import RankAgreement, disk_sharers, rank_info
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
@@ -529,6 +531,13 @@ class TeraioBackend:
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
         self.backend_id = process.register(self)  # the process-wide view: teraio.process_stats()
+        self.ranks = RankAgreement()  # Note: [Ranks agree at the start of every step] in teraio.ranks
+        self._ranks_ready = False
+        self._told_sharing = False
+        # Note: [Memory outside the graphs is measured and planned for]
+        self._outside_bytes = 0
+        self._outside_rounds = 0
+        self._replan_wanted = False
         self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
         self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.step_stats
         self.forward_calls = 0  # this backend's forwards (Note: [A measured step belongs to one backend])
@@ -602,8 +611,23 @@ class TeraioBackend:
         for b in process.backends():
             b._finish_recorders()
         self._read_step_times(wait=False)
+        step = self.tracker.current_step
+        if step is None or step.complete:
+            replan = self._replan_wanted
+            if self.ranks.active():  # Note: [Ranks agree at the start of every step]
+                ready_here = any(r.phase is Phase.PLANNING for r in self.runners)
+                agreed = self.ranks.reduce([1.0 if ready_here else 0.0, -1.0 if replan else 0.0], "min")
+                self._ranks_ready, replan = agreed[0] >= 1.0, agreed[1] < 0
+            if replan:  # Note: [Memory outside the graphs is measured and planned for]
+                self._replan_wanted = False
+                for r in self.runners:
+                    if r.is_training and r.profile is not None and r.phase is Phase.RUNNING:
+                        r.plan, r.phase = None, Phase.PLANNING
+                self._ranks_ready = True
         if runner.phase is not Phase.PLANNING:
             return
+        if self.ranks.active() and not self._ranks_ready:
+            return  # another rank is still profiling: plan together at a later step
         with self._lock:
             if runner.phase is not Phase.PLANNING:
                 return
@@ -615,7 +639,7 @@ class TeraioBackend:
                         r.phase = Phase.PROFILING
             ready = [r for r in self.runners if r.phase is Phase.PLANNING]
             for r in ready:
-                if r.plan is None:
+                if r.plan is None and r.profiler is not None:
                     r._finish_profiling()
             unplanned = [r for r in ready if r.plan is None and r.profile is not None]
             if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
@@ -642,7 +666,7 @@ class TeraioBackend:
 
     def _plan_step(self, ready: list[GraphRunner]) -> None:
         from teraio import step_budget
-        from teraio.planner.budget import resolve_budget
+        from teraio.planner.budget import BudgetError, resolve_budget
         from teraio.planner.lifetimes import analyse
         from teraio.step_budget import GraphMemory, step_peak
 
@@ -661,9 +685,16 @@ class TeraioBackend:
             for r in graphs
         }
         step_unplanned, _ = step_peak(calls, unplanned)
-        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned)
+        # Note: [Memory outside the graphs is measured and planned for]: a fraction is of the whole step's
+        # unplanned peak, outside memory included, and the graphs get the budget less that memory.
+        outside = self._outside_bytes
+        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned + outside)
+        if budget_bytes is not None and self.ranks.active():
+            # Note: [Ranks agree at the start of every step]: the smallest rank's budget is everyone's.
+            budget_bytes = int(self.ranks.reduce([budget_bytes], "min")[0])
         for r in ready:
             r.step_budget_bytes = budget_bytes
+        graphs_budget = None if budget_bytes is None else budget_bytes - outside
         if budget_bytes is None:  # "auto": each graph's own smallest stall-free peak
             for r in ready:
                 r.plan = self._solve(r, "auto")
@@ -692,25 +723,43 @@ class TeraioBackend:
             movable = int(t.loc[t["offloadable"] & (t["first_bwd_use_idx"] >= 0), "nbytes"].sum())
             return max(0, held(r, None) - movable)
 
-        step_budget.split_budget(
-            calls,
-            budget_bytes,
-            memory,
-            plan_graph,
-            {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
-            {r: min_held(r) for r in graphs},
-            lambda r: r.name,
-        )
+        failure: BudgetError | None = None
+        try:
+            step_budget.split_budget(
+                calls,
+                graphs_budget,
+                memory,
+                plan_graph,
+                {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
+                {r: min_held(r) for r in graphs},
+                lambda r: r.name,
+            )
+        except BudgetError as exc:
+            failure = exc
+        if self.ranks.active():  # every rank raises, or none: one rank raising alone hangs the others
+            floors = self.ranks.gather(float(failure.smallest_peak_bytes or 1) if failure else 0.0)
+            if failure is None and any(floors):
+                worst = max(range(len(floors)), key=lambda i: floors[i])
+                failure = BudgetError(
+                    f"memory_budget {_fmt(budget_bytes)} cannot be met on rank {worst} (its smallest achievable "
+                    f"step peak is {_fmt(floors[worst])}); every rank stops here: use a budget of at least that",
+                    smallest_peak_bytes=int(floors[worst]),
+                )
+        if failure is not None:
+            raise failure
         for r, p in plans.items():
             r.plan = p
             self._save_plan(r)
-        self.predicted_step_peak_bytes = step_peak(
-            calls,
-            {
-                r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) if r.plan else memory[r]
-                for r in graphs
-            },
-        )[0]
+        self.predicted_step_peak_bytes = (
+            step_peak(
+                calls,
+                {
+                    r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) if r.plan else memory[r]
+                    for r in graphs
+                },
+            )[0]
+            + self._outside_bytes
+        )
         log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
 
     def _step_calls(self, graphs: list[GraphRunner], absent_too: bool = True) -> list[tuple[Any, str, int]]:
@@ -796,6 +845,24 @@ class TeraioBackend:
         # nothing] in teraio.call_sites).
         if inv.site is not None:
             inv.graph.sites.ended(inv.site, inv.end is InvocationEnd.ABANDONED)
+        runner = inv.graph
+        if (
+            inv.end is InvocationEnd.BACKWARD
+            and runner.phase is Phase.PROFILING
+            and runner._pending_error is None
+            and torch._dynamo.compiled_autograd.in_compiled_autograd_region
+        ):
+            # Note: [Compiled autograd runs its own copy of the backward] Compiled autograd traces the
+            # partitioned backward graph into a graph of its own and runs that, never the backward teraio
+            # compiled: the profiler, which runs inside that backward, never sees it, and profiling would
+            # never end (a silent run without a plan). Plans survive it (they are written into the
+            # partitioned graphs, which it copies), so only profiling must run without it.
+            runner._pending_error = UserInputError(
+                f"{runner.name}: compiled autograd ran its backward while teraio was profiling it, which teraio "
+                "cannot time; run the training steps without compiled autograd until teraio logs 'running "
+                f"{runner.name}' (the first {runner.cfg.profile_steps} or a few more; plans survive compiled "
+                "autograd after that), or pass plan= a plan made without it"
+            )
 
     @staticmethod
     def _outside_sample(runner: GraphRunner, outside_s: float) -> None:
@@ -856,6 +923,16 @@ class TeraioBackend:
         self._measure_counts_start = (process.forward_calls() - 1, self.forward_calls - 1)
         self._measure = MeasureState.ACTIVE
 
+    # Note: [Memory outside the graphs is measured and planned for]
+    #     Memory a step holds that no graph of the backend allocates is invisible to the profiles: FSDP2's
+    #     all-gathered parameters (allocated before each block's graph runs and freed after it), tensors
+    #     the loop creates between forward and backward. The measured step (the torch profiler, or the
+    #     device's allocator) shows it: when a running step holds clearly more than its prediction
+    #     (PREDICTION_SLACK), the difference is taken as memory outside the graphs, held throughout the
+    #     step, and the graphs are planned once more: a fraction budget is then of the step's peak with
+    #     that memory, and the graphs get the budget less it. Once: a second excess is reported, not
+    #     chased. Under torchrun every rank plans again at the start of the same step (any rank that wants
+    #     it decides: Note: [Ranks agree at the start of every step] in teraio.ranks).
     def _finish_measurement(self) -> None:
         """Stop a measurement whose step ended; call from outside any backward.
 
@@ -888,7 +965,27 @@ class TeraioBackend:
             ", ".join(str(g) for g in sorted(kind)),
             _fmt(predicted),
         )
-        _warn_unplanned_memory(result.peak_bytes, predicted, len(kind))
+        if (
+            predicted is not None
+            and result.peak_bytes > PREDICTION_SLACK * predicted
+            and self.cfg.enabled
+            and self.cfg.memory_budget is not None
+            and self._outside_rounds < 1
+        ):
+            # Note: [Memory outside the graphs is measured and planned for]
+            self._outside_bytes += result.peak_bytes - predicted
+            self._outside_rounds += 1
+            self._replan_wanted = True
+            log.info(
+                "the step holds %s outside teraio's graphs (%s measured, %s predicted): memory its graphs do not "
+                "allocate, such as FSDP's all-gathered parameters or tensors the loop creates; planning again "
+                "with it counted against the budget",
+                _fmt(result.peak_bytes - predicted),
+                _fmt(result.peak_bytes),
+                _fmt(predicted),
+            )
+        else:
+            _warn_unplanned_memory(result.peak_bytes, predicted, len(kind))
 
     def _finish_recorders(self) -> None:
         """Read this backend's measurements whose steps ended: a measured step's, and any graph's
@@ -926,7 +1023,9 @@ class TeraioBackend:
         memory = {g: self._graph_memory(g) for g, _, _ in calls}
         if any(m is None for m in memory.values()):
             return None
-        return step_peak([(g, getattr(k, "value", k), i) for g, k, i in calls], memory)[0]
+        return (
+            step_peak([(g, getattr(k, "value", k), i) for g, k, i in calls], memory)[0] + self._outside_bytes
+        )
 
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
@@ -948,6 +1047,23 @@ class TeraioBackend:
             hw.save(self.run_dir / "hardware.json", overwrite=True)  # what the plans were made with
             self._saved_hardware = hw
         tiers = set(self.cfg.tiers)
+        info = rank_info()
+        sharers = disk_sharers(self.cfg.offload_dirs, info) if info.distributed else 1
+        if sharers > 1 and "ssd" in tiers:
+            # Local ranks writing to the same disk share its bandwidth: each plans with its part of it.
+            ssd = hw.tier("ssd")
+            hw = hw.with_overrides(
+                "ssd",
+                write_bw_bytes_per_s=ssd.write_bw_bytes_per_s / sharers,
+                read_bw_bytes_per_s=ssd.read_bw_bytes_per_s / sharers,
+            )
+            if not self._told_sharing:
+                self._told_sharing = True
+                log.info(
+                    "%d local ranks share this rank's offload disk: each plans with 1/%d of its bandwidth",
+                    sharers,
+                    sharers,
+                )
         if "host" in tiers and hw.tiers["host"].capacity_bytes == 0:
             hw = hw.with_overrides("host", capacity_bytes=None)
         if "ssd" not in tiers:
@@ -958,7 +1074,8 @@ class TeraioBackend:
         from teraio.runtime import RuntimeConfig
         from teraio.runtime.space import make_base_dirs
 
-        directory = RuntimeConfig(dirs=self.cfg.offload_dirs or (), backend="posix").resolved().dirs[0]
+        dirs = self.cfg.offload_dirs_for(rank_info()) or ()
+        directory = RuntimeConfig(dirs=dirs, backend="posix").resolved().dirs[0]
         make_base_dirs(directory)
         return directory
 
@@ -1114,14 +1231,13 @@ class TeraioBackend:
 
             # None: TERAIO_OFFLOAD_DIRS, else the runtime's per-user directory, where a killed run's
             # leftovers are found and removed by the next start.
-            dirs = self.cfg.offload_dirs or ()
+            dirs = self.cfg.offload_dirs_for(rank_info()) or ()
             io_backend = self.cfg.io_backend
             if set(self.cfg.tiers) == {"host"}:
                 io_backend = "host"
             reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
             # One subdirectory per process and rank (DDP, torchrun): the runtime names them by both.
-            dist = torch.distributed
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = rank_info().rank
             self.engine = Engine(
                 RuntimeConfig(
                     dirs=dirs,
@@ -1306,7 +1422,6 @@ def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: 
             ``mode`` is not one of torch.compile's.
     """
     from teraio.compilers import mode_options
-    from teraio.errors import UserInputError
 
     options = dict(options or {})
     asked = (
