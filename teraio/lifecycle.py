@@ -542,6 +542,7 @@ class TeraioBackend:
     # ---------------------------------------------------------------------------------- lifecycle
     def _advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish a measurement, plan, compile."""
+        self.tracker.settle()  # forwards abandoned since the last call end (Note: [Invocations are autograd nodes])
         self._finish_measurement()
         self._read_step_times(wait=False)
         if runner.phase is not Phase.PLANNING:
@@ -1058,6 +1059,7 @@ class TeraioBackend:
         its end); ``step_s`` is the median wall time of the steps that ran every graph's final
         compilation (no profiling or compile inside); the I/O figures are totals since the start.
         """
+        self.tracker.settle()
         self._finish_measurement()
         self._read_step_times(wait=True)
         plans = [(r, r.plan) for r in self.runners if r.plan is not None and r.is_training]

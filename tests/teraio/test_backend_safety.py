@@ -7,6 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -172,3 +176,135 @@ def test_a_tampered_plan_is_refused_before_any_byte_is_allocated(tmp_path) -> No
     finally:
         be.close()
     assert list(offload.rglob("*")) == [], "an offload file or directory was created"
+
+
+# ------------------------------------------------------------------------ finalizers take no lock
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _python(code: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter; a hang fails the test after ``timeout_s`` instead of blocking it."""
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:] if isinstance(e.stderr, bytes) else (e.stderr or "")[-2000:]
+        raise AssertionError(f"hung (killed after {timeout_s:.0f} s): {tail}") from None
+
+
+#: Forces a full garbage collection inside the runtime's allocation (``OffloadDir._lock`` held) and, with
+#: "tracker", inside the step tracker's lock: wherever a finalizer could meet a lock its thread holds.
+_GC_HOOKS = """
+import gc
+from teraio import steps
+from teraio.runtime import space
+
+gc.disable()  # the forced collections are the only ones: the same places every run
+FORCED = [0]
+
+def collecting(fn):
+    def wrapper(*args, **kwargs):
+        FORCED[0] += 1
+        gc.collect()
+        return fn(*args, **kwargs)
+    return wrapper
+
+def install(which):
+    if "allocate" in which:
+        space.ExtentAllocator.allocate = collecting(space.ExtentAllocator.allocate)  # OffloadDir._lock held
+    if "tracker" in which:
+        steps.Invocation.__init__ = collecting(steps.Invocation.__init__)  # the tracker's lock held
+"""
+
+_TOKENS_IN_CYCLES = (
+    _GC_HOOKS
+    + """
+import json, sys, tempfile, torch
+import teraio.ops as ops
+from teraio.runtime import Engine, RuntimeConfig
+
+install("allocate")
+eng = Engine(RuntimeConfig(dirs=[sys.argv[1]], backend="posix"))
+eid = ops.register_engine(eng)
+for i in range(6):
+    x = torch.full((1024,), float(i))
+    h = torch.ops.teraio.offload(x, [], f"k{i}", eid, [1])
+    tok = torch.ops.teraio.wait_write(h, x, [], f"k{i}", eid)
+    cycle = [tok]
+    cycle.append(cycle)  # only the cyclic collector frees the token: at the next allocation
+    del tok, cycle, h, x
+gc.collect()
+print(json.dumps({"keys": eng.keys(), "used": eng._dirs[0].allocator.used_nbytes, "forced": FORCED[0]}))
+ops.unregister_engine(eid)
+eng.close()
+"""
+)
+
+
+def test_a_token_freed_by_the_collector_inside_an_allocation_does_not_hang(tmp_path) -> None:
+    """The token finalizer called Engine.drop -> OffloadDir.free while its own thread held
+    OffloadDir._lock inside allocate: a hang forever. Every allocation here runs the cyclic collector,
+    which frees the previous key's token."""
+    done = _python(_TOKENS_IN_CYCLES, str(tmp_path / "off"), timeout_s=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["forced"] >= 6
+    assert out["keys"] == [] and out["used"] == 0, out  # every key dropped, its space given back
+    assert list((tmp_path / "off").iterdir()) == []
+
+
+_FAILED_STEPS = (
+    _GC_HOOKS
+    + """
+import copy, json, sys, torch
+import teraio
+from teraio.workload import builtin_workload, compute_loss
+
+install(sys.argv[2])
+torch.manual_seed(0)
+workload = builtin_workload("tiny")
+be = teraio.backend(
+    memory_budget="70%", inner="eager", solver="greedy", profile_steps=1, io_backend="posix",
+    measure_memory=False, offload_dirs=[sys.argv[1]],
+)
+model = copy.deepcopy(workload.model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+compiled = torch.compile(model, backend=be)
+for step in range(8):
+    opt.zero_grad(set_to_none=True)
+    loss = compute_loss(compiled, workload, step)
+    if step % 2:
+        # A failed step (as after a ChecksumError): its autograd graph, with the saved tokens, is held
+        # by a reference cycle, so only the collector frees it, at the next step's allocations.
+        cycle = {"loss": loss}
+        cycle["self"] = cycle
+        del cycle, loss
+        continue
+    loss.backward()
+    opt.step()
+gc.collect()
+engine = be.engine
+print(json.dumps({
+    "moved": be.stats()["offloaded_bytes"], "keys": engine.keys() if engine else None, "forced": FORCED[0],
+}))
+be.close()
+"""
+)
+
+
+@pytest.mark.parametrize("hooks", ["allocate", "tracker"])
+def test_training_with_failed_steps_and_the_collector_at_every_allocation(tmp_path, hooks) -> None:
+    """The issue's hang, end to end: a failed step's graph is freed by the collector while the next step
+    holds a lock (the allocator's, or the step tracker's when it registers an invocation). The run
+    must finish, every key dropped and every file removed."""
+    done = _python(_FAILED_STEPS, str(tmp_path / "off"), hooks, timeout_s=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["moved"] > 0 and out["forced"] > 0, out  # offloads ran, and so did the forced collections
+    assert out["keys"] == [], out
+    assert list((tmp_path / "off").iterdir()) == []
