@@ -254,17 +254,21 @@ def make_base_dirs(base: Path) -> None:
         st = os.stat(d) if stat.S_ISLNK(link.st_mode) else link
         if not stat.S_ISDIR(st.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
-        if _is_shared_dir(st):
-            shared = d  # a new shared root: what lies below it is checked against it
-            continue
         if shared is None:
+            if _is_shared_dir(st):
+                shared = d  # the first shared root: what lies below it is checked against it
             continue
         where = f"offload directory {base}: {d} (in the shared directory {shared})"
+        # The owner of a link is checked first: another user's link to a shared directory (one more
+        # sticky directory) would otherwise pass as a shared root of its own.
         if stat.S_ISLNK(link.st_mode) and not _trusted(link.st_uid):
             raise UnsafePathError(
                 f"{where} is a symbolic link owned by uid {link.st_uid}, not by you; use another directory",
                 path=str(d),
             )
+        if _is_shared_dir(st):
+            shared = d  # a shared directory below another: what lies below it is checked against it
+            continue
         if not _trusted(st.st_uid):
             raise UnsafePathError(
                 f"{where} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); another user "
@@ -426,10 +430,15 @@ class OffloadDir:
                 os.close(self._base_fd)
                 self._base_fd = -1
             raise
-        except NotADirectoryError as exc:
-            raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
-        except FileExistsError as exc:
-            raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
+        except (NotADirectoryError, FileExistsError) as exc:
+            # Name the component that is in the way (a file at /tmp/teraio-<uid> for .../offload).
+            where = os.fsdecode(exc.filename) if exc.filename else str(self.base)
+            if os.path.abspath(where) == os.path.abspath(self.base):
+                raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
+            raise ConfigError(
+                f"offload directory {self.base}: {where} is not a directory; remove it or choose another "
+                f"offload directory"
+            ) from exc
         except OSError as exc:
             raise map_os_error(
                 exc, action="create", path=str(self.base), directory=str(self.base), needed_nbytes=0

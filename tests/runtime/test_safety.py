@@ -405,6 +405,29 @@ def test_temp_dir_fallback_refuses_a_per_user_dir_of_another_user(no_home, tmp_p
     assert os.listdir(mine) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a link owned by another user")
+def test_temp_dir_fallback_refuses_another_users_link_to_another_shared_directory(no_home, tmp_path):
+    """The sticky-bit check ran before the owner check: another user's /tmp/teraio-<uid> linking to one
+    more sticky directory (here /tmp-like, root's) passed as a shared directory of its own."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    elsewhere.chmod(0o1777)  # shared like /tmp, and owned by a trusted user (root)
+    no_home.symlink_to(elsewhere)
+    os.lchown(no_home, 12345, 12345)
+    _refused(no_home, "symbolic link owned by uid 12345")
+    assert os.listdir(elsewhere) == []
+
+
+def test_temp_dir_fallback_names_the_file_in_the_way(no_home):
+    """A regular file at /tmp/teraio-<uid> was reported as the offload directory itself."""
+    no_home.write_text("not a directory")
+    with pytest.raises(ConfigError) as info:
+        Engine(RuntimeConfig(backend="posix"))
+    msg = str(info.value)
+    assert f"{no_home} is not a directory" in msg and len(msg.splitlines()) == 1, msg
+    assert no_home.read_text() == "not a directory"
+
+
 # --------------------------------------------------------------------------------------------- space
 def test_reservation_is_split_the_way_requests_are_striped(tmp_path):
     """Large and small requests alternating: plain round-robin put every large one on the first
