@@ -7,8 +7,13 @@ unwritable outputs (after minutes of work for calibrate and demo), `simulate` ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +25,8 @@ from tests.planner.planner_cases import pyramid, ssd_only
 from tests.teraio.cli_helpers import error_line as _error_line
 from tests.teraio.cli_helpers import run_cli as _run
 from tests.teraio.cli_helpers import tree as _tree
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -173,10 +180,12 @@ def test_argument_errors_are_one_line(capsys, files):
 
 # ------------------------------------------------------------------------------------------ calibrate
 def test_calibrate_never_follows_a_planted_link(capsys, tmp_path):
-    """calibrate wrote '.teraio-calibrate-<pid>' with O_TRUNC and no O_NOFOLLOW in the user's directory."""
+    """calibrate wrote '.teraio-calibrate-<pid>' with O_TRUNC and no O_NOFOLLOW in the user's directory.
+    It now measures in an offload subdirectory of the runtime's (random name, created O_EXCL, 0700), so
+    the directory must also be one teraio would offload to: a shared one needs the sticky bit (like /tmp)."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o777)
+    shared.chmod(0o1777)
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (shared / f".teraio-calibrate-{os.getpid()}").symlink_to(victim)
@@ -188,3 +197,62 @@ def test_calibrate_never_follows_a_planted_link(capsys, tmp_path):
     assert victim.read_text() == "precious"
     assert sorted(p.name for p in shared.iterdir()) == [f".teraio-calibrate-{os.getpid()}"]
     assert HardwareModel.load(tmp_path / "hw.json").tier("ssd").write_bw_bytes_per_s > 0
+    shared.chmod(0o777)  # anyone may rename what teraio creates there: refused, in one line
+    line = _error_line(capsys, "calibrate", shared, "--size", "1MiB", "--block", "512KiB", "--raw-only")
+    assert str(shared) in line and "sticky bit" in line
+    assert sorted(p.name for p in shared.iterdir()) == [f".teraio-calibrate-{os.getpid()}"]
+
+
+def _start_calibration(directory: Path) -> subprocess.Popen:
+    """``teraio calibrate`` measuring long enough to be killed mid-measurement (raw I/O in a loop)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "teraio", "calibrate", str(directory), "--size", "64MiB", "--block", "1MiB",
+         "--repeats", "1000", "--raw-only"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_data(directory: Path, proc: subprocess.Popen) -> Path:
+    """The calibration's data file, once it holds bytes (the measurement is under way)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        for data in directory.glob("*/*"):  # wherever the calibration keeps its data
+            with contextlib.suppress(OSError):
+                if data.is_file() and data.stat().st_size > 0:
+                    return data
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the calibration never started writing")
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_calibration_killed_by_sigterm_leaves_nothing(tmp_path):
+    """SIGTERM of `teraio calibrate` left .teraio-calibrate-*/data (8-24 MiB) that nothing removed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = _start_calibration(disk)
+    _wait_for_data(disk, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]  # still dies of the signal
+    assert _leftovers(disk) == []
+
+
+def test_calibration_killed_by_sigkill_is_cleaned_by_the_next_one(capsys, tmp_path):
+    """SIGKILL cannot be handled: the next calibration in the directory removes what it left."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = _start_calibration(disk)
+    data = _wait_for_data(disk, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert data.exists()  # nothing could clean up
+    code, _, err = _run(
+        capsys, "calibrate", disk, "--size", "1MiB", "--block", "512KiB", "--repeats", "1", "--raw-only"
+    )
+    assert code == 0, err
+    assert _leftovers(disk) == []
