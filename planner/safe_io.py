@@ -9,8 +9,9 @@ through this module:
   symlink or file planted at a predictable name is never followed or reused), are fsynced, and are
   renamed over the target in one step: a reader sees the old file or the new one, never a mix, and a
   crash leaves at most a hidden temporary file. An existing target is replaced only with
-  ``overwrite=True`` (the CLI's ``--force``); the rename replaces a symlink at the target itself, never
-  the file it points to.
+  ``overwrite=True`` (the CLI's ``--force``), and only when it is a regular file: a device node, FIFO or
+  socket there is refused even then; the rename replaces a symlink at the target itself, never the file
+  it points to.
 - :func:`replace_dir`: output directories (profiles) are built in a fresh sibling directory and renamed
   into place. An existing directory is replaced only when it is empty or a complete teraio artefact of
   the same kind (every file of its layout and nothing else, its meta.json / index.json carrying teraio's
@@ -89,12 +90,42 @@ def check_output_file(path: str | os.PathLike, *, overwrite: bool = False, optio
         raise OutputError(f"{option} '{p}': directory '{parent}' does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{option} '{p}': no write permission in directory '{parent}'")
-    if os.path.lexists(p):
-        if p.is_dir() and not p.is_symlink():
-            raise OutputError(f"{option} '{p}' is a directory; give a file name")
-        if not overwrite:
-            raise OutputError(f"{option} '{p}' exists; pass --force to replace it, or choose another name")
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return p
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{option} '{p}' is a directory; give a file name")
+    _refuse_special(p, st.st_mode, option)
+    if not overwrite:
+        raise OutputError(f"{option} '{p}' exists; pass --force to replace it, or choose another name")
     return p
+
+
+def _special_kind(mode: int) -> str | None:
+    """What a file that is neither a regular file, a symbolic link nor a directory is, in words."""
+    for test, name in (
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISFIFO, "FIFO (named pipe)"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISDIR, "directory"),
+    ):
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) or stat.S_ISLNK(mode) else "special file"
+
+
+def _refuse_special(path: str | os.PathLike, mode: int, option: str = "output") -> None:
+    """Outputs replace only regular files (a symbolic link is replaced itself, never followed): a device
+    node, FIFO or socket at the output path is refused even with --force (as root, ``-o /dev/null
+    --force`` would replace /dev/null)."""
+    kind = _special_kind(mode)
+    if kind is not None:
+        raise OutputError(
+            f"{option} '{path}' is a {kind}, not a regular file; teraio replaces only regular files, "
+            f"even with --force: choose another name"
+        )
 
 
 @contextlib.contextmanager
@@ -154,6 +185,8 @@ def atomic_writer(
             else:
                 os.unlink(tmp)
         else:
+            with contextlib.suppress(FileNotFoundError):  # looked at again: it may have changed since
+                _refuse_special(target, os.lstat(target).st_mode)
             os.replace(tmp, target)
         _fsync_dir(parent)
     except BaseException:

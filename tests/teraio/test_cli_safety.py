@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -256,3 +257,73 @@ def test_calibration_killed_by_sigkill_is_cleaned_by_the_next_one(capsys, tmp_pa
     )
     assert code == 0, err
     assert _leftovers(disk) == []
+
+
+# ------------------------------------------------------------------------- special files at outputs
+def _special_files(tmp_path: Path) -> dict[str, Path]:
+    """A FIFO, a socket and (as root) a character device with /dev/null's numbers, all in ``tmp_path``:
+    the real /dev/null is never touched."""
+    import socket
+
+    made = {}
+    made["fifo"] = tmp_path / "fifo"
+    os.mkfifo(made["fifo"])
+    made["socket"] = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(made["socket"]))
+    sock.close()
+    with contextlib.suppress(PermissionError, OSError):
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        made["chardev"] = tmp_path / "null"
+    return made
+
+
+def _kind(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return stat.S_IFMT(st.st_mode), st.st_rdev
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "{prof}", "--budget", "300MB", "--solver", "greedy", "-o", "{out}", "--force"],
+        ["simulate", "{prof}", "{plan}", "--timeline", "{out}", "--force"],
+        ["sweep", "{prof}", "--budgets", "50%", "--out", "{out}", "--force"],
+        ["calibrate", "{tmp}/disk", "--size", "8KiB", "--block", "4KiB", "--out", "{out}", "--force"],
+        ["demo", "--model", "tiny", "--out", "{out}", "--force"],
+    ],
+    ids=["plan", "simulate", "sweep", "calibrate", "demo"],
+)
+def test_force_replaces_only_regular_files(capsys, files, monkeypatch, argv):
+    """`plan -o <chardev> --force` replaced a device node with a regular file (as root, -o /dev/null
+    --force would have replaced /dev/null); a FIFO or socket went the same way."""
+    tmp, prof, hw = files
+    (tmp / "disk").mkdir()
+    assert _run(capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", tmp / "p.json")[0] == 0
+    import teraio.calibrate
+    import teraio.demo
+
+    def no_work(*a, **k):
+        raise AssertionError("the long work started before the output was checked")
+
+    monkeypatch.setattr(teraio.calibrate, "calibrate", no_work)
+    monkeypatch.setattr(teraio.demo, "run_demo", no_work)
+    specials = _special_files(tmp)
+    for name, special in specials.items():
+        before = _kind(special)
+        args = [a.format(tmp=tmp, prof=prof, plan=tmp / "p.json", out=special) for a in argv]
+        line = _error_line(capsys, *args)
+        assert "not a regular file" in line and str(special) in line, (name, line)
+        assert _kind(special) == before, f"the {name} was replaced"
+
+
+def test_the_library_writer_refuses_special_files_too(tmp_path):
+    """The check also runs at the rename, for library callers and for a file swapped in meanwhile."""
+    from teraio.planner.safe_io import OutputError, write_json
+
+    for name, special in _special_files(tmp_path).items():
+        before = _kind(special)
+        with pytest.raises(OutputError, match="not a regular file"):
+            write_json(special, {"a": 1}, overwrite=True)
+        assert _kind(special) == before, name
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".teraio-tmp")) == []
