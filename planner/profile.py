@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
 
-from teraio.planner.safe_io import replace_dir
+from teraio.planner.safe_io import PrivateDir, replace_dir
 
 SCHEMA_VERSION = 1
 
@@ -307,15 +308,27 @@ class Profile:
 
     def write_files(self, directory: Path) -> None:
         """Write the three files into an existing private ``directory`` (used by :meth:`save`)."""
-        self.ops.to_parquet(directory / "ops.parquet", index=False)
+        self._write(lambda name: open(directory / name, "wb"))  # noqa: SIM115 - closed by _write
+
+    def write_into(self, directory: PrivateDir) -> None:
+        """Write the three files into a private directory held by its descriptor (a run directory's
+        ``graphN/profile``: ``planner.safe_io.PrivateDir.replace_subdir``), each created 0600 with
+        ``O_EXCL|O_NOFOLLOW`` relative to it."""
+        self._write(directory.open_new)
+
+    def _write(self, open_new: Callable[[str], IO[bytes]]) -> None:
+        with open_new("ops.parquet") as f:
+            self.ops.to_parquet(f, index=False)
         tensors = self.tensors.copy()
         tensors["shape"] = tensors["shape"].map(lambda s: [int(x) for x in s])
         if "recompute_inputs" in tensors.columns:
             tensors["recompute_inputs"] = tensors["recompute_inputs"].map(
                 lambda s: [str(x) for x in recompute_inputs_of(s) or ()]
             )
-        tensors.to_parquet(directory / "tensors.parquet", index=False)
-        (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True, default=str))
+        with open_new("tensors.parquet") as f:
+            tensors.to_parquet(f, index=False)
+        with open_new("meta.json") as f:
+            f.write(json.dumps(self.meta, indent=2, sort_keys=True, default=str).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
