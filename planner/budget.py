@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+from teraio.planner.limits import MAX_STEP_NBYTES
 from teraio.planner.sizes import SIZE_RE, SizeError, nbytes_of
 
 AUTO = "auto"
@@ -89,7 +90,8 @@ def resolve_budget(spec: str | int | float, baseline_peak_bytes: int) -> int | N
         baseline_peak_bytes: the unplanned peak, which fractions refer to.
 
     Raises:
-        BudgetError: the spec does not parse or is not positive.
+        BudgetError: the spec does not parse, is not positive, or is larger than
+            ``planner.limits.MAX_STEP_NBYTES``.
     """
     if isinstance(spec, str) and spec.strip().lower() == AUTO:
         return None
@@ -107,4 +109,9 @@ def resolve_budget(spec: str | int | float, baseline_peak_bytes: int) -> int | N
         ) from None
     if nbytes <= 0:
         raise BudgetError(f"budget {spec!r} must be positive")
+    if nbytes > MAX_STEP_NBYTES:  # "99999999999999999999999999TB" overflowed the planner's int64 arithmetic
+        raise BudgetError(
+            f"budget {spec!r} is larger than {MAX_STEP_NBYTES} bytes (64 PiB), the largest budget teraio "
+            "accepts"
+        )
     return nbytes

@@ -1,5 +1,5 @@
-"""The one way teraio writes files: never through a planted link, never half a file, never over what it
-did not write.
+"""The one way teraio writes files (never through a planted link, never half a file, never over what
+it did not write) and reads its input files (only regular ones, only up to a limit).
 
 Every file teraio writes (profiles, plans, hardware models, run-directory files, CLI outputs) goes
 through this module:
@@ -19,6 +19,10 @@ through this module:
   removes a file it did not write.
 - :func:`check_output_file` / :func:`check_output_dir`: the CLI checks its outputs before long work.
 - :func:`append_line`: append-only logs (``stats.jsonl``) open with ``O_APPEND|O_NOFOLLOW``.
+- :class:`PrivateDir`: a directory held by a descriptor (a run directory), everything in it opened
+  relative to it with ``O_NOFOLLOW``.
+- :func:`read_input` / :func:`load_json`: inputs are read only when they are regular files (never a
+  FIFO, a device or a socket, also behind a link), and only up to a size limit (``planner.limits``).
 
 Errors are :class:`OutputError` (a ``ValueError`` with a one-line message naming the path and what to
 do); OSErrors from the filesystem keep their type (the CLI reports both in one line).
@@ -40,6 +44,8 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
+
+from teraio.planner.limits import MAX_JSON_FILE_NBYTES
 
 #: Files (and, with a trailing "/", subdirectories of the same layout) an artefact directory may hold.
 ARTIFACT_LAYOUTS: dict[str, tuple[str, ...]] = {
@@ -492,6 +498,78 @@ def _remove_tree_we_created(directory: Path) -> None:
         os.rmdir(directory)
 
 
+# ------------------------------------------------------------------------------------------ inputs
+class InputError(ValueError):
+    """An input file cannot be read safely: missing, not a regular file (a FIFO, a device such as
+    /dev/zero, a socket, a directory), larger than teraio reads, or not the JSON it should be. One line
+    naming the file; loaders re-raise it as their own typed error (PlanError, HardwareError, ProfileError)."""
+
+
+def read_input(path: str | os.PathLike, *, limit_nbytes: int, what: str = "input") -> bytes:
+    """The bytes of the regular file ``path`` (links followed), at most ``limit_nbytes`` of them.
+
+    Opened with ``O_NONBLOCK``, so a FIFO never blocks the open, then checked with ``fstat`` on the
+    descriptor that is read: anything but a regular file is refused before a byte is read (a link to
+    /dev/zero used to read without end, a FIFO blocked forever). Read with the limit, so a file that
+    grows meanwhile cannot exceed it either.
+
+    Raises:
+        InputError: naming ``what``, the path and what is wrong.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InputError(f"{what} '{path}' does not exist") from None
+    except OSError as exc:
+        raise InputError(f"{what} '{path}' cannot be read: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InputError(f"{what} '{path}' is a directory, expected a file")
+        kind = _special_kind(st.st_mode)
+        if kind is not None:
+            raise InputError(f"{what} '{path}' is a {kind}, not a regular file; give a file")
+        too_big = f"{what} '{path}' is larger than {limit_nbytes} bytes, the most teraio reads from one"
+        if st.st_size > limit_nbytes:
+            raise InputError(too_big)
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit_nbytes + 1 - total))
+            if not chunk:
+                return b"".join(chunks)
+            total += len(chunk)
+            if total > limit_nbytes:
+                raise InputError(too_big)
+            chunks.append(chunk)
+    except OSError as exc:
+        raise InputError(f"{what} '{path}' cannot be read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number teraio accepts")
+
+
+def load_json(
+    path: str | os.PathLike, *, what: str = "input", limit_nbytes: int = MAX_JSON_FILE_NBYTES
+) -> Any:
+    """The JSON document in the regular file ``path`` (see :func:`read_input`). ``NaN``, ``Infinity``
+    and ``-Infinity`` are refused, and a document nested too deeply for the parser is an error, not a
+    ``RecursionError`` traceback.
+
+    Raises:
+        InputError: naming ``what``, the path and what is wrong.
+    """
+    data = read_input(path, limit_nbytes=limit_nbytes, what=what)
+    try:
+        return json.loads(data, parse_constant=_no_constant)
+    except RecursionError:
+        raise InputError(f"{what} '{path}' is not valid JSON: it nests too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, a refused constant
+        raise InputError(f"{what} '{path}' is not valid JSON: {exc}") from None
+
+
 # ------------------------------------------------------------------------------ private directories
 class UnsafeDirError(OutputError):
     """A directory teraio writes into is not private to this user (another user's, writable by others),
@@ -802,6 +880,7 @@ def _empty_dir_at(parent_fd: int, name: str) -> bool:
 
 __all__ = [
     "ARTIFACT_LAYOUTS",
+    "InputError",
     "OutputError",
     "PROFILE_META_KEYS",
     "PrivateDir",
@@ -812,6 +891,8 @@ __all__ = [
     "check_output_dir",
     "check_output_file",
     "is_profile_at",
+    "load_json",
+    "read_input",
     "read_json_object",
     "replace_dir",
     "write_bytes",

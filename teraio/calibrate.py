@@ -360,7 +360,8 @@ def calibrate(
     as the runtime will (its cost is part of the latency a transfer pays).
 
     Raises:
-        UserInputError: the directory is missing or not writable, or a size is not a positive multiple of 4 KiB.
+        UserInputError: the directory is missing or not writable, a size is not a positive multiple of
+            4 KiB, or more than the directory's filesystem has free.
         RuntimeIOError: the runtime refuses the directory for offload files (``UnsafePathError``: another
             user's, or writable by others without the sticky bit); Note: [Calibration data is offload data].
     """
@@ -381,6 +382,16 @@ def calibrate(
         )
     if repeats < 1:
         raise UserInputError("calibrate: --repeats must be at least 1")
+    try:
+        st = os.statvfs(d)
+        free_nbytes = st.f_bavail * st.f_frsize
+    except OSError:
+        free_nbytes = None
+    if free_nbytes is not None and nbytes > free_nbytes:  # before measuring, not at ENOSPC minutes in
+        raise UserInputError(
+            f"calibrate: size {nbytes} bytes is more than the {free_nbytes} bytes free in '{d}'; "
+            f"give a smaller --size"
+        )
     warnings: list[str] = []
     fs = filesystem_type(d)
     if fs in RAM_FILESYSTEMS:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from teraio.commands.plan import add_force_option
+from teraio.commands.plan import add_force_option, check_count, check_time_limit
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file, write_json
 from teraio.run_dir import refuse_foreign_run_dir
@@ -181,10 +180,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError(
             f"--methods: {AT_CHECKPOINT} needs checkpoint before it (its measured peak is the budget)"
         )
-    if args.steps < 1:
-        raise UserInputError("--steps must be at least 1")
-    if args.round_steps is not None and args.round_steps < 1:
-        raise UserInputError(f"--round-steps must be at least 1, got {args.round_steps}")
+    from teraio.planner.limits import MAX_STEPS
+
+    check_count(args.steps, "--steps", 1, MAX_STEPS)
+    if args.round_steps is not None:
+        check_count(args.round_steps, "--round-steps", 1, MAX_STEPS)
     # The budget and solver are used only after the first method has run and teraio's has profiled:
     # a typo must fail now, not minutes in. (The unplanned peak a fraction refers to is not known yet,
     # so this only checks that the budget parses and is positive.)
@@ -193,8 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     resolve_budget(args.budget, 1)
     solver_info(args.solver)
-    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
-        raise UserInputError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    check_time_limit(args.time_limit)
     if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
         raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
     # Outputs are checked now: a demo run takes minutes and must not be lost to a bad path at the end.
