@@ -10,6 +10,7 @@ import statistics
 from teraio.commands.plan import add_force_option, check_count
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file
+from teraio.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from teraio.planner.limits import MAX_REPEATS
 
     check_count(args.repeats, "--repeats", 1, MAX_REPEATS)
+    check_writable_dir(args.dir, option="calibrate DIR", create=False)  # written now, not after minutes
     if args.out is not None:
         check_output_file(args.out, overwrite=args.force, option="--out")
     cal = calibrate(

@@ -12,6 +12,7 @@ from typing import Any
 from teraio.commands.plan import add_force_option, check_count, check_time_limit
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file, write_json
+from teraio.preflight import check_writable_dir
 from teraio.run_dir import refuse_foreign_run_dir
 from teraio.units import format_bytes
 
@@ -168,18 +169,7 @@ def _table(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    from teraio.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
-
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
-        raise UserInputError(f"--methods: unknown {bad or methods}; choose from {', '.join(METHODS)}")
-    if AT_CHECKPOINT in methods and (
-        "checkpoint" not in methods or methods.index("checkpoint") > methods.index(AT_CHECKPOINT)
-    ):
-        raise UserInputError(
-            f"--methods: {AT_CHECKPOINT} needs checkpoint before it (its measured peak is the budget)"
-        )
+    # Everything that needs no torch is checked first, so a bad argument fails in well under a second.
     from teraio.planner.limits import MAX_STEPS
 
     check_count(args.steps, "--steps", 1, MAX_STEPS)
@@ -201,6 +191,27 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.out, overwrite=args.force, option="--out")
     if args.run_dir is not None:
         check_run_dir(args.run_dir)
+    # Every directory the run will write, written to now: a read-only --offload-dir failed after 32 s of
+    # profiling.
+    if args.offload_dir is not None:
+        check_writable_dir(args.offload_dir, option="--offload-dir")
+    if args.run_dir is not None:
+        check_writable_dir(args.run_dir, option="--run-dir")
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    from teraio.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
+    from teraio.runtime.config import default_offload_dir
+
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise UserInputError(f"--methods: unknown {bad or methods}; choose from {', '.join(METHODS)}")
+    if AT_CHECKPOINT in methods and (
+        "checkpoint" not in methods or methods.index("checkpoint") > methods.index(AT_CHECKPOINT)
+    ):
+        raise UserInputError(
+            f"--methods: {AT_CHECKPOINT} needs checkpoint before it (its measured peak is the budget)"
+        )
+    if args.offload_dir is None:  # the per-user default: created if missing, as the runtime will
+        check_writable_dir(default_offload_dir(), option="the offload directory")
 
     def progress(row: dict[str, Any]) -> None:
         if not args.json:

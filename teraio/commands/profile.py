@@ -8,6 +8,7 @@ from pathlib import Path
 
 from teraio.commands.plan import add_force_option, check_count
 from teraio.planner.safe_io import check_output_dir, replace_dir
+from teraio.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 #: An existing --out of either kind may be replaced (re-profiling a workload whose graph count changed).
@@ -43,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, PROFILE_KINDS, force=args.force)
+    check_writable_dir(out.parent, option="--out")  # written now: profiling takes a while
     from teraio.planner.limits import MAX_ROWS, MAX_STEPS
 
     check_count(args.steps, "--steps", 1, MAX_STEPS)

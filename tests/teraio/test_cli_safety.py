@@ -327,3 +327,62 @@ def test_the_library_writer_refuses_special_files_too(tmp_path):
             write_json(special, {"a": 1}, overwrite=True)
         assert _kind(special) == before, name
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".teraio-tmp")) == []
+
+
+# ------------------------------------------------------------------------- directories written first
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can write: a read-only tmpfs as root (root passes permission checks), else a
+    directory without write permission."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o500)
+        yield d
+        d.chmod(0o700)
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--model", "tiny", "--offload-dir", "{ro}"],
+        ["demo", "--model", "tiny", "--offload-dir", "{tmp}/disk", "--run-dir", "{ro}/run"],
+        ["calibrate", "{ro}", "--size", "8KiB", "--block", "4KiB"],
+        ["profile", "builtin:tiny", "--out", "{ro}/prof"],
+    ],
+    ids=["demo-offload-dir", "demo-run-dir", "calibrate", "profile"],
+)
+def test_every_directory_an_option_names_is_written_before_the_work(
+    capsys, tmp_path, read_only_dir, monkeypatch, argv
+):
+    """`demo --offload-dir` on a read-only filesystem failed after 32 s of profiling, not before."""
+    import teraio.calibrate
+    import teraio.demo
+    import teraio.profile_run
+
+    def no_work(*a, **k):
+        raise AssertionError("the long work started before the directories were written")
+
+    monkeypatch.setattr(teraio.demo, "run_demo", no_work)
+    monkeypatch.setattr(teraio.calibrate, "calibrate", no_work)
+    monkeypatch.setattr(teraio.profile_run, "profile_workload", no_work)
+    (tmp_path / "disk").mkdir()
+    line = _error_line(capsys, *[a.format(ro=read_only_dir, tmp=tmp_path) for a in argv])
+    assert str(read_only_dir) in line and ("cannot be written" in line or "not writable" in line), line
+    assert os.listdir(read_only_dir) == []
+
+
+def test_the_writability_check_leaves_nothing_behind(tmp_path):
+    from teraio.preflight import check_writable_dir
+
+    check_writable_dir(tmp_path, option="--offload-dir")
+    check_writable_dir(tmp_path / "new" / "deeper", option="--offload-dir")  # tested where it will be made
+    assert os.listdir(tmp_path) == []
