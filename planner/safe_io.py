@@ -787,6 +787,7 @@ class PrivateDir:
         try:
             staged, _ = self.subdir(staged_name, create=False)
             with staged:
+                os.fchmod(staged.fd, _PRIVATE_DIR_MODE)  # made by mkdir above: exact whatever the umask
                 populate(staged)
                 if not _matches_layout_at(staged.fd, kind):  # a bug in populate, not user input
                     raise OutputError(f"internal: '{self.path / name}' would not be a valid {kind} layout")

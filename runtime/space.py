@@ -675,6 +675,8 @@ def remove_live_files() -> None:
     logging, no waiting for I/O in flight (a thread still writing keeps writing into an unlinked file,
     which the kernel frees when the process dies). The descriptors stay open: the process is about to
     die, and closing one another thread may be using could hand its number to an unrelated file.
+    (``OffloadDir.close`` forgets each descriptor before closing it; only a close running on another
+    thread at that very moment could still close one between this function reading it and using it.)
     """
     for ref in list(_LIVE_DIRS.data):  # one C-level copy of the set: no thread can change it midway
         odir = ref()

@@ -1018,8 +1018,8 @@ class TeraioBackend:
             self._run.save_profile(runner.graph_id, runner.profile)
 
     def _save_plan(self, runner: GraphRunner) -> None:
-        if self._run is None or runner.plan is None:
-            return
+        if self._run is None or runner.plan is None or self._run.error is not None:
+            return  # (no simulation for a trace that would not be written)
         self._run.save_plan(runner.graph_id, runner.plan.to_json(), trace_of(runner.profile, runner.plan))
 
     def _append_stats(self, step: StepRecord) -> None:
