@@ -11,6 +11,7 @@ from typing import Any, Literal, get_args
 
 from teraio.compilers import InnerCompiler
 from teraio.errors import UserInputError
+from teraio.preflight import check_writable_dir
 from teraio.ranks import RankInfo, expand_dirs
 from teraio.run_dir import refuse_foreign_run_dir
 
@@ -161,6 +162,9 @@ class BackendConfig:
             problem = directory_problem(path)
             if problem is not None:
                 raise UserInputError(f"offload_dirs: {problem}")
+            # A real write (where the directory will be created: nothing is left behind): root passes every
+            # permission check, and only a write finds a full disk.
+            check_writable_dir(path, option="offload_dirs")
 
 
 def directory_problem(path: object) -> str | None:

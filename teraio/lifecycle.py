@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import statistics
 import threading
 import time
@@ -57,6 +58,7 @@ from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.ranks import RankAgreement, disk_sharers, rank_info
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
+from teraio.run_dir import RunDir, RunDirError
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
 from teraio.step_stats import Measurement, StepStats
@@ -570,13 +572,15 @@ class TeraioBackend:
             # A bad file fails here, in one line, not when the first plan is made steps later.
             self._hardware = HardwareModel.load(self.cfg.hardware)
         self.cfg.check_run_dir()  # before anything is written: never replace another program's files
+        #: Made once per backend: in config.json and on every stats.jsonl line (runs may share a run_dir).
+        self.run_id = secrets.token_hex(8)
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
+        # Every write into run_dir goes through it: Note: [Run-directory files are by-products].
+        self._run: RunDir | None = None
         if self.run_dir is not None:
-            from teraio.planner.safe_io import write_json
-
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._run = RunDir.open(self.run_dir, self.run_id)
             cfg = {k: v for k, v in asdict(self.cfg).items() if k != "runtime_options"}
-            write_json(self.run_dir / "config.json", json.loads(json.dumps(cfg, default=str)), overwrite=True)
+            self._run.write_config(json.loads(json.dumps(cfg, default=str)))
         if self.cfg.plan is not None:
             self.plans_from_file = load_plans(self.cfg.plan)
 
@@ -606,6 +610,7 @@ class TeraioBackend:
     # ---------------------------------------------------------------------------------- lifecycle
     def _advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish measurements, plan, compile."""
+        self.tracker.settle()  # forwards abandoned since the last call end (Note: [Invocations are autograd nodes])
         # The torch profiler's session is the process's one (and holds stderr while it runs): whatever
         # measurement of any backend ended is read now, so none holds it past the next forward.
         for b in process.backends():
@@ -1043,8 +1048,8 @@ class TeraioBackend:
                 cpu_s_per_step_with_io=self.transfer_price.per_step_s,
                 cpu_s_per_byte=self.transfer_price.per_byte_s,
             )
-        if self.run_dir is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
-            hw.save(self.run_dir / "hardware.json", overwrite=True)  # what the plans were made with
+        if self._run is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
+            self._run.save_hardware(hw.to_dict())  # what the plans were made with
             self._saved_hardware = hw
         tiers = set(self.cfg.tiers)
         info = rank_info()
@@ -1279,33 +1284,24 @@ class TeraioBackend:
         return [r.profile for r in self.runners if r.profile is not None]
 
     def _save_profile(self, runner: GraphRunner) -> None:
-        if self.run_dir is not None and runner.profile is not None:
-            runner.profile.save(self.run_dir / f"graph{runner.graph_id}" / "profile")
+        if self._run is not None and runner.profile is not None:
+            self._run.save_profile(runner.graph_id, runner.profile)
 
     def _save_plan(self, runner: GraphRunner) -> None:
-        if self.run_dir is None or runner.plan is None:
-            return
-        d = self.run_dir / f"graph{runner.graph_id}"
-        d.mkdir(parents=True, exist_ok=True)
-        runner.plan.save(d / "plan.json", overwrite=True)
-        write_trace(runner.profile, runner.plan, d / "trace.json")
+        if self._run is None or runner.plan is None or self._run.error is not None:
+            return  # (no simulation for a trace that would not be written)
+        self._run.save_plan(runner.graph_id, runner.plan.to_json(), trace_of(runner.profile, runner.plan))
 
     def _append_stats(self, step: StepRecord) -> None:
-        if self.run_dir is None:
-            return
-        from teraio.planner.safe_io import OutputError, append_line
+        # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
+        # by-products] in teraio.run_dir).
+        if self._run is not None:
+            self._run.append_stats({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()})
 
-        path = self.run_dir / "stats.jsonl"
-        line = json.dumps({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()})
-        try:
-            # O_APPEND|O_NOFOLLOW: a stats.jsonl planted as a link in a shared run_dir is never followed.
-            append_line(path, line)
-        except (OSError, OutputError) as exc:
-            # This runs in a backward hook or a finalizer, where raising would break the user's step (or be
-            # lost), and the log is a by-product: say so once and keep training.
-            if not getattr(self, "_stats_log_warned", False):
-                self._stats_log_warned = True
-                log.warning("not logging step statistics: cannot append to '%s' (%s)", path, exc)
+    @property
+    def run_dir_error(self) -> RunDirError | None:
+        """The write into ``run_dir`` that failed, after which the run went on without it (None: none)."""
+        return self._run.error if self._run is not None else None
 
     def _io_stats(self) -> dict[str, Any]:
         if self.engine is None:
@@ -1332,6 +1328,7 @@ class TeraioBackend:
         end), and the I/O figures are the backend's totals since the start. ``models`` has the same
         figures for each model the backend compiled.
         """
+        self.tracker.settle()
         self._finish_measurement()
         self._read_step_times(wait=True)
         models = self.step_stats.models(self._parameter_links())
@@ -1447,6 +1444,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
+    """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto) in ``path``."""
+    from teraio.planner.safe_io import write_json
+
+    write_json(path, trace_of(profile, plan), overwrite=True, indent=None)
+
+
+def trace_of(profile: Profile, plan: Plan) -> dict[str, Any]:
     """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto): ops and transfers."""
     from teraio.planner.simulate import simulate
 
@@ -1479,14 +1483,11 @@ def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
                 "args": {"nbytes": int(r.nbytes)},
             }
         )
-    trace = {
+    return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"predicted_step_s": sim.step_s, "peak_bytes": sim.peak_bytes},
     }
-    from teraio.planner.safe_io import write_json
-
-    write_json(path, trace, overwrite=True, indent=None)
 
 
 def load_plans(path: str) -> list[Plan]:
