@@ -58,7 +58,7 @@ from teraio.profiler import StepProfiler, classify_inputs, profiling_split
 from teraio.ranks import RankAgreement, disk_sharers, rank_info
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
-from teraio.run_dir import RunDir, RunDirError
+from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
 from teraio.step_stats import Measurement, StepStats
@@ -112,6 +112,7 @@ class GraphRunner:
         self.profiler: StepProfiler | None = None
         self.profile: Profile | None = None
         self.plan: Plan | None = None
+        self.plan_before_outside: Plan | None = None
         self.rewrite: RewriteResult | None = None
         self.invocations = 0
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
@@ -378,14 +379,17 @@ class GraphRunner:
             self.phase is Phase.PROFILING and self.profiler is not None and self.profiler.calibrate_next
         )
         self.backend.outside.forward_starts(step.index, not step.calls, calibrating)
-        self.backend._maybe_start_measurement()
-        compiled, site = self._compiled, None
-        if self.phase is Phase.RUNNING and self.rewrite is not None:
-            # Note: [Forwards never backpropagated move nothing] in teraio.call_sites
-            site = call_site()
-            if self.sites.skip_plan(site):
-                compiled = self._without_plan()
-                self.unplanned_calls += 1
+        # Note: [Forwards never backpropagated move nothing] in teraio.call_sites: such a forward neither
+        # runs the plan nor starts a step measurement (which would hold the process's one profiler
+        # session through the loop's code until the forward is found abandoned).
+        site = call_site() if self.phase is Phase.RUNNING else None
+        never_backpropagated = site is not None and self.sites.skip_plan(site)
+        if not never_backpropagated:
+            self.backend._maybe_start_measurement()
+        compiled = self._compiled
+        if never_backpropagated and self.rewrite is not None:
+            compiled = self._without_plan()
+            self.unplanned_calls += 1
         out = compiled(*args)
         inv = tracker.end_forward(self, out, site)
         self.invocations += 1
@@ -571,10 +575,15 @@ class TeraioBackend:
         if self.cfg.hardware is not None and self.cfg.hardware != CALIBRATE:
             # A bad file fails here, in one line, not when the first plan is made steps later.
             self._hardware = HardwareModel.load(self.cfg.hardware)
-        self.cfg.check_run_dir()  # before anything is written: never replace another program's files
         #: Made once per backend: in config.json and on every stats.jsonl line (runs may share a run_dir).
         self.run_id = secrets.token_hex(8)
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
+        info = rank_info()
+        if self.run_dir is not None and info.distributed:
+            # Under torchrun every rank writes its own: rank0/, rank1/, ... (teraio show reads them all).
+            self.run_dir = self.run_dir / f"rank{info.rank}"
+        # Before anything is written: never replace another program's files.
+        refuse_foreign_run_dir(self.run_dir)
         # Every write into run_dir goes through it: Note: [Run-directory files are by-products].
         self._run: RunDir | None = None
         if self.run_dir is not None:
@@ -627,6 +636,7 @@ class TeraioBackend:
                 self._replan_wanted = False
                 for r in self.runners:
                     if r.is_training and r.profile is not None and r.phase is Phase.RUNNING:
+                        r.plan_before_outside = r.plan  # kept when the budget cannot absorb that memory
                         r.plan, r.phase = None, Phase.PLANNING
                 self._ranks_ready = True
         if runner.phase is not Phase.PLANNING:
@@ -652,7 +662,8 @@ class TeraioBackend:
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()
             for r in ready:
-                r.compile_final()
+                if r.phase is Phase.PLANNING:
+                    r.compile_final()
             step = self.tracker.current_step
             if step is not None and not step.complete:
                 self._compiles_at[step.index] = self._compiles_at.get(step.index, 0) + 1
@@ -750,6 +761,23 @@ class TeraioBackend:
                     f"step peak is {_fmt(floors[worst])}); every rank stops here: use a budget of at least that",
                     smallest_peak_bytes=int(floors[worst]),
                 )
+        if failure is not None and outside and all(r.plan_before_outside is not None for r in ready):
+            # Note: [Memory outside the graphs is measured and planned for]: training already runs within
+            # the graphs' share; stopping it for memory the loop holds would lose a job that works. Every
+            # rank takes this branch together (the failure was gathered above).
+            for r in ready:
+                r.plan, r.phase = r.plan_before_outside, Phase.RUNNING
+            log.warning(
+                "the step holds %s outside teraio's graphs, more than memory_budget %s leaves beside them (%s); "
+                "the graphs keep their plans and the step peaks above the budget: free what the loop holds "
+                "through backward or raise the budget",
+                _fmt(outside),
+                _fmt(budget_bytes),
+                failure,
+            )
+            kept = {r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) for r in ready}
+            self.predicted_step_peak_bytes = step_peak(calls, {**memory, **kept})[0] + outside
+            return
         if failure is not None:
             raise failure
         for r, p in plans.items():

@@ -34,11 +34,20 @@ def _files_under(path: str) -> list[str]:
 
 
 def worker(
-    rank: int, world: int, port: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any]
+    rank: int, world: int, port: int, mode: str, enableds: list[bool], out_dir: str, options: dict[str, Any]
 ) -> None:
+    """Train once per value of ``enableds`` in this process (one process start for both runs)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.use_deterministic_algorithms(True)
+    for enabled in enableds:
+        torch._dynamo.reset()
+        _train(rank, world, mode, enabled, out_dir, options)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any]) -> None:
     torch.manual_seed(0)
     import teraio
     from tests.teraio.loops import GPTLoss, _tokens
@@ -134,8 +143,6 @@ def worker(
         "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
     }
     Path(out_dir, f"{mode}-{int(enabled)}-{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def free_port() -> int:

@@ -20,18 +20,20 @@ from .dist_worker import free_port, worker
 WORLD = 2
 
 
-def _run(mode: str, enabled: bool, tmp_path: Path, **options) -> list[dict]:
+def _run(mode: str, enableds: list[bool], tmp_path: Path, **options) -> list[list[dict]]:
+    """One spawn of the job; per value of ``enableds``, every rank's result."""
     dirs = options.setdefault("offload_dirs", [str(tmp_path / "off-{local_rank}")])
     options["offload_dirs_resolved"] = [[d.format(local_rank=r, rank=r) for d in dirs] for r in range(WORLD)]
     out = tmp_path / "results"
     out.mkdir(exist_ok=True)
-    mp.spawn(worker, args=(WORLD, free_port(), mode, enabled, str(out), options), nprocs=WORLD, join=True)
-    return [json.loads((out / f"{mode}-{int(enabled)}-{r}.json").read_text()) for r in range(WORLD)]
+    mp.spawn(worker, args=(WORLD, free_port(), mode, enableds, str(out), options), nprocs=WORLD, join=True)
+    return [
+        [json.loads((out / f"{mode}-{int(e)}-{r}.json").read_text()) for r in range(WORLD)] for e in enableds
+    ]
 
 
 def _check(mode: str, tmp_path: Path, **options) -> list[dict]:
-    reference = _run(mode, False, tmp_path, **options)
-    results = _run(mode, True, tmp_path, **options)
+    reference, results = _run(mode, [False, True], tmp_path, **options)
     for rank, (got, want) in enumerate(zip(results, reference)):
         assert got["losses"] == want["losses"], f"rank {rank}: losses differ"
         assert got["grads"] == want["grads"], f"rank {rank}: gradients differ"
@@ -74,15 +76,15 @@ def test_fsdp2_per_block_compilation(tmp_path) -> None:
 def test_a_budget_one_rank_cannot_meet_stops_every_rank_with_one_line(tmp_path) -> None:
     """Note: [Ranks agree at the start of every step] in teraio.ranks: no rank is left waiting."""
     with pytest.raises(mp.ProcessRaisedException, match="cannot be met"):
-        _run("ddp-nosplit", True, tmp_path, budget="4096")
+        _run("ddp-nosplit", [True], tmp_path, budget="4096")
 
 
 def test_no_files_remain_after_a_rank_is_killed_and_the_job_runs_again(tmp_path) -> None:
     with pytest.raises((mp.ProcessExitedException, mp.ProcessRaisedException)):
-        _run("ddp-nosplit", True, tmp_path, kill_rank_at=4, steps=6)
+        _run("ddp-nosplit", [True], tmp_path, kill_rank_at=4, steps=6)
     leftovers = sorted(p for p in tmp_path.glob("off-*/**/*") if p.is_file())
     assert leftovers, "the killed run left nothing behind: the test would prove nothing"
-    results = _run("ddp-nosplit", True, tmp_path, steps=4)
+    (results,) = _run("ddp-nosplit", [True], tmp_path, steps=4)
     assert all(r["leftover_files"] == [] for r in results)
 
 
@@ -92,4 +94,4 @@ def test_compiled_autograd_while_profiling_is_refused_on_every_rank(tmp_path) ->
     with pytest.raises(
         mp.ProcessRaisedException, match="compiled autograd ran its backward while teraio was profiling"
     ):
-        _run("ddp-compiled-autograd", True, tmp_path, compiled_autograd_from=0)
+        _run("ddp-compiled-autograd", [True], tmp_path, compiled_autograd_from=0)
