@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+from teraio.planner.limits import MAX_STEP_NBYTES
 from teraio.planner.sizes import SIZE_RE, SizeError, nbytes_of
 
 AUTO = "auto"
@@ -62,11 +63,6 @@ def parse_size(text: str | int | float) -> int:
         return nbytes_of(text, "size")
     except SizeError as e:
         raise BudgetError(str(e)) from None
-
-
-#: The largest budget in bytes that is accepted (1 EiB): more is no machine's memory, and solvers count
-#: bytes in 64-bit integers.
-MAX_BUDGET_BYTES = 1 << 60
 
 
 @dataclass(frozen=True)
@@ -132,8 +128,10 @@ def parse_budget(spec: object, what: str = "budget") -> BudgetSpec:
         raise BudgetError(f"{what} {spec!r} does not parse; {_GRAMMAR}") from None
     if nbytes <= 0:
         raise BudgetError(f"{what} {spec!r} must be positive; {_GRAMMAR}")
-    if nbytes > MAX_BUDGET_BYTES:
-        raise BudgetError(f"{what} {spec!r} is more than 1 EiB, more memory than any machine has")
+    if nbytes > MAX_STEP_NBYTES:  # "99999999999999999999999999TB" overflowed the planner's int64 arithmetic
+        raise BudgetError(
+            f"{what} {spec!r} is larger than {MAX_STEP_NBYTES} bytes (64 PiB), the largest budget teraio accepts"
+        )
     return BudgetSpec("bytes", nbytes)
 
 
@@ -146,7 +144,8 @@ def resolve_budget(spec: str | int | float, baseline_peak_bytes: int) -> int | N
         baseline_peak_bytes: the unplanned peak, which fractions refer to.
 
     Raises:
-        BudgetError: the spec does not parse or is not positive.
+        BudgetError: the spec does not parse, is not positive, or is larger than
+            ``planner.limits.MAX_STEP_NBYTES``.
     """
     parsed = parse_budget(spec)
     if parsed.kind == "auto":

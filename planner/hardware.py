@@ -8,14 +8,20 @@ steal cycles from the step (measured: about 0.3-0.45 s of step time per GB round
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from teraio.planner.safe_io import write_json
+from teraio.planner.limits import (
+    MAX_BW_BYTES_PER_S,
+    MAX_CPU_S_PER_BYTE,
+    MAX_DEVICES,
+    MAX_SECONDS,
+    MAX_STEP_NBYTES,
+)
+from teraio.planner.safe_io import InputError, load_json, write_json
 
 HARDWARE_SCHEMA_VERSION = 1
 TIERS = ("ssd", "host")
@@ -84,23 +90,27 @@ def _default_tiers() -> dict[str, TierModel]:
     }
 
 
-_FLOAT_FIELDS = {  # field -> (minimum, minimum allowed?)
-    "write_bw_bytes_per_s": (0.0, False),
-    "read_bw_bytes_per_s": (0.0, False),
-    "write_latency_s": (0.0, True),
-    "read_latency_s": (0.0, True),
-    "cpu_s_per_byte": (0.0, True),
-    "cpu_s_per_transfer": (0.0, True),
-    "cpu_s_per_step_with_io": (0.0, True),
+_FLOAT_FIELDS = {  # field -> (minimum, minimum allowed?, maximum: planner.limits)
+    "write_bw_bytes_per_s": (0.0, False, MAX_BW_BYTES_PER_S),
+    "read_bw_bytes_per_s": (0.0, False, MAX_BW_BYTES_PER_S),
+    "write_latency_s": (0.0, True, MAX_SECONDS),
+    "read_latency_s": (0.0, True, MAX_SECONDS),
+    "cpu_s_per_byte": (0.0, True, MAX_CPU_S_PER_BYTE),
+    "cpu_s_per_transfer": (0.0, True, MAX_SECONDS),
+    "cpu_s_per_step_with_io": (0.0, True, MAX_SECONDS),
 }
 
 
-def _number(value: Any, where: str, field_name: str, minimum: float, inclusive: bool) -> float:
+def _number(
+    value: Any, where: str, field_name: str, minimum: float, inclusive: bool, maximum: float
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise HardwareError(f"{where}: '{field_name}' is {value!r}, expected a finite number")
     if value < minimum or (value == minimum and not inclusive):
         relation = ">=" if inclusive else ">"
         raise HardwareError(f"{where}: '{field_name}' is {value!r}, expected {relation} {minimum:g}")
+    if value > maximum:
+        raise HardwareError(f"{where}: '{field_name}' is {value!r}, expected at most {maximum:g}")
     return float(value)
 
 
@@ -116,13 +126,13 @@ def _tier_from_dict(t: Any, where: str) -> TierModel:
         if required not in t:
             raise HardwareError(f"{where}: lacks '{required}' (bytes per second, > 0)")
     kwargs: dict[str, Any] = {}
-    for key, (minimum, inclusive) in _FLOAT_FIELDS.items():
+    for key, (minimum, inclusive, maximum) in _FLOAT_FIELDS.items():
         if key in t:
-            kwargs[key] = _number(t[key], where, key, minimum, inclusive)
+            kwargs[key] = _number(t[key], where, key, minimum, inclusive, maximum)
     if "count" in t:
         count = t["count"]
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise HardwareError(f"{where}: 'count' is {count!r}, expected an integer >= 1")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_DEVICES:
+            raise HardwareError(f"{where}: 'count' is {count!r}, expected an integer in 1..{MAX_DEVICES}")
         kwargs["count"] = count
     if "shared_channel" in t:
         if not isinstance(t["shared_channel"], bool):
@@ -132,8 +142,10 @@ def _tier_from_dict(t: Any, where: str) -> TierModel:
         kwargs["shared_channel"] = t["shared_channel"]
     if "capacity_bytes" in t and t["capacity_bytes"] is not None:
         cap = t["capacity_bytes"]
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
-            raise HardwareError(f"{where}: 'capacity_bytes' is {cap!r}, expected null or an integer >= 0")
+        if isinstance(cap, bool) or not isinstance(cap, int) or not 0 <= cap <= MAX_STEP_NBYTES:
+            raise HardwareError(
+                f"{where}: 'capacity_bytes' is {cap!r}, expected null or an integer in 0..{MAX_STEP_NBYTES}"
+            )
         kwargs["capacity_bytes"] = cap
     return TierModel(**kwargs)
 
@@ -211,11 +223,8 @@ class HardwareModel:
     def load(cls, path: str | os.PathLike) -> HardwareModel:
         p = Path(path)
         try:
-            d = json.loads(p.read_text())
-        except FileNotFoundError:
-            raise HardwareError(f"hardware model '{p}' does not exist") from None
-        except IsADirectoryError:
-            raise HardwareError(f"hardware model '{p}' is a directory, expected a JSON file") from None
-        except (OSError, ValueError) as e:
-            raise HardwareError(f"hardware model '{p}' is not valid JSON: {e}") from None
+            # A regular file only, read up to a limit; NaN, Infinity and deep nesting refused.
+            d = load_json(p, what="hardware model")
+        except InputError as e:
+            raise HardwareError(str(e)) from None
         return cls.from_dict(d, source=f"hardware model '{p}'")

@@ -47,7 +47,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from teraio.planner.hardware import HardwareError, HardwareModel
-from teraio.planner.safe_io import write_text
+from teraio.planner.limits import MAX_OP_US, MAX_ROWS, MAX_SECONDS, MAX_STEP_NBYTES, MAX_TENSOR_NBYTES
+from teraio.planner.safe_io import InputError, load_json, write_text
 
 if TYPE_CHECKING:
     from teraio.planner.profile import Profile
@@ -255,13 +256,10 @@ class Plan:
         ``profile``, also check it completely against that profile (:func:`validate_plan`)."""
         p = Path(path)
         try:
-            d = json.loads(p.read_text(), parse_constant=_reject_constant)
-        except FileNotFoundError:
-            raise PlanError(f"plan '{p}' does not exist") from None
-        except IsADirectoryError:
-            raise PlanError(f"plan '{p}' is a directory, expected a JSON file") from None
-        except (OSError, ValueError) as e:
-            raise PlanError(f"plan '{p}' is not valid JSON: {e}") from None
+            # A regular file only, read up to a limit; NaN, Infinity and deep nesting refused.
+            d = load_json(p, what="plan")
+        except InputError as e:
+            raise PlanError(str(e)) from None
         plan = cls.from_dict(d, source=f"plan '{p}'")
         if profile is not None and expect_fingerprint is None:
             expect_fingerprint = profile.fingerprint
@@ -276,9 +274,9 @@ class Plan:
 
 
 # ------------------------------------------------------------------------------------------ checks
-# Sizes and indices beyond these are corrupt files, not plans (and would overflow C integers later).
-_MAX_NBYTES = 1 << 60
-_MAX_IDX = 1 << 40
+# Sizes, indices and times beyond these are corrupt files, not plans (``planner.limits``).
+_MAX_NBYTES = MAX_STEP_NBYTES
+_MAX_IDX = MAX_ROWS
 _DECISION_INTS = ("nbytes", "offload_after_idx", "wait_before_idx", "prefetch_before_idx", "fetch_before_idx")
 _DECISION_STRS = (
     "name",
@@ -290,10 +288,6 @@ _DECISION_STRS = (
 )
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a number a plan may hold")
-
-
 def _int(value: Any, where: str, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanError(f"{where} is {value!r}, expected an integer")
@@ -302,13 +296,15 @@ def _int(value: Any, where: str, lo: int, hi: int) -> int:
     return value
 
 
-def _float(value: Any, where: str, *, optional: bool = False) -> None:
+def _float(value: Any, where: str, *, optional: bool = False, hi: float | None = None) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise PlanError(f"{where} is {value!r}, expected a finite number" + (" or null" if optional else ""))
     if value < 0 and not optional:
         raise PlanError(f"{where} is {value!r}, expected >= 0")
+    if hi is not None and value > hi:
+        raise PlanError(f"{where} is {value!r}, expected at most {hi:g}")
 
 
 def check_plan_dict(d: Any, source: str = "plan") -> None:
@@ -338,7 +334,7 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
     for key in ("predicted_step_s", "predicted_stall_s", "compute_s"):
         if key not in d:
             raise PlanError(f"{source} lacks key '{key}'")
-        _float(d[key], f"{source}: '{key}'")
+        _float(d[key], f"{source}: '{key}'", hi=MAX_SECONDS)
     if not isinstance(d.get("config", {}), dict):
         raise PlanError(f"{source}: 'config' must be an object")
     stats = d.get("stats")
@@ -347,9 +343,10 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
     for key in ("solver", "status"):
         if not isinstance(stats.get(key), str):
             raise PlanError(f"{source}: 'stats.{key}' is {stats.get(key)!r}, expected a string")
-    for key in ("objective", "bound", "gap", "lower_bound_s"):
+    for key in ("objective", "bound", "gap"):
         _float(stats.get(key), f"{source}: 'stats.{key}'", optional=True)
-    _float(stats.get("wall_s", 0.0), f"{source}: 'stats.wall_s'")
+    _float(stats.get("lower_bound_s"), f"{source}: 'stats.lower_bound_s'", optional=True, hi=MAX_SECONDS)
+    _float(stats.get("wall_s", 0.0), f"{source}: 'stats.wall_s'", hi=MAX_SECONDS)
     if not isinstance(stats.get("extra", {}), dict):
         raise PlanError(f"{source}: 'stats.extra' must be an object")
     try:
@@ -359,6 +356,8 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
     decisions = d.get("decisions")
     if not isinstance(decisions, list):
         raise PlanError(f"{source}: 'decisions' is {type(decisions).__name__}, expected a list")
+    if len(decisions) > MAX_ROWS:
+        raise PlanError(f"{source}: {len(decisions)} decisions, more than the {MAX_ROWS} allowed")
     seen: set[str] = set()
     for i, x in enumerate(decisions):
         where = f"{source}: decisions[{i}]"
@@ -372,7 +371,7 @@ def check_plan_dict(d: Any, source: str = "plan") -> None:
         action = x.get("action", "offload")  # schema 3; older plans only offload
         if action not in ACTIONS:
             raise PlanError(f"{where}.action is {action!r}, expected one of {', '.join(ACTIONS)}")
-        _int(x.get("nbytes"), f"{where}.nbytes", 1, _MAX_NBYTES)
+        _int(x.get("nbytes"), f"{where}.nbytes", 1, MAX_TENSOR_NBYTES)
         if action == "recompute":
             _check_recompute_fields(x, where)
         else:
@@ -408,8 +407,13 @@ def _check_recompute_fields(x: dict, where: str) -> None:
             f"{x['fetch_before_idx']}; a recompute decision has one rebuild point"
         )
     us = x.get("recompute_us")
-    if isinstance(us, bool) or not isinstance(us, (int, float)) or not math.isfinite(us) or us < 0:
-        raise PlanError(f"{where}.recompute_us is {us!r}, expected a finite number >= 0")
+    if (
+        isinstance(us, bool)
+        or not isinstance(us, (int, float))
+        or not math.isfinite(us)
+        or not 0 <= us <= MAX_OP_US
+    ):
+        raise PlanError(f"{where}.recompute_us is {us!r}, expected a finite number in 0..{MAX_OP_US:g}")
 
 
 def validate_plan(plan: Plan, profile: Profile, *, source: str = "plan") -> None:

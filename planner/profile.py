@@ -12,17 +12,27 @@ or batch) has ``producer_idx == -1``. Use indices that never happened are ``-1``
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
 
-from teraio.planner.safe_io import replace_dir
+from teraio.planner.limits import (
+    MAX_OP_US,
+    MAX_ROWS,
+    MAX_SECONDS,
+    MAX_STEP_NBYTES,
+    MAX_TABLE_FILE_NBYTES,
+    MAX_TENSOR_NBYTES,
+)
+from teraio.planner.safe_io import InputError, PrivateDir, load_json, read_input, replace_dir
 
 SCHEMA_VERSION = 1
 
@@ -79,6 +89,25 @@ META_REQUIRED = ("schema_version", "fingerprint", "num_fwd_ops")
 
 class ProfileError(ValueError):
     """A profile is missing, malformed, or inconsistent. The message names what and where."""
+
+
+#: Meta keys holding seconds, byte counts and counts (checked when present: ``Profile._validate_bounds``).
+_META_SECONDS = ("step_s", "fwd_s", "bwd_s", "outside_s")
+_META_NBYTES = ("census_peak_bytes", "census_after_fwd_bytes")
+_META_COUNTS = ("graph_id", "num_saved_outputs")
+
+
+def _real(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return (
+        isinstance(value, (int, float, np.integer, np.floating))
+        and not isinstance(value, bool)
+        and (math.isfinite(value))
+    )
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _meta_int(meta: dict[str, Any], key: str) -> int:
@@ -192,7 +221,57 @@ class Profile:
         if (used_bwd["last_use_idx"] < used_bwd["first_bwd_use_idx"]).any():
             raise ProfileError("profile: last_use_idx precedes first_bwd_use_idx")
         self._validate_recompute()
+        self._validate_bounds()
         return self
+
+    def _validate_bounds(self) -> None:
+        """Every number within ``planner.limits``: sizes, counts and times beyond them are corrupt input
+        (a tensor of 2**62 bytes wrapped the planner's int64 sums silently)."""
+        for table, df in (("ops", self.ops), ("tensors", self.tensors)):
+            if len(df) > MAX_ROWS:
+                raise ProfileError(
+                    f"profile table '{table}' has {len(df)} rows, more than the {MAX_ROWS} allowed"
+                )
+        for table, df, col, hi, what in (
+            ("tensors", self.tensors, "nbytes", MAX_TENSOR_NBYTES, "bytes per tensor"),
+            ("tensors", self.tensors, "recompute_peak_bytes", MAX_STEP_NBYTES, "bytes"),
+            ("ops", self.ops, "other_bytes", MAX_STEP_NBYTES, "bytes"),
+            ("ops", self.ops, "duration_us", MAX_OP_US, "microseconds per op"),
+            ("tensors", self.tensors, "recompute_us", MAX_OP_US, "microseconds per op"),
+        ):
+            if col not in df.columns:
+                continue
+            values = df[col].to_numpy(dtype="float64")  # floats: no int64 wrap while checking
+            over = values > hi
+            if over.any():
+                row = int(np.argmax(over))
+                raise ProfileError(
+                    f"profile table '{table}' column '{col}' is {values[row]:.6g} at row {row}; at most "
+                    f"{hi:.0f} {what} are accepted"
+                )
+        total = float(self.tensors["nbytes"].to_numpy(dtype="float64").sum())
+        if total > MAX_STEP_NBYTES:
+            raise ProfileError(
+                f"profile table 'tensors' holds {total:.0f} bytes in all, more than the {MAX_STEP_NBYTES} "
+                f"bytes (64 PiB) of a step teraio accepts"
+            )
+        for key, value in self.meta.items():
+            if key in _META_SECONDS:
+                ok = _real(value) and 0 <= value <= MAX_SECONDS
+                expected = f"a finite number of seconds in 0..{MAX_SECONDS:.0e}"
+            elif key in _META_NBYTES:
+                ok = _whole(value) and 0 <= value <= MAX_STEP_NBYTES
+                expected = f"an integer number of bytes in 0..{MAX_STEP_NBYTES}"
+            elif key in _META_COUNTS:
+                ok = _whole(value) and 0 <= value <= MAX_ROWS
+                expected = f"an integer in 0..{MAX_ROWS}"
+            elif key == "param_positions":
+                ok = isinstance(value, list) and all(_whole(v) and 0 <= v <= MAX_ROWS for v in value)
+                expected = f"a list of integers in 0..{MAX_ROWS}"
+            else:
+                continue
+            if not ok:
+                raise ProfileError(f"profile meta '{key}' is {value!r}, expected {expected}")
 
     def _validate_recompute(self) -> None:
         """The recompute columns: costs finite and non-negative (or NaN), inputs naming other existing
@@ -307,15 +386,27 @@ class Profile:
 
     def write_files(self, directory: Path) -> None:
         """Write the three files into an existing private ``directory`` (used by :meth:`save`)."""
-        self.ops.to_parquet(directory / "ops.parquet", index=False)
+        self._write(lambda name: open(directory / name, "wb"))  # noqa: SIM115 - closed by _write
+
+    def write_into(self, directory: PrivateDir) -> None:
+        """Write the three files into a private directory held by its descriptor (a run directory's
+        ``graphN/profile``: ``planner.safe_io.PrivateDir.replace_subdir``), each created 0600 with
+        ``O_EXCL|O_NOFOLLOW`` relative to it."""
+        self._write(directory.open_new)
+
+    def _write(self, open_new: Callable[[str], IO[bytes]]) -> None:
+        with open_new("ops.parquet") as f:
+            self.ops.to_parquet(f, index=False)
         tensors = self.tensors.copy()
         tensors["shape"] = tensors["shape"].map(lambda s: [int(x) for x in s])
         if "recompute_inputs" in tensors.columns:
             tensors["recompute_inputs"] = tensors["recompute_inputs"].map(
                 lambda s: [str(x) for x in recompute_inputs_of(s) or ()]
             )
-        tensors.to_parquet(directory / "tensors.parquet", index=False)
-        (directory / "meta.json").write_text(json.dumps(self.meta, indent=2, sort_keys=True, default=str))
+        with open_new("tensors.parquet") as f:
+            tensors.to_parquet(f, index=False)
+        with open_new("meta.json") as f:
+            f.write(json.dumps(self.meta, indent=2, sort_keys=True, default=str).encode())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Profile:
@@ -328,17 +419,21 @@ class Profile:
                 f"profile '{p}' is not a directory (expected ops.parquet, tensors.parquet, meta.json)"
             )
         for fname in ("ops.parquet", "tensors.parquet", "meta.json"):
-            if not (p / fname).exists():
+            if not os.path.lexists(p / fname):
                 raise ProfileError(f"profile '{p}' lacks {fname}")
+        # Regular files only, read up to a limit (a FIFO blocked, a link to /dev/zero read without end).
         try:
-            meta = json.loads((p / "meta.json").read_text())
-        except (OSError, ValueError) as e:
-            raise ProfileError(f"profile '{p}/meta.json' is not valid JSON: {e}") from None
+            meta = load_json(p / "meta.json", what="profile meta")
+            tables = [
+                read_input(p / name, limit_nbytes=MAX_TABLE_FILE_NBYTES, what="profile table")
+                for name in ("ops.parquet", "tensors.parquet")
+            ]
+        except InputError as e:
+            raise ProfileError(str(e)) from None
         if not isinstance(meta, dict):
             raise ProfileError(f"profile '{p}/meta.json' must hold a JSON object")
         try:
-            ops = pd.read_parquet(p / "ops.parquet")
-            tensors = pd.read_parquet(p / "tensors.parquet")
+            ops, tensors = (pd.read_parquet(io.BytesIO(data)) for data in tables)
         except Exception as e:  # pyarrow raises several types for corrupt files
             raise ProfileError(f"profile '{p}' has an unreadable parquet table: {e}") from None
         try:

@@ -42,6 +42,13 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from teraio.planner.limits import (
+    MAX_OP_US,
+    MAX_STEP_NBYTES,
+    MAX_SYNTH_DIM,
+    MAX_SYNTH_LAYERS,
+    MAX_TENSOR_NBYTES,
+)
 from teraio.planner.profile import Profile, ProfileError, make_profile
 
 SYNTH_VERSION = 1
@@ -82,6 +89,11 @@ class SynthConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise ProfileError(f"synthetic profile: {name} must be a positive integer, got {value!r}")
+            # Bounded before anything is built: 10**8 layers grew without limit, a hidden size of 10**9
+            # overflowed int64 (planner.limits).
+            most = MAX_SYNTH_LAYERS if name == "layers" else MAX_SYNTH_DIM
+            if value > most:
+                raise ProfileError(f"synthetic profile: {name} must be at most {most}, got {value!r}")
         if self.num_heads < 1 or self.hidden % self.num_heads:
             raise ProfileError(
                 f"synthetic profile: hidden {self.hidden} must be divisible by heads {self.num_heads}"
@@ -94,8 +106,10 @@ class SynthConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ProfileError(f"synthetic profile: {name} must be a positive number, got {value!r}")
-        if not (math.isfinite(self.op_overhead_us) and self.op_overhead_us >= 0):
-            raise ProfileError(f"synthetic profile: op_overhead_us must be >= 0, got {self.op_overhead_us!r}")
+        if not (math.isfinite(self.op_overhead_us) and 0 <= self.op_overhead_us <= MAX_OP_US):
+            raise ProfileError(
+                f"synthetic profile: op_overhead_us must be in 0..{MAX_OP_US:g}, got {self.op_overhead_us!r}"
+            )
         return self
 
     def fingerprint(self) -> str:
@@ -433,6 +447,15 @@ def profile_from_config(cfg: SynthConfig) -> Profile:
     """Build the Profile for a :class:`SynthConfig`."""
     cfg.check()
     b = _build_forward(cfg)
+    # Python ints so far: refuse sizes the int64 tables below could not hold (planner.limits).
+    sizes = [b.nbytes(name) for name in b.shapes]
+    biggest = max(sizes, default=0)
+    if biggest > MAX_TENSOR_NBYTES or sum(sizes) > MAX_STEP_NBYTES:
+        raise ProfileError(
+            f"synthetic profile: a tensor of {biggest} bytes ({sum(sizes)} in all) is more than the "
+            f"{MAX_TENSOR_NBYTES} per tensor ({MAX_STEP_NBYTES} per step) teraio accepts; use smaller "
+            f"hidden, seq, batch or vocab"
+        )
     fwd = b.ops
     nf = len(fwd)
     n = 2 * nf

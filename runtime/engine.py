@@ -44,6 +44,20 @@ Note: [Buffers die on the caller's thread]
     forever (seen: +256 KiB on the tiny GPT's measured step, in about one run in six); on CUDA, the
     caching allocator would recycle the block from a thread with no stream context.
 
+Note: [No lock in a finalizer or a signal handler]
+    A finalizer (``weakref.finalize``, a weakref callback, ``__del__``) runs wherever the garbage
+    collector or a reference count happens to hit zero, and a signal handler runs between two bytecodes
+    of the main thread: in both cases the interrupted frame may hold any lock of this module
+    (``OffloadDir._lock`` inside ``allocate``, a request's lock, the executor's shutdown lock inside
+    ``submit``), and taking it again on the same thread hangs forever (seen: the cyclic collector freed a
+    failed step's autograd graph inside ``OffloadDir.allocate``; its token finalizer called ``drop``,
+    which waited on the lock its own thread held). So neither ever takes a lock: a finalizer that wants a
+    key gone calls :meth:`Engine.drop_later`, which only appends the key to a reentrant queue
+    (``queue.SimpleQueue``, whose ``put`` is safe in finalizers), and every public call of the engine
+    drains that queue first, from a normal context, before it takes a lock. The SIGTERM handler only
+    removes this process's offload files with system calls on directory descriptors the directories
+    already hold (``runtime.space.remove_live_files``), then lets the signal kill the process.
+
 Note: [CUDA ordering]
     Every stream, event and copy goes through ``self._dev`` (``runtime.device``; a fake in tests). Each
     I/O thread owns a write and a read stream per device (``runtime.staging``), non-blocking, so
@@ -117,7 +131,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
+import queue
 import threading
 import time
 import traceback
@@ -144,7 +158,7 @@ from teraio.runtime.errors import (
 )
 from teraio.runtime.handle import Handle
 from teraio.runtime.integrity import make_checksum
-from teraio.runtime.space import OffloadDir
+from teraio.runtime.space import OffloadDir, install_sigterm_handler
 from teraio.runtime.staging import DeviceIO, ThreadStreams
 from teraio.runtime.stats import DirStats, RuntimeStats, StatsCollector, tb_per_day
 from teraio.runtime.tiers.base import (
@@ -177,44 +191,6 @@ def _close_live_engines() -> None:
             engine.close()
         except Exception as exc:  # noqa: BLE001 - best effort at exit
             log.warning("closing a teraio runtime engine at exit failed: %s", exc)
-
-
-_sigterm_installed = False
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    """SIGTERM: clean up like a normal exit, then die of the signal as the default action would.
-
-    A handler the user installed before the first engine is called instead and decides (it may
-    shut down gracefully and let atexit clean up, or keep running; the engines stay usable then).
-    """
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-        return
-    _close_live_engines()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
-
-
-_previous_sigterm: Any = None
-
-
-def _install_sigterm_handler() -> None:
-    """Chain our SIGTERM cleanup in front of the process's handler, once, from the main thread only."""
-    global _sigterm_installed, _previous_sigterm
-    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
-        return
-    try:
-        previous = signal.getsignal(signal.SIGTERM)
-    except ValueError:
-        return
-    if previous == signal.SIG_IGN or previous is None:  # ignored on purpose, or set from C: leave it
-        _sigterm_installed = True
-        return
-    _previous_sigterm = previous if callable(previous) else None
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    _sigterm_installed = True
 
 
 def _version_of(t: torch.Tensor) -> int | None:
@@ -347,6 +323,8 @@ class Engine:
         self._offloading: set[str] = set()  # keys inside an offload() call right now
         self._by_storage: dict[int, list[_Entry]] = {}
         self._closed = False
+        # Keys finalizers asked to drop (Note: [No lock in a finalizer or a signal handler]).
+        self._deferred_drops: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stats = StatsCollector()
         self._checksum = make_checksum(cfg.checksum)
         self._checks_lock = threading.Lock()
@@ -376,7 +354,7 @@ class Engine:
         self.default_tier = "host" if self.backend == "host" else "ssd"
         self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="teraio-io")
         _LIVE_ENGINES.add(self)
-        _install_sigterm_handler()
+        install_sigterm_handler()  # Note: [No lock in a finalizer or a signal handler]
 
     # -- set-up ---------------------------------------------------------------------------------
     def _choose_backend(self, requested: str) -> str:
@@ -491,6 +469,7 @@ class Engine:
         """
         self._validate(key, tensor)
         target = self._tier(tier)
+        self._settle_deferred_drops()
         self._deliver_checks(wait=False)
         with self._lock:
             self._check_open()
@@ -725,6 +704,7 @@ class Engine:
         Raises:
             RuntimeIOError: the write failed; the tensor then stays in memory (fetch still works).
         """
+        self._settle_deferred_drops()
         self._deliver_checks(wait=False)
         with self._lock:
             self._check_open()
@@ -751,6 +731,7 @@ class Engine:
         Raises:
             ChecksumError: an earlier device read failed its check (Note: [Device checks are read later]).
         """
+        self._settle_deferred_drops()
         self._deliver_checks(wait=False)
         with self._lock:
             self._check_open()
@@ -887,6 +868,7 @@ class Engine:
             ChecksumError, DiskIOError, RuntimeIOError: the read failed (the key stays readable); or an
                 earlier device read failed its check (Note: [Device checks are read later]).
         """
+        self._settle_deferred_drops()
         self._deliver_checks(wait=False)
         while True:
             with self._lock:
@@ -950,8 +932,10 @@ class Engine:
         Waits for the disk I/O still running on those bytes (a read never fetched, a write never
         released), never for a device stream: a fetched read's buffer is the caller's, and one nobody
         fetched is settled by the allocator (Note: [A read nobody fetched is settled by the
-        allocator]). Raises UnknownKeyError unless ``missing_ok``.
+        allocator]). Raises UnknownKeyError unless ``missing_ok``. Never call it from a finalizer or a
+        signal handler: use :meth:`drop_later` there (Note: [No lock in a finalizer or a signal handler]).
         """
+        self._settle_deferred_drops()
         with self._lock:
             self._check_open()
             if key not in self._keys:
@@ -983,6 +967,24 @@ class Engine:
         entry.tier.free(entry.placement)
         self._stats.hold(entry.tier.name, -entry.nbytes)
 
+    def drop_later(self, key: str) -> None:
+        """Drop ``key`` (missing keys are ignored) at this engine's next call from a normal context.
+
+        The one way to drop from a finalizer, a weakref callback or a signal handler: it takes no lock and
+        does no I/O, it only queues the key (Note: [No lock in a finalizer or a signal handler]). Every
+        public method drains the queue before it does anything else; ``close`` forgets it.
+        """
+        self._deferred_drops.put(key)
+
+    def _settle_deferred_drops(self) -> None:
+        """Drop the keys :meth:`drop_later` queued. Called first by every public method, holding no lock."""
+        while not self._closed:
+            try:
+                key = self._deferred_drops.get_nowait()
+            except queue.Empty:
+                return
+            self._drop_record(key)
+
     def _settle_device(self, req: _Request) -> None:
         """Before an unfetched read buffer is let go: the allocator reuses its block only after every read
         stream that queued copies into it reached this point (Note: [A read nobody fetched is settled
@@ -997,6 +999,7 @@ class Engine:
 
     def keys(self) -> list[str]:
         """The keys currently offloaded."""
+        self._settle_deferred_drops()
         with self._lock:
             return list(self._keys)
 
@@ -1028,6 +1031,7 @@ class Engine:
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:
         """A snapshot of the counters (see :class:`runtime.stats.RuntimeStats`)."""
+        self._settle_deferred_drops()
         elapsed = max(1e-9, time.perf_counter() - self._stats.started)
         default = self._tiers[self.default_tier]
         files = [t for t in self._tiers.values() if Ability.FILES in t.abilities]

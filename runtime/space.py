@@ -7,9 +7,10 @@ data, so the per-process subdirectory is created 0700 and files 0600 with O_EXCL
 following a planted symlink, never reusing a planted file), and cleanup only touches teraio's own
 subdirectories; the base directory itself must belong to the user (or root) and may be writable by
 others only with the sticky bit, so nobody else can swap our subdirectory under us. (3) Leftovers:
-files are removed on close and at interpreter exit, and a process that was killed leaves a
-subdirectory whose lock nobody holds, which the next start removes; a live process holds its lock
-(flock), so its files are never touched.
+files are removed on close, at interpreter exit and on SIGTERM (:func:`remove_live_files`, from the
+handler :func:`install_sigterm_handler` installs), and a process that was killed leaves a subdirectory
+whose lock nobody holds, which the next start removes; a live process holds its lock (flock), so its
+files are never touched.
 
 Note: [Lock before visible]
     A subdirectory is created under a name cleanup ignores (``.teraio-new-...``), its lock file is
@@ -30,10 +31,13 @@ import logging
 import os
 import re
 import secrets
+import signal
 import stat
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from teraio.runtime.config import PAGE_NBYTES, FaultInjectorFn
 from teraio.runtime.errors import (
@@ -251,17 +255,21 @@ def make_base_dirs(base: Path) -> None:
         st = os.stat(d) if stat.S_ISLNK(link.st_mode) else link
         if not stat.S_ISDIR(st.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(d))
-        if _is_shared_dir(st):
-            shared = d  # a new shared root: what lies below it is checked against it
-            continue
         if shared is None:
+            if _is_shared_dir(st):
+                shared = d  # the first shared root: what lies below it is checked against it
             continue
         where = f"offload directory {base}: {d} (in the shared directory {shared})"
+        # The owner of a link is checked first: another user's link to a shared directory (one more
+        # sticky directory) would otherwise pass as a shared root of its own.
         if stat.S_ISLNK(link.st_mode) and not _trusted(link.st_uid):
             raise UnsafePathError(
                 f"{where} is a symbolic link owned by uid {link.st_uid}, not by you; use another directory",
                 path=str(d),
             )
+        if _is_shared_dir(st):
+            shared = d  # a shared directory below another: what lies below it is checked against it
+            continue
         if not _trusted(st.st_uid):
             raise UnsafePathError(
                 f"{where} belongs to uid {st.st_uid}, not to you (uid {os.geteuid()}); another user "
@@ -383,8 +391,10 @@ class OffloadDir:
         self._dir_fd = -1
         self._lock_fd = -1
         self.fd = -1
+        self._subdir_name = ""  # the subdirectory's current name in base (for remove_files_now)
         # Only the process that created the files removes them (a forked child inherits this object).
         self._owner_pid = os.getpid()
+        install_sigterm_handler()
         self._create_base()
         self.fs_type = filesystem_type(base)
         if self.fs_type in ("tmpfs", "ramfs"):
@@ -421,10 +431,15 @@ class OffloadDir:
                 os.close(self._base_fd)
                 self._base_fd = -1
             raise
-        except NotADirectoryError as exc:
-            raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
-        except FileExistsError as exc:
-            raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
+        except (NotADirectoryError, FileExistsError) as exc:
+            # Name the component that is in the way (a file at /tmp/teraio-<uid> for .../offload).
+            where = os.fsdecode(exc.filename) if exc.filename else str(self.base)
+            if os.path.abspath(where) == os.path.abspath(self.base):
+                raise ConfigError(f"offload directory {self.base} exists and is not a directory") from exc
+            raise ConfigError(
+                f"offload directory {self.base}: {where} is not a directory; remove it or choose another "
+                f"offload directory"
+            ) from exc
         except OSError as exc:
             raise map_os_error(
                 exc, action="create", path=str(self.base), directory=str(self.base), needed_nbytes=0
@@ -449,6 +464,8 @@ class OffloadDir:
             if os.path.lexists(path):  # (rename would replace an empty directory of that name)
                 os.rmdir(new_name, dir_fd=self._base_fd)
                 continue
+            self._subdir_name = new_name
+            _LIVE_DIRS.add(self)  # SIGTERM removes it from now on (remove_live_files)
             break
         else:
             raise UnsafePathError(f"could not create a fresh subdirectory in {self.base}: names collide")
@@ -464,6 +481,7 @@ class OffloadDir:
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         # Note: [Lock before visible]: only now may cleanup in other processes see the directory.
         os.rename(new_name, name, src_dir_fd=self._base_fd, dst_dir_fd=self._base_fd)
+        self._subdir_name = name
         self.path = path
 
     def write_private_file(self, name: str, data: bytes) -> Path:
@@ -599,22 +617,42 @@ class OffloadDir:
         return self.allocator.capacity_nbytes
 
     # -- teardown -------------------------------------------------------------------------------
+    def remove_files_now(self) -> None:
+        """Unlink this process's files and remove its subdirectory, by system calls on the descriptors
+        this object holds; nothing else (for :func:`remove_live_files`, in a signal handler)."""
+        if os.getpid() != self._owner_pid:
+            return
+        dir_fd, base_fd, name = self._dir_fd, self._base_fd, self._subdir_name
+        if dir_fd >= 0:
+            for fname in _OUR_FILES:
+                try:
+                    os.unlink(fname, dir_fd=dir_fd)
+                except OSError:
+                    pass
+        if base_fd >= 0 and name:
+            try:
+                os.rmdir(name, dir_fd=base_fd)
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Close and delete this process's files and subdirectory (only those)."""
         if self.closed:
             return
         self.closed = True
-        for fd in (self.fd,):
-            if fd >= 0:
-                os.close(fd)
-        self.fd = -1
+        _LIVE_DIRS.discard(self)
+        # Each descriptor is forgotten before it is closed, so remove_files_now (a signal handler) never
+        # uses a number the kernel may already have handed to another file.
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
         if os.getpid() != self._owner_pid:
             # A forked child: the files are its parent's, still in use. Close our copies only.
             for attr in ("_dir_fd", "_lock_fd", "_base_fd"):
                 fd = getattr(self, attr)
                 if fd >= 0:
-                    os.close(fd)
                     setattr(self, attr, -1)
+                    os.close(fd)
             return
         if self._dir_fd >= 0:
             for name in _OUR_FILES:
@@ -624,18 +662,81 @@ class OffloadDir:
                     pass
                 except OSError as exc:
                     log.warning("could not remove %s/%s: %s", self.path, name, exc.strerror)
-            os.close(self._dir_fd)
-            self._dir_fd = -1
+            fd, self._dir_fd = self._dir_fd, -1
+            os.close(fd)
             try:
                 os.rmdir(self.path.name, dir_fd=self._base_fd)
             except OSError as exc:
                 log.warning("could not remove offload subdirectory %s: %s", self.path, exc.strerror)
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)  # releasing the lock last: the directory is gone by now
-            self._lock_fd = -1
+            fd, self._lock_fd = self._lock_fd, -1
+            os.close(fd)  # releasing the lock last: the directory is gone by now
         if self._base_fd >= 0:
-            os.close(self._base_fd)
-            self._base_fd = -1
+            fd, self._base_fd = self._base_fd, -1
+            os.close(fd)
+
+
+# ------------------------------------------------------------------------------------------- SIGTERM
+#: Every OffloadDir of this process whose subdirectory exists, for the SIGTERM handler. Weak: a directory
+#: the program dropped without closing is not kept alive by it.
+_LIVE_DIRS: weakref.WeakSet[OffloadDir] = weakref.WeakSet()
+
+
+def remove_live_files() -> None:
+    """Remove the files and subdirectories of every open :class:`OffloadDir` of this process, now.
+
+    Made for a signal handler (Note: [No lock in a finalizer or a signal handler] in runtime/engine.py):
+    only ``unlinkat``/``rmdir`` calls on the directory descriptors each directory holds, no lock, no
+    logging, no waiting for I/O in flight (a thread still writing keeps writing into an unlinked file,
+    which the kernel frees when the process dies). The descriptors stay open: the process is about to
+    die, and closing one another thread may be using could hand its number to an unrelated file.
+    (``OffloadDir.close`` forgets each descriptor before closing it; only a close running on another
+    thread at that very moment could still close one between this function reading it and using it.)
+    """
+    for ref in list(_LIVE_DIRS.data):  # one C-level copy of the set: no thread can change it midway
+        odir = ref()
+        if odir is not None:
+            odir.remove_files_now()
+
+
+_sigterm_installed = False
+_previous_sigterm: Any = None
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """SIGTERM: remove every offload file like a normal exit would, then die of the signal as the default
+    action would (exit status -SIGTERM).
+
+    Nothing here takes a lock (Note: [No lock in a finalizer or a signal handler] in runtime/engine.py):
+    the handler may run inside ``ThreadPoolExecutor.submit`` or ``OffloadDir.allocate`` holding their
+    locks, where closing the engines hung (the executor's shutdown waits on the lock ``submit`` holds).
+    A handler the user installed before the first offload directory is called instead and decides (it may
+    shut down gracefully and let atexit clean up, or keep running; the engines stay usable then).
+    """
+    previous = _previous_sigterm
+    if callable(previous):
+        previous(signum, frame)
+        return
+    remove_live_files()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def install_sigterm_handler() -> None:
+    """Chain the SIGTERM cleanup in front of the process's handler, once, from the main thread only."""
+    global _sigterm_installed, _previous_sigterm
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except ValueError:
+        return
+    if previous == signal.SIG_IGN or previous is None:  # ignored on purpose, or set from C: leave it
+        _sigterm_installed = True
+        return
+    _previous_sigterm = previous if callable(previous) else None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _sigterm_installed = True
 
 
 __all__ = [
@@ -647,4 +748,6 @@ __all__ = [
     "available_nbytes",
     "clean_stale_subdirs",
     "filesystem_type",
+    "install_sigterm_handler",
+    "remove_live_files",
 ]

@@ -16,7 +16,6 @@ import logging
 import mmap
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -361,7 +360,10 @@ def calibrate(
     as the runtime will (its cost is part of the latency a transfer pays).
 
     Raises:
-        UserInputError: the directory is missing or not writable, or a size is not a positive multiple of 4 KiB.
+        UserInputError: the directory is missing or not writable, a size is not a positive multiple of
+            4 KiB, or more than the directory's filesystem has free.
+        RuntimeIOError: the runtime refuses the directory for offload files (``UnsafePathError``: another
+            user's, or writable by others without the sticky bit); Note: [Calibration data is offload data].
     """
     d = Path(directory)
     if not d.is_dir():
@@ -380,14 +382,31 @@ def calibrate(
         )
     if repeats < 1:
         raise UserInputError("calibrate: --repeats must be at least 1")
+    try:
+        st = os.statvfs(d)
+        free_nbytes = st.f_bavail * st.f_frsize
+    except OSError:
+        free_nbytes = None
+    if free_nbytes is not None and nbytes > free_nbytes:  # before measuring, not at ENOSPC minutes in
+        raise UserInputError(
+            f"calibrate: size {nbytes} bytes is more than the {free_nbytes} bytes free in '{d}'; "
+            f"give a smaller --size"
+        )
     warnings: list[str] = []
     fs = filesystem_type(d)
     if fs in RAM_FILESYSTEMS:
         warnings.append(f"'{d}' is on {fs}: offloading there keeps the bytes in RAM and saves no memory")
-    # Scratch lives in a fresh private (0700) directory: never a predictable name in a shared one, where
-    # a planted symlink would turn the test writes into an overwrite of someone else's file.
-    scratch = Path(tempfile.mkdtemp(prefix=".teraio-calibrate-", dir=d))
-    path = scratch / "data"
+    # Note: [Calibration data is offload data]
+    # The raw measurements write into the data file of an offload directory of the runtime's own
+    # (``runtime.space.OffloadDir``): a fresh private (0700) subdirectory with a random name, locked
+    # while this process lives, its files created O_EXCL|O_NOFOLLOW. So they get what offload files get:
+    # removed at exit and on SIGTERM, and after a SIGKILL by the next engine start, calibration or demo
+    # in the same directory (a scratch directory of its own was left behind by all three), and the
+    # directory itself must be one teraio would offload to (yours, writable by nobody else unless sticky).
+    from teraio.runtime.space import OffloadDir
+
+    scratch = OffloadDir(Path(os.path.abspath(d)), rank=0, direct_io=None, fault_injector=None)
+    path = scratch.data_path
     samples: dict[str, list[float]] = {"direct_write_s": [], "direct_read_s": []}
     try:
         used_direct = True
@@ -400,8 +419,7 @@ def calibrate(
             warnings.append(f"O_DIRECT is not supported on '{d}': measured buffered I/O with fsync + fadvise")
         lat_w, lat_r = _latency(path)
     finally:
-        path.unlink(missing_ok=True)
-        os.rmdir(scratch)
+        scratch.close()
     direct_lat_w, direct_lat_r = lat_w, lat_r
     direct_w = nbytes / statistics.median(samples["direct_write_s"])
     direct_r = nbytes / statistics.median(samples["direct_read_s"])

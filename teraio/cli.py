@@ -29,10 +29,11 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
 
     types: list[type[BaseException]] = [TeraioError, ProfileError, PlanError, HardwareError, OutputError]
     for mod, name in (("teraio.planner.budget", "BudgetError"), ("teraio.runtime.errors", "RuntimeIOError")):
-        try:
-            types.append(getattr(importlib.import_module(mod), name))
-        except (ImportError, AttributeError):
-            pass
+        # Only modules already loaded: an error of one never imported cannot be in flight, and importing
+        # the runtime imports torch (a second before a one-line error that needed none).
+        module = sys.modules.get(mod)
+        if module is not None and hasattr(module, name):
+            types.append(getattr(module, name))
     return tuple(types)
 
 

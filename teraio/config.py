@@ -11,6 +11,8 @@ from typing import Any, Literal, get_args
 
 from teraio.compilers import InnerCompiler
 from teraio.errors import UserInputError
+from teraio.preflight import check_writable_dir
+from teraio.ranks import RankInfo, expand_dirs
 from teraio.run_dir import refuse_foreign_run_dir
 
 OnPlanMismatch = Literal["error", "reprofile"]
@@ -32,7 +34,9 @@ class BackendConfig:
     """Options of ``teraio.backend(...)`` (the README's option table says what each one does)."""
 
     memory_budget: str | int | float | None = None
-    offload_dirs: list[str] | None = None
+    #: Directories, one per SSD; entries may say ``{local_rank}`` or ``{rank}``; or a mapping from local rank
+    #: to its directories (teraio.ranks.expand_dirs).
+    offload_dirs: list[str] | dict[int, list[str] | str] | None = None
     tiers: list[TierName] = field(default_factory=lambda: ["ssd"])
     solver: str = "ilp"
     time_limit: float = 30.0
@@ -55,6 +59,16 @@ class BackendConfig:
     #: plan recompute, "off" with the offload-only baselines.
     recompute: RecomputeOption | None = None
     runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
+
+    def offload_dirs_for(self, info: RankInfo) -> list[str] | None:
+        """This rank's offload directories (None: the runtime's default)."""
+        try:
+            return expand_dirs(self.offload_dirs, info)
+        except KeyError:
+            raise UserInputError(
+                f"offload_dirs maps local ranks {sorted(self.offload_dirs)} to directories, not local rank "  # type: ignore[arg-type]
+                f"{info.local_rank}: add it"
+            ) from None
 
     def check_run_dir(self) -> None:
         """Refuse, in one line, a ``run_dir`` that is a non-empty directory teraio did not write (the
@@ -80,6 +94,8 @@ class BackendConfig:
             raise UserInputError(f"max_shapes must be a whole number of at least 1, not {self.max_shapes!r}")
         if isinstance(self.offload_dirs, (str, os.PathLike)):
             self.offload_dirs = [str(self.offload_dirs)]
+        elif isinstance(self.offload_dirs, tuple):
+            self.offload_dirs = list(self.offload_dirs)
         self._check_values()
 
     def _check_values(self) -> None:
@@ -113,12 +129,42 @@ class BackendConfig:
                 "io_backend='posix'"
             )
         if self.offload_dirs is not None:
-            if not self.offload_dirs:
-                raise UserInputError("offload_dirs is empty: name at least one directory, or leave it None")
-            for d in self.offload_dirs:
-                problem = directory_problem(d)
-                if problem is not None:
-                    raise UserInputError(f"offload_dirs: {problem}")
+            self._check_offload_dirs()
+
+    def _check_offload_dirs(self) -> None:
+        if not self.offload_dirs:
+            raise UserInputError("offload_dirs is empty: name at least one directory, or leave it None")
+        if isinstance(self.offload_dirs, dict):
+            lists = []
+            for local, entry in self.offload_dirs.items():
+                if isinstance(local, bool) or not isinstance(local, int) or local < 0:
+                    raise UserInputError(
+                        f"offload_dirs: a mapping's keys are local ranks (0, 1, ...), not {local!r}"
+                    )
+                entries = [entry] if isinstance(entry, (str, os.PathLike)) else entry
+                if not isinstance(entries, (list, tuple)) or not entries:
+                    raise UserInputError(
+                        f"offload_dirs[{local}] must be a directory or a list of them, not {entry!r}"
+                    )
+                lists.append([(local, d) for d in entries])
+            pairs = [p for group in lists for p in group]
+        else:
+            pairs = [(0, d) for d in self.offload_dirs]
+        for local, d in pairs:
+            if not isinstance(d, (str, os.PathLike)):
+                raise UserInputError(f"offload_dirs: {d!r} is not a path")
+            try:  # a pattern is checked as local rank 0 (or the mapping's rank) would use it
+                path = os.fspath(d).format(local_rank=local, rank=local)
+            except (KeyError, IndexError, ValueError):
+                raise UserInputError(
+                    f"offload_dirs: {os.fspath(d)!r} has a placeholder other than {{local_rank}} or {{rank}}"
+                ) from None
+            problem = directory_problem(path)
+            if problem is not None:
+                raise UserInputError(f"offload_dirs: {problem}")
+            # A real write (where the directory will be created: nothing is left behind): root passes every
+            # permission check, and only a write finds a full disk.
+            check_writable_dir(path, option="offload_dirs")
 
 
 def directory_problem(path: object) -> str | None:

@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import statistics
 import threading
 import time
@@ -39,6 +40,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from teraio import process
 from teraio.call_sites import SiteMemory, call_site
@@ -46,14 +48,17 @@ from teraio.capture import CapturedStep, analyse_saved, computation_fingerprint
 from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
+from teraio.errors import UserInputError
 from teraio.outside import OutsideTimer
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
 from teraio.probe import PROBE_STEPS, TransferPrice, TransferProbe, probe_variants, round_trips_for
 from teraio.profiler import StepProfiler, classify_inputs, profiling_split
+from teraio.ranks import RankAgreement, disk_sharers, rank_info
 from teraio.recompute import recipes
 from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
+from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
 from teraio.step_stats import Measurement, StepStats
@@ -107,6 +112,7 @@ class GraphRunner:
         self.profiler: StepProfiler | None = None
         self.profile: Profile | None = None
         self.plan: Plan | None = None
+        self.plan_before_outside: Plan | None = None
         self.rewrite: RewriteResult | None = None
         self.invocations = 0
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
@@ -349,6 +355,12 @@ class GraphRunner:
     def __call__(self, *args: Any) -> Any:
         if self._pending_error is not None:
             raise self._pending_error
+        if any(isinstance(a, FakeTensor) for a in args):
+            # Note: [DDP's fake first call] DDP's graph optimizer runs each compiled piece once on fake
+            # tensors while it compiles, to learn its outputs' strides, and AOTAutograd answers that first
+            # call with fake outputs without running the compiled graphs. It is not a step: nothing is
+            # profiled or counted. Answered any other way, AOTAutograd's first *real* call returned fakes.
+            return self._compiled(*args)
         process.note_forward()
         self.backend.forward_calls += 1
         if self._call_params is None:
@@ -367,14 +379,17 @@ class GraphRunner:
             self.phase is Phase.PROFILING and self.profiler is not None and self.profiler.calibrate_next
         )
         self.backend.outside.forward_starts(step.index, not step.calls, calibrating)
-        self.backend._maybe_start_measurement()
-        compiled, site = self._compiled, None
-        if self.phase is Phase.RUNNING and self.rewrite is not None:
-            # Note: [Forwards never backpropagated move nothing] in teraio.call_sites
-            site = call_site()
-            if self.sites.skip_plan(site):
-                compiled = self._without_plan()
-                self.unplanned_calls += 1
+        # Note: [Forwards never backpropagated move nothing] in teraio.call_sites: such a forward neither
+        # runs the plan nor starts a step measurement (which would hold the process's one profiler
+        # session through the loop's code until the forward is found abandoned).
+        site = call_site() if self.phase is Phase.RUNNING else None
+        never_backpropagated = site is not None and self.sites.skip_plan(site)
+        if not never_backpropagated:
+            self.backend._maybe_start_measurement()
+        compiled = self._compiled
+        if never_backpropagated and self.rewrite is not None:
+            compiled = self._without_plan()
+            self.unplanned_calls += 1
         out = compiled(*args)
         inv = tracker.end_forward(self, out, site)
         self.invocations += 1
@@ -522,6 +537,13 @@ class TeraioBackend:
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
         self.backend_id = process.register(self)  # the process-wide view: teraio.process_stats()
+        self.ranks = RankAgreement()  # Note: [Ranks agree at the start of every step] in teraio.ranks
+        self._ranks_ready = False
+        self._told_sharing = False
+        # Note: [Memory outside the graphs is measured and planned for]
+        self._outside_bytes = 0
+        self._outside_rounds = 0
+        self._replan_wanted = False
         self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
         self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.step_stats
         self.forward_calls = 0  # this backend's forwards (Note: [A measured step belongs to one backend])
@@ -553,14 +575,21 @@ class TeraioBackend:
         if self.cfg.hardware is not None and self.cfg.hardware != CALIBRATE:
             # A bad file fails here, in one line, not when the first plan is made steps later.
             self._hardware = HardwareModel.load(self.cfg.hardware)
-        self.cfg.check_run_dir()  # before anything is written: never replace another program's files
+        #: Made once per backend: in config.json and on every stats.jsonl line (runs may share a run_dir).
+        self.run_id = secrets.token_hex(8)
         self.run_dir = Path(self.cfg.run_dir) if self.cfg.run_dir else None
+        info = rank_info()
+        if self.run_dir is not None and info.distributed:
+            # Under torchrun every rank writes its own: rank0/, rank1/, ... (teraio show reads them all).
+            self.run_dir = self.run_dir / f"rank{info.rank}"
+        # Before anything is written: never replace another program's files.
+        refuse_foreign_run_dir(self.run_dir)
+        # Every write into run_dir goes through it: Note: [Run-directory files are by-products].
+        self._run: RunDir | None = None
         if self.run_dir is not None:
-            from teraio.planner.safe_io import write_json
-
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._run = RunDir.open(self.run_dir, self.run_id)
             cfg = {k: v for k, v in asdict(self.cfg).items() if k != "runtime_options"}
-            write_json(self.run_dir / "config.json", json.loads(json.dumps(cfg, default=str)), overwrite=True)
+            self._run.write_config(json.loads(json.dumps(cfg, default=str)))
         if self.cfg.plan is not None:
             self.plans_from_file = load_plans(self.cfg.plan)
 
@@ -590,13 +619,30 @@ class TeraioBackend:
     # ---------------------------------------------------------------------------------- lifecycle
     def _advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish measurements, plan, compile."""
+        self.tracker.settle()  # forwards abandoned since the last call end (Note: [Invocations are autograd nodes])
         # The torch profiler's session is the process's one (and holds stderr while it runs): whatever
         # measurement of any backend ended is read now, so none holds it past the next forward.
         for b in process.backends():
             b._finish_recorders()
         self._read_step_times(wait=False)
+        step = self.tracker.current_step
+        if step is None or step.complete:
+            replan = self._replan_wanted
+            if self.ranks.active():  # Note: [Ranks agree at the start of every step]
+                ready_here = any(r.phase is Phase.PLANNING for r in self.runners)
+                agreed = self.ranks.reduce([1.0 if ready_here else 0.0, -1.0 if replan else 0.0], "min")
+                self._ranks_ready, replan = agreed[0] >= 1.0, agreed[1] < 0
+            if replan:  # Note: [Memory outside the graphs is measured and planned for]
+                self._replan_wanted = False
+                for r in self.runners:
+                    if r.is_training and r.profile is not None and r.phase is Phase.RUNNING:
+                        r.plan_before_outside = r.plan  # kept when the budget cannot absorb that memory
+                        r.plan, r.phase = None, Phase.PLANNING
+                self._ranks_ready = True
         if runner.phase is not Phase.PLANNING:
             return
+        if self.ranks.active() and not self._ranks_ready:
+            return  # another rank is still profiling: plan together at a later step
         with self._lock:
             if runner.phase is not Phase.PLANNING:
                 return
@@ -608,7 +654,7 @@ class TeraioBackend:
                         r.phase = Phase.PROFILING
             ready = [r for r in self.runners if r.phase is Phase.PLANNING]
             for r in ready:
-                if r.plan is None:
+                if r.plan is None and r.profiler is not None:
                     r._finish_profiling()
             unplanned = [r for r in ready if r.plan is None and r.profile is not None]
             if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
@@ -616,7 +662,8 @@ class TeraioBackend:
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()
             for r in ready:
-                r.compile_final()
+                if r.phase is Phase.PLANNING:
+                    r.compile_final()
             step = self.tracker.current_step
             if step is not None and not step.complete:
                 self._compiles_at[step.index] = self._compiles_at.get(step.index, 0) + 1
@@ -635,7 +682,7 @@ class TeraioBackend:
 
     def _plan_step(self, ready: list[GraphRunner]) -> None:
         from teraio import step_budget
-        from teraio.planner.budget import resolve_budget
+        from teraio.planner.budget import BudgetError, resolve_budget
         from teraio.planner.lifetimes import analyse
         from teraio.step_budget import GraphMemory, step_peak
 
@@ -654,9 +701,16 @@ class TeraioBackend:
             for r in graphs
         }
         step_unplanned, _ = step_peak(calls, unplanned)
-        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned)
+        # Note: [Memory outside the graphs is measured and planned for]: a fraction is of the whole step's
+        # unplanned peak, outside memory included, and the graphs get the budget less that memory.
+        outside = self._outside_bytes
+        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned + outside)
+        if budget_bytes is not None and self.ranks.active():
+            # Note: [Ranks agree at the start of every step]: the smallest rank's budget is everyone's.
+            budget_bytes = int(self.ranks.reduce([budget_bytes], "min")[0])
         for r in ready:
             r.step_budget_bytes = budget_bytes
+        graphs_budget = None if budget_bytes is None else budget_bytes - outside
         if budget_bytes is None:  # "auto": each graph's own smallest stall-free peak
             for r in ready:
                 r.plan = self._solve(r, "auto")
@@ -685,25 +739,60 @@ class TeraioBackend:
             movable = int(t.loc[t["offloadable"] & (t["first_bwd_use_idx"] >= 0), "nbytes"].sum())
             return max(0, held(r, None) - movable)
 
-        step_budget.split_budget(
-            calls,
-            budget_bytes,
-            memory,
-            plan_graph,
-            {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
-            {r: min_held(r) for r in graphs},
-            lambda r: r.name,
-        )
+        failure: BudgetError | None = None
+        try:
+            step_budget.split_budget(
+                calls,
+                graphs_budget,
+                memory,
+                plan_graph,
+                {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
+                {r: min_held(r) for r in graphs},
+                lambda r: r.name,
+            )
+        except BudgetError as exc:
+            failure = exc
+        if self.ranks.active():  # every rank raises, or none: one rank raising alone hangs the others
+            floors = self.ranks.gather(float(failure.smallest_peak_bytes or 1) if failure else 0.0)
+            if failure is None and any(floors):
+                worst = max(range(len(floors)), key=lambda i: floors[i])
+                failure = BudgetError(
+                    f"memory_budget {_fmt(budget_bytes)} cannot be met on rank {worst} (its smallest achievable "
+                    f"step peak is {_fmt(floors[worst])}); every rank stops here: use a budget of at least that",
+                    smallest_peak_bytes=int(floors[worst]),
+                )
+        if failure is not None and outside and all(r.plan_before_outside is not None for r in ready):
+            # Note: [Memory outside the graphs is measured and planned for]: training already runs within
+            # the graphs' share; stopping it for memory the loop holds would lose a job that works. Every
+            # rank takes this branch together (the failure was gathered above).
+            for r in ready:
+                r.plan, r.phase = r.plan_before_outside, Phase.RUNNING
+            log.warning(
+                "the step holds %s outside teraio's graphs, more than memory_budget %s leaves beside them (%s); "
+                "the graphs keep their plans and the step peaks above the budget: free what the loop holds "
+                "through backward or raise the budget",
+                _fmt(outside),
+                _fmt(budget_bytes),
+                failure,
+            )
+            kept = {r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) for r in ready}
+            self.predicted_step_peak_bytes = step_peak(calls, {**memory, **kept})[0] + outside
+            return
+        if failure is not None:
+            raise failure
         for r, p in plans.items():
             r.plan = p
             self._save_plan(r)
-        self.predicted_step_peak_bytes = step_peak(
-            calls,
-            {
-                r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) if r.plan else memory[r]
-                for r in graphs
-            },
-        )[0]
+        self.predicted_step_peak_bytes = (
+            step_peak(
+                calls,
+                {
+                    r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) if r.plan else memory[r]
+                    for r in graphs
+                },
+            )[0]
+            + self._outside_bytes
+        )
         log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
 
     def _step_calls(self, graphs: list[GraphRunner], absent_too: bool = True) -> list[tuple[Any, str, int]]:
@@ -789,6 +878,24 @@ class TeraioBackend:
         # nothing] in teraio.call_sites).
         if inv.site is not None:
             inv.graph.sites.ended(inv.site, inv.end is InvocationEnd.ABANDONED)
+        runner = inv.graph
+        if (
+            inv.end is InvocationEnd.BACKWARD
+            and runner.phase is Phase.PROFILING
+            and runner._pending_error is None
+            and torch._dynamo.compiled_autograd.in_compiled_autograd_region
+        ):
+            # Note: [Compiled autograd runs its own copy of the backward] Compiled autograd traces the
+            # partitioned backward graph into a graph of its own and runs that, never the backward teraio
+            # compiled: the profiler, which runs inside that backward, never sees it, and profiling would
+            # never end (a silent run without a plan). Plans survive it (they are written into the
+            # partitioned graphs, which it copies), so only profiling must run without it.
+            runner._pending_error = UserInputError(
+                f"{runner.name}: compiled autograd ran its backward while teraio was profiling it, which teraio "
+                "cannot time; run the training steps without compiled autograd until teraio logs 'running "
+                f"{runner.name}' (the first {runner.cfg.profile_steps} or a few more; plans survive compiled "
+                "autograd after that), or pass plan= a plan made without it"
+            )
 
     @staticmethod
     def _outside_sample(runner: GraphRunner, outside_s: float) -> None:
@@ -849,6 +956,16 @@ class TeraioBackend:
         self._measure_counts_start = (process.forward_calls() - 1, self.forward_calls - 1)
         self._measure = MeasureState.ACTIVE
 
+    # Note: [Memory outside the graphs is measured and planned for]
+    #     Memory a step holds that no graph of the backend allocates is invisible to the profiles: FSDP2's
+    #     all-gathered parameters (allocated before each block's graph runs and freed after it), tensors
+    #     the loop creates between forward and backward. The measured step (the torch profiler, or the
+    #     device's allocator) shows it: when a running step holds clearly more than its prediction
+    #     (PREDICTION_SLACK), the difference is taken as memory outside the graphs, held throughout the
+    #     step, and the graphs are planned once more: a fraction budget is then of the step's peak with
+    #     that memory, and the graphs get the budget less it. Once: a second excess is reported, not
+    #     chased. Under torchrun every rank plans again at the start of the same step (any rank that wants
+    #     it decides: Note: [Ranks agree at the start of every step] in teraio.ranks).
     def _finish_measurement(self) -> None:
         """Stop a measurement whose step ended; call from outside any backward.
 
@@ -881,7 +998,27 @@ class TeraioBackend:
             ", ".join(str(g) for g in sorted(kind)),
             _fmt(predicted),
         )
-        _warn_unplanned_memory(result.peak_bytes, predicted, len(kind))
+        if (
+            predicted is not None
+            and result.peak_bytes > PREDICTION_SLACK * predicted
+            and self.cfg.enabled
+            and self.cfg.memory_budget is not None
+            and self._outside_rounds < 1
+        ):
+            # Note: [Memory outside the graphs is measured and planned for]
+            self._outside_bytes += result.peak_bytes - predicted
+            self._outside_rounds += 1
+            self._replan_wanted = True
+            log.info(
+                "the step holds %s outside teraio's graphs (%s measured, %s predicted): memory its graphs do not "
+                "allocate, such as FSDP's all-gathered parameters or tensors the loop creates; planning again "
+                "with it counted against the budget",
+                _fmt(result.peak_bytes - predicted),
+                _fmt(result.peak_bytes),
+                _fmt(predicted),
+            )
+        else:
+            _warn_unplanned_memory(result.peak_bytes, predicted, len(kind))
 
     def _finish_recorders(self) -> None:
         """Read this backend's measurements whose steps ended: a measured step's, and any graph's
@@ -919,7 +1056,9 @@ class TeraioBackend:
         memory = {g: self._graph_memory(g) for g, _, _ in calls}
         if any(m is None for m in memory.values()):
             return None
-        return step_peak([(g, getattr(k, "value", k), i) for g, k, i in calls], memory)[0]
+        return (
+            step_peak([(g, getattr(k, "value", k), i) for g, k, i in calls], memory)[0] + self._outside_bytes
+        )
 
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
@@ -937,10 +1076,27 @@ class TeraioBackend:
                 cpu_s_per_step_with_io=self.transfer_price.per_step_s,
                 cpu_s_per_byte=self.transfer_price.per_byte_s,
             )
-        if self.run_dir is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
-            hw.save(self.run_dir / "hardware.json", overwrite=True)  # what the plans were made with
+        if self._run is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
+            self._run.save_hardware(hw.to_dict())  # what the plans were made with
             self._saved_hardware = hw
         tiers = set(self.cfg.tiers)
+        info = rank_info()
+        sharers = disk_sharers(self.cfg.offload_dirs, info) if info.distributed else 1
+        if sharers > 1 and "ssd" in tiers:
+            # Local ranks writing to the same disk share its bandwidth: each plans with its part of it.
+            ssd = hw.tier("ssd")
+            hw = hw.with_overrides(
+                "ssd",
+                write_bw_bytes_per_s=ssd.write_bw_bytes_per_s / sharers,
+                read_bw_bytes_per_s=ssd.read_bw_bytes_per_s / sharers,
+            )
+            if not self._told_sharing:
+                self._told_sharing = True
+                log.info(
+                    "%d local ranks share this rank's offload disk: each plans with 1/%d of its bandwidth",
+                    sharers,
+                    sharers,
+                )
         if "host" in tiers and hw.tiers["host"].capacity_bytes == 0:
             hw = hw.with_overrides("host", capacity_bytes=None)
         if "ssd" not in tiers:
@@ -951,7 +1107,8 @@ class TeraioBackend:
         from teraio.runtime import RuntimeConfig
         from teraio.runtime.space import make_base_dirs
 
-        directory = RuntimeConfig(dirs=self.cfg.offload_dirs or (), backend="posix").resolved().dirs[0]
+        dirs = self.cfg.offload_dirs_for(rank_info()) or ()
+        directory = RuntimeConfig(dirs=dirs, backend="posix").resolved().dirs[0]
         make_base_dirs(directory)
         return directory
 
@@ -1107,14 +1264,13 @@ class TeraioBackend:
 
             # None: TERAIO_OFFLOAD_DIRS, else the runtime's per-user directory, where a killed run's
             # leftovers are found and removed by the next start.
-            dirs = self.cfg.offload_dirs or ()
+            dirs = self.cfg.offload_dirs_for(rank_info()) or ()
             io_backend = self.cfg.io_backend
             if set(self.cfg.tiers) == {"host"}:
                 io_backend = "host"
             reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
             # One subdirectory per process and rank (DDP, torchrun): the runtime names them by both.
-            dist = torch.distributed
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = rank_info().rank
             self.engine = Engine(
                 RuntimeConfig(
                     dirs=dirs,
@@ -1156,33 +1312,24 @@ class TeraioBackend:
         return [r.profile for r in self.runners if r.profile is not None]
 
     def _save_profile(self, runner: GraphRunner) -> None:
-        if self.run_dir is not None and runner.profile is not None:
-            runner.profile.save(self.run_dir / f"graph{runner.graph_id}" / "profile")
+        if self._run is not None and runner.profile is not None:
+            self._run.save_profile(runner.graph_id, runner.profile)
 
     def _save_plan(self, runner: GraphRunner) -> None:
-        if self.run_dir is None or runner.plan is None:
-            return
-        d = self.run_dir / f"graph{runner.graph_id}"
-        d.mkdir(parents=True, exist_ok=True)
-        runner.plan.save(d / "plan.json", overwrite=True)
-        write_trace(runner.profile, runner.plan, d / "trace.json")
+        if self._run is None or runner.plan is None or self._run.error is not None:
+            return  # (no simulation for a trace that would not be written)
+        self._run.save_plan(runner.graph_id, runner.plan.to_json(), trace_of(runner.profile, runner.plan))
 
     def _append_stats(self, step: StepRecord) -> None:
-        if self.run_dir is None:
-            return
-        from teraio.planner.safe_io import OutputError, append_line
+        # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
+        # by-products] in teraio.run_dir).
+        if self._run is not None:
+            self._run.append_stats({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()})
 
-        path = self.run_dir / "stats.jsonl"
-        line = json.dumps({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()})
-        try:
-            # O_APPEND|O_NOFOLLOW: a stats.jsonl planted as a link in a shared run_dir is never followed.
-            append_line(path, line)
-        except (OSError, OutputError) as exc:
-            # This runs in a backward hook or a finalizer, where raising would break the user's step (or be
-            # lost), and the log is a by-product: say so once and keep training.
-            if not getattr(self, "_stats_log_warned", False):
-                self._stats_log_warned = True
-                log.warning("not logging step statistics: cannot append to '%s' (%s)", path, exc)
+    @property
+    def run_dir_error(self) -> RunDirError | None:
+        """The write into ``run_dir`` that failed, after which the run went on without it (None: none)."""
+        return self._run.error if self._run is not None else None
 
     def _io_stats(self) -> dict[str, Any]:
         if self.engine is None:
@@ -1209,6 +1356,7 @@ class TeraioBackend:
         end), and the I/O figures are the backend's totals since the start. ``models`` has the same
         figures for each model the backend compiled.
         """
+        self.tracker.settle()
         self._finish_measurement()
         self._read_step_times(wait=True)
         models = self.step_stats.models(self._parameter_links())
@@ -1299,7 +1447,6 @@ def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: 
             ``mode`` is not one of torch.compile's.
     """
     from teraio.compilers import mode_options
-    from teraio.errors import UserInputError
 
     options = dict(options or {})
     asked = (
@@ -1325,6 +1472,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
+    """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto) in ``path``."""
+    from teraio.planner.safe_io import write_json
+
+    write_json(path, trace_of(profile, plan), overwrite=True, indent=None)
+
+
+def trace_of(profile: Profile, plan: Plan) -> dict[str, Any]:
     """The plan's predicted step as a Chrome trace (chrome://tracing, Perfetto): ops and transfers."""
     from teraio.planner.simulate import simulate
 
@@ -1357,14 +1511,11 @@ def write_trace(profile: Profile, plan: Plan, path: Path) -> None:
                 "args": {"nbytes": int(r.nbytes)},
             }
         )
-    trace = {
+    return {
         "traceEvents": events,
         "displayTimeUnit": "ms",
         "otherData": {"predicted_step_s": sim.step_s, "peak_bytes": sim.peak_bytes},
     }
-    from teraio.planner.safe_io import write_json
-
-    write_json(path, trace, overwrite=True, indent=None)
 
 
 def load_plans(path: str) -> list[Plan]:

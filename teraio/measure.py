@@ -291,11 +291,28 @@ class MemoryRecorder:
                 self._quiet.__exit__(None, None, None)
                 self._quiet = None
             release_profiler(self)
-        roots = self.events = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        prof, self._prof = self._prof, None
+        roots = self.events = list(prof.profiler.kineto_results.experimental_event_tree())
+        _release_session(prof)
         end_ns = _first_start_ns(roots, _END_MARK)
         peak, running = own_peak_bytes(allocations_under(roots, self.device), end_ns)
-        self._prof = None
         return MemoryMeasurement(peak_bytes=peak, end_bytes=running, wall_s=wall, method="torch.profiler")
+
+
+# Note: [A profiler session's results die before the next session starts]
+#     torch.profiler.profile keeps bound methods of itself in a dict (its schedule's action map), so a
+#     finished session is only freed by the cyclic garbage collector, at whatever allocation triggers it:
+#     often while a later session records. Destroying kineto's trace of an old session while another
+#     session runs corrupts the heap (SIGSEGV or SIGABRT in ~MemoryTraceLogger or ~ProfilerResult, seen in
+#     core dumps of loops with two backends measuring in turn, about one run in two). The results are
+#     therefore dropped by hand as soon as their events have been read, while no session is active; the
+#     event tree keeps what it needs on its own.
+def _release_session(prof: torch.profiler.profile) -> None:
+    inner = prof.profiler
+    if inner is not None:
+        inner.kineto_results = None
+    prof.profiler = None
+    prof.action_map = {}
 
 
 def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryMeasurement]:

@@ -84,32 +84,40 @@ def _invocation_key(key: str, token: torch.Tensor) -> str:
     return f"{key}#{int(token[0])}"
 
 
-_TOKEN_REFS: dict[tuple[int, str], int] = {}
+#: The live tokens of each (engine, key), by token number: the key is dropped when the set empties.
+_TOKEN_REFS: dict[tuple[int, str], set[int]] = {}
+_TOKEN_IDS = itertools.count(1)
 
 
 def _owning_token(number: int, engine_id: int, key: str) -> torch.Tensor:
     """A token that keeps ``key`` alive (Note: [Every invocation owns its bytes])."""
     token = _token(number)
-    with _LOCK:
-        _TOKEN_REFS[(engine_id, key)] = _TOKEN_REFS.get((engine_id, key), 0) + 1
-    weakref.finalize(token, _token_freed, engine_id, key)
+    token_id = next(_TOKEN_IDS)
+    # One C-level call each (setdefault, add): atomic under the GIL, so no lock is needed here, and none
+    # in the finalizer that undoes it. A key gets its second token (prefetch) while its first one is an
+    # argument of that call, so a finalizer never empties the set in between.
+    _TOKEN_REFS.setdefault((engine_id, key), set()).add(token_id)
+    weakref.finalize(token, _token_freed, engine_id, key, token_id)
     return token
 
 
-def _token_freed(engine_id: int, key: str) -> None:
-    # Possibly at interpreter exit, after the engine was closed and unregistered.
-    with _LOCK:
-        left = _TOKEN_REFS.get((engine_id, key), 0) - 1
-        if left > 0:
-            _TOKEN_REFS[(engine_id, key)] = left
+def _token_freed(engine_id: int, key: str, token_id: int) -> None:
+    """A token died: the last one of its key has the engine drop the key.
+
+    A finalizer: it runs wherever the collector frees the token, maybe on a thread that holds one of the
+    engine's locks, so it takes none; it only queues the drop for the engine's next call (Note: [No lock
+    in a finalizer or a signal handler] in runtime/engine.py). Possibly at interpreter exit, after the
+    engine was closed and unregistered: then there is nothing to drop.
+    """
+    refs = _TOKEN_REFS.get((engine_id, key))
+    if refs is not None:
+        refs.discard(token_id)
+        if refs:
             return
         _TOKEN_REFS.pop((engine_id, key), None)
-        engine = _ENGINES.get(engine_id)
+    engine = _ENGINES.get(engine_id)
     if engine is not None:
-        try:
-            engine.drop(key, missing_ok=True)
-        except Exception:  # closed engine: its files are gone already
-            pass
+        engine.drop_later(key)
 
 
 def whole_storage(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,11 @@ Note: [Invocations are autograd nodes]
     to the graphs: a hook on it fires after its backward ran; inside the compiled backward,
     ``torch._C._current_autograd_node()`` is that node (so profiling pairs each backward with its own
     forward); and a finalizer on it fires when the autograd graph is freed, with or without a
-    backward. So nothing is leaked or paired wrongly when backwards are skipped or reordered.
+    backward. So nothing is leaked or paired wrongly when backwards are skipped or reordered. The
+    finalizer only queues the news: it may run inside any lock of the process (the cyclic collector
+    frees a failed step's graph wherever it runs), so the tracker's own calls take it into account
+    before they do anything else, from a normal context (Note: [No lock in a finalizer or a signal
+    handler] in runtime/engine.py); :meth:`StepTracker.settle` does it on demand.
 
 A step begins at a training forward when no invocation is in flight and ends when the last in-flight
 invocation has finished (backward ran, or its graph was freed). The sequence of graph calls of the last
@@ -23,6 +27,7 @@ complete step is what the budget composes (``teraio.budget``).
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import weakref
 from collections.abc import Callable
@@ -107,11 +112,14 @@ class StepTracker:
         self.last_complete: StepRecord | None = None
         self.completed_steps = 0
         self._on_step_end = on_step_end
-        # Called without the lock, in a backward hook or a finalizer: it may only note what happened.
+        # Called without the lock, in a backward hook or in settle(): it may only note what happened.
         self._on_invocation_end = on_invocation_end
+        # Invocations whose autograd graph a finalizer saw freed, not yet accounted (settle()).
+        self._freed: queue.SimpleQueue[tuple[Invocation, int]] = queue.SimpleQueue()
 
     @property
     def in_flight(self) -> int:
+        self.settle()
         with self._lock:
             return len(self._in_flight)
 
@@ -121,6 +129,7 @@ class StepTracker:
 
     def begin_forward(self, graph: Any) -> StepRecord:
         """A training forward is about to run: opens a step when none is in flight."""
+        self.settle()
         with self._lock:
             if self._current is None or self._current.complete:
                 self._current = StepRecord(next(self._steps))
@@ -129,6 +138,7 @@ class StepTracker:
     def end_forward(self, graph: Any, outputs: Any, site: Any = None) -> Invocation | None:
         """The forward returned: register its invocation by its backward node (None: no backward)."""
         node = backward_node(outputs)
+        self.settle()
         with self._lock:
             step = self._current
             assert step is not None, "end_forward without begin_forward"
@@ -154,10 +164,12 @@ class StepTracker:
         node = current_invocation_node()
         if node is None:
             return None
+        self.settle()
         with self._lock:
             return self._by_node.get(id(node))
 
     def _backward_ran(self, inv: Invocation) -> None:
+        self.settle()
         ended = False
         with self._lock:
             step = self._current
@@ -173,20 +185,31 @@ class StepTracker:
             self._on_invocation_end(inv)
 
     def _node_freed(self, inv: Invocation, node_id: int) -> None:
-        ended = False
-        with self._lock:
-            if self._by_node.get(node_id) is inv:
-                del self._by_node[node_id]
-            if inv.end is None:
-                inv.end = InvocationEnd.ABANDONED
-                ended = True
-                self._in_flight.pop(inv.id, None)
-                step = self._current
-                if step is not None and step.index == inv.step:
-                    step.abandoned += 1
-                    self._maybe_close(step)
-        if ended and self._on_invocation_end is not None:
-            self._on_invocation_end(inv)
+        # A finalizer: queue only (Note: [Invocations are autograd nodes]). SimpleQueue.put is reentrant.
+        self._freed.put((inv, node_id))
+
+    def settle(self) -> None:
+        """Account for the invocations whose autograd graph was freed since the last call (an abandoned
+        forward ends there; so may its step). Call from a normal context, never from a finalizer."""
+        while True:
+            try:
+                inv, node_id = self._freed.get_nowait()
+            except queue.Empty:
+                return
+            ended = False
+            with self._lock:
+                if self._by_node.get(node_id) is inv:
+                    del self._by_node[node_id]
+                if inv.end is None:
+                    inv.end = InvocationEnd.ABANDONED
+                    ended = True
+                    self._in_flight.pop(inv.id, None)
+                    step = self._current
+                    if step is not None and step.index == inv.step:
+                        step.abandoned += 1
+                        self._maybe_close(step)
+            if ended and self._on_invocation_end is not None:
+                self._on_invocation_end(inv)
 
     def _maybe_close(self, step: StepRecord) -> None:
         # Called with the lock held.

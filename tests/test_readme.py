@@ -73,6 +73,12 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
     ),
     (r"/nvme(\d)/teraio", r"{work}/nvme\1", "any", "scratch directories stand in for NVMe mounts"),
     (
+        r"(?<![\w/])examples/",
+        str(REPO_ROOT / "examples") + "/",
+        "shell",
+        "blocks run in a scratch directory; the examples are the repository's",
+    ),
+    (
         r"\bteraio\.backend\((?!inner=)",
         'teraio.backend(inner="eager", solver="greedy", ',
         "python",

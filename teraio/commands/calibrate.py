@@ -7,9 +7,10 @@ import argparse
 import json
 import statistics
 
-from teraio.commands.plan import add_force_option
+from teraio.commands.plan import add_force_option, check_count
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file
+from teraio.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 
@@ -39,6 +40,10 @@ def run(args: argparse.Namespace) -> int:
         nbytes, block = parse_size(args.size), parse_size(args.block)
     except BudgetError as e:
         raise UserInputError(str(e)) from None
+    from teraio.planner.limits import MAX_REPEATS
+
+    check_count(args.repeats, "--repeats", 1, MAX_REPEATS)
+    check_writable_dir(args.dir, option="calibrate DIR", create=False)  # written now, not after minutes
     if args.out is not None:
         check_output_file(args.out, overwrite=args.force, option="--out")
     cal = calibrate(

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from teraio.commands.plan import add_force_option
+from teraio.commands.plan import add_force_option, check_count, check_time_limit
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file, write_json
+from teraio.preflight import check_writable_dir
 from teraio.run_dir import refuse_foreign_run_dir
 from teraio.units import format_bytes
 
@@ -169,8 +169,37 @@ def _table(result: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Everything that needs no torch is checked first, so a bad argument fails in well under a second.
+    from teraio.planner.limits import MAX_STEPS
+
+    check_count(args.steps, "--steps", 1, MAX_STEPS)
+    if args.round_steps is not None:
+        check_count(args.round_steps, "--round-steps", 1, MAX_STEPS)
+    # The budget and solver are used only after the first method has run and teraio's has profiled:
+    # a typo must fail now, not minutes in. (The unplanned peak a fraction refers to is not known yet,
+    # so this only checks that the budget parses and is positive.)
+    from teraio.planner.budget import resolve_budget
+    from teraio.planner.solve import solver_info
+
+    resolve_budget(args.budget, 1)
+    solver_info(args.solver)
+    check_time_limit(args.time_limit)
+    if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
+        raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
+    # Outputs are checked now: a demo run takes minutes and must not be lost to a bad path at the end.
+    if args.out is not None:
+        check_output_file(args.out, overwrite=args.force, option="--out")
+    if args.run_dir is not None:
+        check_run_dir(args.run_dir)
+    # Every directory the run will write, written to now: a read-only --offload-dir failed after 32 s of
+    # profiling.
+    if args.offload_dir is not None:
+        check_writable_dir(args.offload_dir, option="--offload-dir")
+    if args.run_dir is not None:
+        check_writable_dir(args.run_dir, option="--run-dir")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     from teraio.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
+    from teraio.runtime.config import default_offload_dir
 
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
@@ -181,27 +210,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserInputError(
             f"--methods: {AT_CHECKPOINT} needs checkpoint before it (its measured peak is the budget)"
         )
-    if args.steps < 1:
-        raise UserInputError("--steps must be at least 1")
-    if args.round_steps is not None and args.round_steps < 1:
-        raise UserInputError(f"--round-steps must be at least 1, got {args.round_steps}")
-    # The budget and solver are used only after the first method has run and teraio's has profiled:
-    # a typo must fail now, not minutes in. (The unplanned peak a fraction refers to is not known yet,
-    # so this only checks that the budget parses and is positive.)
-    from teraio.planner.budget import resolve_budget
-    from teraio.planner.solve import solver_info
-
-    resolve_budget(args.budget, 1)
-    solver_info(args.solver)
-    if not (math.isfinite(args.time_limit) and args.time_limit > 0):
-        raise UserInputError(f"--time-limit must be a positive number of seconds, got {args.time_limit}")
-    if args.offload_dir is not None and not Path(args.offload_dir).is_dir():
-        raise UserInputError(f"--offload-dir '{args.offload_dir}' is not an existing directory")
-    # Outputs are checked now: a demo run takes minutes and must not be lost to a bad path at the end.
-    if args.out is not None:
-        check_output_file(args.out, overwrite=args.force, option="--out")
-    if args.run_dir is not None:
-        check_run_dir(args.run_dir)
+    if args.offload_dir is None:  # the per-user default: created if missing, as the runtime will
+        check_writable_dir(default_offload_dir(), option="the offload directory")
 
     def progress(row: dict[str, Any]) -> None:
         if not args.json:

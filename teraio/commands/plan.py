@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,13 +22,14 @@ from teraio.units import format_bytes
 def load_profile_arg(path: str):
     """Load a single-graph profile directory; a multi-graph one names its graphs in the error."""
     from teraio.planner.profile import Profile
+    from teraio.planner.safe_io import InputError, load_json
 
     p = Path(path)
     index = p / "index.json"
-    if index.exists():
+    if os.path.lexists(index):
         try:
-            graphs = json.loads(index.read_text()).get("graphs", [])
-        except (OSError, ValueError, AttributeError):
+            graphs = load_json(index, what="profile index").get("graphs", [])  # regular file, bounded
+        except (InputError, AttributeError):
             graphs = []
         if not isinstance(graphs, list) or not graphs or not all(isinstance(g, str) for g in graphs):
             graphs = []
@@ -36,6 +39,27 @@ def load_profile_arg(path: str):
             else f"profile '{p}' has an unreadable index.json"
         )
     return Profile.load(p)
+
+
+def check_time_limit(seconds: float, option: str = "--time-limit") -> float:
+    """A solver time limit: a finite number of seconds above 0 and at most ``planner.limits``'s (NaN
+    passed ``<= 0`` checks and reached the solver)."""
+    from teraio.planner.limits import MAX_TIME_LIMIT_S
+
+    if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIME_LIMIT_S):
+        raise UserInputError(
+            f"{option} must be positive and at most {MAX_TIME_LIMIT_S:g} seconds, got {seconds}"
+        )
+    return seconds
+
+
+def check_count(value: int, option: str, lo: int, hi: int) -> int:
+    """An integer option within ``lo..hi`` (one line naming the option otherwise)."""
+    if value < lo:
+        raise UserInputError(f"{option} must be at least {lo}, got {value}")
+    if value > hi:
+        raise UserInputError(f"{option} must be at most {hi}, got {value}")
+    return value
 
 
 def add_force_option(p: argparse.ArgumentParser) -> None:
@@ -156,12 +180,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from teraio.planner.limits import MAX_WORKERS
     from teraio.planner.solve import default_recompute, solve
 
-    if args.time_limit <= 0:
-        raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
-    if args.workers < 1:
-        raise UserInputError(f"--workers must be at least 1, got {args.workers}")
+    check_time_limit(args.time_limit)
+    check_count(args.workers, "--workers", 1, MAX_WORKERS)
     out = check_output_file(args.out, overwrite=args.force, option="--out")
     profile = load_profile_arg(args.profile)
     hardware = load_hardware_arg(args.hardware)

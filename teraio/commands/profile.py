@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from teraio.commands.plan import add_force_option
-from teraio.errors import UserInputError
+from teraio.commands.plan import add_force_option, check_count
 from teraio.planner.safe_io import check_output_dir, replace_dir
+from teraio.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 #: An existing --out of either kind may be replaced (re-profiling a workload whose graph count changed).
@@ -44,10 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, PROFILE_KINDS, force=args.force)
-    if args.steps < 1:
-        raise UserInputError("--steps must be at least 1")
-    if args.top < 0:
-        raise UserInputError(f"--top must be at least 0, got {args.top}")
+    check_writable_dir(out.parent, option="--out")  # written now: profiling takes a while
+    from teraio.planner.limits import MAX_ROWS, MAX_STEPS
+
+    check_count(args.steps, "--steps", 1, MAX_STEPS)
+    check_count(args.top, "--top", 0, MAX_ROWS)
     # Heavy imports only now: `teraio --help` stays fast.
     from teraio.profile_run import profile_workload, summarize
     from teraio.workload import load_workload

@@ -1,5 +1,7 @@
 """``teraio show``: a readable summary of a Plan file: predicted figures, and the tensors moved or
-recomputed, by layer. Recompute decisions carry their rebuild time, so no profile is needed.
+recomputed, by layer. Recompute decisions carry their rebuild time, so no profile is needed. Given a
+backend's run directory (``run_dir``), it summarises every graph's plan and the last line of the run's
+statistics; under ``torchrun`` every rank writes its own ``rank<r>/``, and it summarises each.
 
 Layers come from each decision's ``module`` label (stored in the plan by the solvers); ``--profile``
 fills the label for plans whose decisions lack it and checks the plan belongs to that profile.
@@ -13,6 +15,7 @@ import re
 from collections import defaultdict
 
 from teraio.commands.plan import bound_text, console, load_profile_arg, plan_summary, recompute_text
+from teraio.errors import UserInputError
 from teraio.units import format_bytes
 
 _LAYER_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
@@ -28,7 +31,11 @@ def layer_of(module: str) -> str:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("show", help="summarise a plan: predicted figures and moved tensors by layer")
-    p.add_argument("plan", help="plan file written by 'teraio plan'")
+    p.add_argument(
+        "plan",
+        help="plan file written by 'teraio plan', or a backend's run directory (one rank's or a distributed "
+        "run's, with rank0/, rank1/, ...)",
+    )
     p.add_argument(
         "--profile", help="the plan's profile: checks the plan against it and fills missing layer labels"
     )
@@ -39,8 +46,82 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def _run_dir_summary(path: str) -> dict:
+    """Per rank, per graph: the plan's figures, and the last ``stats.jsonl`` line of the rank's run."""
+    from pathlib import Path
+
     from teraio.planner.plan import Plan
+    from teraio.planner.safe_io import load_json
+
+    root = Path(path)
+    ranks = sorted(
+        (p for p in root.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:])
+    )
+    out: dict = {"run_dir": str(root), "ranks": {}}
+    for rank_dir in ranks or [root]:
+        graphs = []
+        for plan_file in sorted(rank_dir.glob("graph*/plan.json"), key=lambda p: int(p.parent.name[5:] or 0)):
+            plan = Plan.load(plan_file)
+            graphs.append({"graph": plan_file.parent.name, **plan_summary(plan)})
+        last = None
+        stats = rank_dir / "stats.jsonl"
+        if stats.is_file():
+            lines = stats.read_text().splitlines()
+            last = json.loads(lines[-1]) if lines else None
+        config = rank_dir / "config.json"
+        out["ranks"][rank_dir.name[4:] if ranks else "0"] = {
+            "graphs": graphs,
+            "last_step": last,
+            "run_id": load_json(config).get("run_id") if config.is_file() else None,
+        }
+    if not any(r["graphs"] or r["last_step"] for r in out["ranks"].values()):
+        raise UserInputError(
+            f"'{path}' is a directory but holds no teraio run (no graph*/plan.json, no stats.jsonl)"
+        )
+    return out
+
+
+def _show_run_dir(args: argparse.Namespace) -> int:
+    summary = _run_dir_summary(args.plan)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"run {summary['run_dir']}")
+    for col in ("rank", "graph", "moved", "bytes/step", "recomputed", "predicted peak", "predicted step s"):
+        t.add_column(col, justify="left" if col in ("rank", "graph") else "right")
+    for rank, r in summary["ranks"].items():
+        for g in r["graphs"]:
+            t.add_row(
+                rank,
+                g["graph"],
+                str(g["moved_tensors"]),
+                format_bytes(g["moved_bytes"]),
+                str(g["recomputed_tensors"]),
+                format_bytes(g["predicted_peak_bytes"]),
+                f"{g['predicted_step_s']:.4f}",
+            )
+    con = console()
+    con.print(t)
+    for rank, r in summary["ranks"].items():
+        if r["last_step"]:
+            last = r["last_step"]
+            con.print(
+                f"rank {rank}: step {last.get('step')} took {last.get('step_s', 0):.4f} s; "
+                f"{format_bytes(last.get('offloaded_bytes', 0))} offloaded, "
+                f"{format_bytes(last.get('prefetched_bytes', 0))} read back so far"
+            )
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from teraio.planner.plan import Plan
+
+    if os.path.isdir(args.plan):
+        return _show_run_dir(args)
 
     modules: dict[str, str] = {}
     if args.profile:

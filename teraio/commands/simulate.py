@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from teraio.commands.plan import add_force_option, console, load_hardware_arg, load_profile_arg
+from teraio.commands.plan import add_force_option, check_count, console, load_hardware_arg, load_profile_arg
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import atomic_writer, check_output_file
 from teraio.units import format_bytes
@@ -43,8 +43,12 @@ def _bw(text: str, option: str) -> float:
         raise UserInputError(
             f"{option} {text!r} is not a bandwidth; write bytes per second like 2GB or 1.5e9"
         ) from None
-    if value <= 0:
-        raise UserInputError(f"{option} must be positive, got {text!r}")
+    from teraio.planner.limits import MAX_BW_BYTES_PER_S
+
+    if not 0 < value <= MAX_BW_BYTES_PER_S:
+        raise UserInputError(
+            f"{option} must be positive and at most {MAX_BW_BYTES_PER_S:g} B/s, got {text!r}"
+        )
     return float(value)
 
 
@@ -67,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ssd_read_bw:
         changes["read_bw_bytes_per_s"] = _bw(args.ssd_read_bw, "--ssd-read-bw")
     if args.ssds is not None:
-        if args.ssds < 1:
-            raise UserInputError(f"--ssds must be at least 1, got {args.ssds}")
-        changes["count"] = args.ssds
+        from teraio.planner.limits import MAX_DEVICES
+
+        changes["count"] = check_count(args.ssds, "--ssds", 1, MAX_DEVICES)
     if changes:
         hw = hw.with_overrides("ssd", **changes)
     lt = analyse(profile)

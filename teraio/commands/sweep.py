@@ -13,6 +13,8 @@ import json
 from teraio.commands.plan import (
     add_force_option,
     add_recompute_option,
+    check_count,
+    check_time_limit,
     console,
     load_hardware_arg,
     load_profile_arg,
@@ -51,10 +53,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.out is not None:
         check_output_file(args.out, overwrite=args.force, option="--out")
-    if not args.time_limit > 0:
-        raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
-    if args.workers < 1:
-        raise UserInputError(f"--workers must be at least 1, got {args.workers}")
+    from teraio.planner.limits import MAX_WORKERS
+
+    check_time_limit(args.time_limit)
+    check_count(args.workers, "--workers", 1, MAX_WORKERS)
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     solvers = [s.strip() for s in args.solver.split(",") if s.strip()]
     if not budgets or not solvers:

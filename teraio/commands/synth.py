@@ -10,18 +10,23 @@ import json
 
 from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
+from teraio.planner.limits import MAX_SYNTH_DIM, MAX_SYNTH_LAYERS, MAX_TFLOPS
 from teraio.planner.safe_io import check_output_dir
 from teraio.units import format_bytes
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, most: int = MAX_SYNTH_DIM) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    if not 1 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be in 1..{most}, got {value}")
     return value
+
+
+def _layers(text: str) -> int:
+    return _positive_int(text, MAX_SYNTH_LAYERS)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tracing anything: saved-tensor sizes from the shapes (float32), op times from FLOPs and bytes "
         "touched, backward ~2x forward. Defaults match the mid-size GPT of docs/measured_facts.md.",
     )
-    p.add_argument("--layers", "-n", type=_positive_int, default=6, help="transformer layers (default 6)")
+    p.add_argument("--layers", "-n", type=_layers, default=6, help="transformer layers (default 6)")
     p.add_argument("--hidden", type=_positive_int, default=384, help="hidden size (default 384)")
     p.add_argument("--seq", type=_positive_int, default=512, help="sequence length (default 512)")
     p.add_argument("--batch", type=_positive_int, default=8, help="batch size (default 8)")
@@ -63,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_output_dir(args.out, ("profile",), force=args.force)
     extra = {}
     if args.tflops is not None:
-        if not args.tflops > 0:
-            raise UserInputError(f"--tflops must be positive, got {args.tflops}")
+        if not 0 < args.tflops <= MAX_TFLOPS:  # also NaN and inf
+            raise UserInputError(f"--tflops must be positive and at most {MAX_TFLOPS:g}, got {args.tflops}")
         extra["flops_per_s"] = args.tflops * 1e12
     if args.heads is not None:
         extra["heads"] = args.heads

@@ -285,3 +285,37 @@ def test_an_estimate_is_replaced_only_when_it_is_exactly_teraios(tmp_path):
     )
     (out / "profile" / "notes.txt").write_text("mine")  # the profile is not teraio's any more
     assert artifact_kind(out) is None
+
+
+# ------------------------------------------------------------------------------------------- inputs
+def test_inputs_are_read_only_when_regular_files_and_up_to_a_limit(tmp_path):
+    """A plan that was a link to /dev/zero read without end (7.3 GB in 25 s); a FIFO blocked forever."""
+    import time
+
+    from teraio.planner.safe_io import InputError, load_json, read_input
+
+    os.mkfifo(tmp_path / "fifo")  # nobody writes to it: opening it for reading without O_NONBLOCK blocks
+    (tmp_path / "zero").symlink_to("/dev/zero")
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(1 << 20)  # sparse: no disk used
+    t0 = time.perf_counter()
+    for name, fragment in [
+        ("fifo", "is a FIFO (named pipe), not a regular file"),
+        ("zero", "is a character device, not a regular file"),
+        ("big.json", "larger than 4096 bytes"),
+        ("missing", "does not exist"),
+        (".", "is a directory"),
+    ]:
+        with pytest.raises(InputError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+            read_input(tmp_path / name, limit_nbytes=4096, what="plan")
+    assert time.perf_counter() - t0 < 30  # none of them blocked (generous: a loaded machine passes)
+    (tmp_path / "deep.json").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(InputError, match="nests too deeply"):
+        load_json(tmp_path / "deep.json")
+    for text in ('{"a": NaN}', '{"a": Infinity}', '{"a": -Infinity}'):
+        (tmp_path / "c.json").write_text(text)
+        with pytest.raises(InputError, match="not a number teraio accepts"):
+            load_json(tmp_path / "c.json")
+    (tmp_path / "ok.json").write_text('{"a": 1e30}')
+    assert load_json(tmp_path / "ok.json") == {"a": 1e30}  # a finite number parses; its loader bounds it

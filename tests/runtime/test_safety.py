@@ -5,6 +5,7 @@ Real processes for fork, SIGTERM, SIGKILL and simultaneous start; real threads f
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -404,6 +405,29 @@ def test_temp_dir_fallback_refuses_a_per_user_dir_of_another_user(no_home, tmp_p
     assert os.listdir(mine) == []
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a link owned by another user")
+def test_temp_dir_fallback_refuses_another_users_link_to_another_shared_directory(no_home, tmp_path):
+    """The sticky-bit check ran before the owner check: another user's /tmp/teraio-<uid> linking to one
+    more sticky directory (here /tmp-like, root's) passed as a shared directory of its own."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    elsewhere.chmod(0o1777)  # shared like /tmp, and owned by a trusted user (root)
+    no_home.symlink_to(elsewhere)
+    os.lchown(no_home, 12345, 12345)
+    _refused(no_home, "symbolic link owned by uid 12345")
+    assert os.listdir(elsewhere) == []
+
+
+def test_temp_dir_fallback_names_the_file_in_the_way(no_home):
+    """A regular file at /tmp/teraio-<uid> was reported as the offload directory itself."""
+    no_home.write_text("not a directory")
+    with pytest.raises(ConfigError) as info:
+        Engine(RuntimeConfig(backend="posix"))
+    msg = str(info.value)
+    assert f"{no_home} is not a directory" in msg and len(msg.splitlines()) == 1, msg
+    assert no_home.read_text() == "not a directory"
+
+
 # --------------------------------------------------------------------------------------------- space
 def test_reservation_is_split_the_way_requests_are_striped(tmp_path):
     """Large and small requests alternating: plain round-robin put every large one on the first
@@ -425,3 +449,122 @@ def test_reservation_is_split_the_way_requests_are_striped(tmp_path):
         for i, t in enumerate(keep):
             eng.release(f"t{i}")
             assert torch.equal(eng.fetch(f"t{i}"), t)
+
+
+# ------------------------------------------------------------------ SIGTERM at every submission point
+#: One interpreter imports torch once, then forks a child per delivery point. Each child offloads a tensor
+#: in several chunks and reads it back, and raises SIGTERM in-line at its n-th call of the instrumented
+#: function: inside ``ThreadPoolExecutor.submit`` with the executor's locks held ("submit"), or inside
+#: ``OffloadDir.allocate`` with its lock held ("allocate"). The parent reports how each child ended.
+_SIGNAL_AT_EVERY_POINT = """
+import json, os, signal, sys, time
+import torch
+from concurrent.futures import thread as futures_thread
+
+base, mode = sys.argv[1], sys.argv[2]
+DEADLINE_S = 20.0
+
+
+def child(where, n, counts_path):
+    torch.set_num_threads(1)
+    from teraio.runtime import Engine, RuntimeConfig
+    from teraio.runtime import space
+
+    if mode == "user-handler":
+        def handler(signum, frame):
+            sys.exit(3)  # a graceful shutdown: atexit closes the engines
+        signal.signal(signal.SIGTERM, handler)
+    calls = [0]
+
+    def deliver_at(fn):
+        def wrapper(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                signal.raise_signal(signal.SIGTERM)  # handled at once, inside the caller's locks
+            return fn(*args, **kwargs)
+        return wrapper
+
+    if where == "submit":
+        futures_thread._WorkItem.__init__ = deliver_at(futures_thread._WorkItem.__init__)
+    else:
+        space.ExtentAllocator.allocate = deliver_at(space.ExtentAllocator.allocate)
+    eng = Engine(RuntimeConfig(dirs=[base], backend="posix", chunk_bytes=64 << 10, io_threads=2))
+    for key in ("a", "b"):
+        x = torch.arange(4 * (16 << 10), dtype=torch.float32)  # 4 chunks of 64 KiB
+        eng.offload(key, x).wait()
+        eng.release(key)
+        del x
+        eng.prefetch(key).wait()
+        eng.fetch(key)
+    eng.drop("a")
+    if n == 0:
+        with open(counts_path, "w") as f:
+            f.write(str(calls[0]))
+    eng.close()
+    os._exit(0)
+
+
+def run(where, n, counts_path=""):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child(where, n, counts_path)
+        except SystemExit as e:  # what an interpreter exit does next: the atexit hooks
+            import atexit
+            atexit._run_exitfuncs()
+            os._exit(e.code if isinstance(e.code, int) else 1)
+        finally:
+            os._exit(99)  # any other exception in the child
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return "hang"
+        time.sleep(0.01)
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit {os.WEXITSTATUS(status)}"
+
+
+results = []
+for where in ("submit", "allocate"):
+    counts = os.path.join(base, f"..{where}-calls")
+    assert run(where, 0, counts) == "exit 0"
+    with open(counts) as f:
+        total = int(f.read())
+    os.unlink(counts)
+    for n in range(1, total + 1):
+        outcome = run(where, n)
+        left = sorted(e for e in os.listdir(base) if "teraio" in e)
+        results.append({"where": where, "n": n, "outcome": outcome, "left": left})
+        for name in left:  # so that each point is judged on its own
+            import shutil
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("default", "signal 15"), ("user-handler", "exit 3")])
+def test_sigterm_at_every_submission_point_cleans_up_and_ends_the_process(tmp_path, mode, expected):
+    """SIGTERM delivered while the engine submitted I/O hung 1 run in 20: the handler ran inside
+    ThreadPoolExecutor.submit, then Engine.close called shutdown, which waits on the lock submit holds;
+    the offload files stayed until SIGKILL. Every submission and allocation point is tried: each process
+    must end as SIGTERM's default action would (or as the user's handler says), its files removed."""
+    base = tmp_path / "off"
+    base.mkdir(mode=0o700)
+    p = _run(_SIGNAL_AT_EVERY_POINT, str(base), mode)
+    try:
+        out, err = p.communicate(timeout=500)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    assert p.returncode == 0, err[-3000:]
+    results = json.loads(out.strip().splitlines()[-1])
+    points = {w: [r for r in results if r["where"] == w] for w in ("submit", "allocate")}
+    assert len(points["submit"]) >= 10 and len(points["allocate"]) >= 2, points  # writes and reads
+    bad = [r for r in results if r["outcome"] != expected or r["left"]]
+    assert bad == [], bad

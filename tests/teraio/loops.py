@@ -315,6 +315,8 @@ class Trace:
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     last_step_peak_bytes: int | None = None
+    measured_calls: Any = None  # the calls of the step measured for last_step_peak_bytes, where recorded
+    planned_detached_calls: int = 0  # GAN: generator forwards detached at once while it had a plan
 
 
 def run(

@@ -12,6 +12,11 @@ argument, placed last so no later one overrides it, and the work itself is repla
 fails the test if it is ever reached. Every example runs in its own directory as the working directory,
 so a random relative path can only land there.
 
+The random lists also draw special files (a FIFO, a link to /dev/zero, a document nested 200,000 deep)
+and numbers out of range (nan, inf, 1e30, 2**62); :func:`test_special_files_and_out_of_range_numbers`
+goes through a fixed table of them for every command that reads a file or takes a number, each under a
+deadline: no traceback, no hang, every one refused in one line.
+
 Example counts stay small so the suite stays fast (``TERAIO_FUZZ_EXAMPLES`` raises them).
 """
 
@@ -23,7 +28,11 @@ import json
 import math
 import os
 import shutil
+import signal
+import stat
 import tempfile
+import traceback
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +66,41 @@ def valid(tmp_path_factory) -> Path:
     return d
 
 
+#: Seconds one command may take before it counts as hung (a FIFO opened for reading blocked forever).
+DEADLINE_S = float(os.environ.get("TERAIO_FUZZ_DEADLINE_S", "60"))
+
+
+class Hang(BaseException):
+    """Raised by the alarm when a command does not return in time (a BaseException: nothing swallows it)."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """SIGALRM after ``seconds``: interrupts a blocking open() or read() in this (the main) thread."""
+
+    def on_alarm(signum, frame):
+        raise Hang(f"no answer in {seconds:.0f} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def _cli(argv: list[str]) -> tuple[int, str]:
     err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(argv)
+    try:
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            _deadline(DEADLINE_S),
+        ):
+            code = main(argv)
+    except Hang:
+        raise AssertionError(f"{argv} hung") from None
     return code, err.getvalue()
 
 
@@ -114,6 +154,34 @@ def _inside(work: Path):
         os.chdir(old)
 
 
+# ---------------------------------------------------------------------------------------- special files
+#: The deepest document the table nests (a 200,000-deep one ended `teraio show` in a RecursionError).
+DEEP = 200_000
+
+
+def _make_specials(work: Path) -> None:
+    """Files no command may block on, read without end, or choke on: a FIFO, links to /dev/zero and
+    /dev/null, a socket, a directory, JSON nested 200,000 deep, and (as root) a character device with
+    /dev/zero's numbers made in ``work`` (the real /dev is never touched)."""
+    import socket
+
+    os.mkfifo(work / "fifo")
+    (work / "zero").symlink_to("/dev/zero")
+    (work / "null").symlink_to("/dev/null")
+    (work / "adir").mkdir()
+    (work / "deep.json").write_text("[" * DEEP + "]" * DEEP)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(work / "sock"))
+    sock.close()
+    with contextlib.suppress(PermissionError, OSError):
+        os.mknod(work / "chardev", 0o644 | stat.S_IFCHR, os.makedev(1, 5))
+
+
+def _specials(work: Path) -> dict[str, Path]:
+    names = ("fifo", "zero", "null", "adir", "deep.json", "sock", "chardev")
+    return {n.split(".")[0]: work / n for n in names if os.path.lexists(work / n)}
+
+
 # -------------------------------------------------------------------------------------- argument lists
 _TOKENS = [
     "plan", "simulate", "show", "sweep", "synth",
@@ -123,6 +191,7 @@ _TOKENS = [
     "--timeline", "--ssds", "--ssd-bw", "2GB", "--profile", "--tensors", "--budgets", "50%,auto",
     "--layers", "1", "2", "--hidden", "64", "--seq", "16", "--batch", "1", "--vocab", "8",
     "--time-limit", "--workers", "--tflops", "x", "0.5",
+    "{fifo}", "{zero}", "{deep}", "1e30", str(2**62), "99999999999999999999999999TB", "--ssd-bw",
 ]  # fmt: skip
 
 
@@ -134,6 +203,7 @@ def test_random_argument_lists(valid, tokens):
         for name in ("prof", "plan.json", "hw.json"):
             src = valid / name
             (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+        _make_specials(work)
         subs = {
             "{prof}": str(work / "prof"),
             "{plan}": str(work / "plan.json"),
@@ -141,6 +211,7 @@ def test_random_argument_lists(valid, tokens):
             "{out}": str(work / "out.json"),
             "{outdir}": str(work / "outdir"),
             "{work}": str(work),
+            **{f"{{{k}}}": str(v) for k, v in _specials(work).items()},
         }
         argv = [subs.get(t, t) for t in tokens]
         # Small, fast problems whatever the tokens say (argparse keeps the last value of an option).
@@ -152,7 +223,7 @@ def test_random_argument_lists(valid, tokens):
         with _inside(work):
             code, err = _cli(argv)
         outputs = (
-            {"out.json", "outdir", "plan.json", "hw.json", "prof"}
+            {"out.json", "outdir", "plan.json", "hw.json", "prof", *_specials(work)}
             if "--force" in argv
             else {"out.json", "outdir"}
         )
@@ -504,3 +575,223 @@ def test_mutated_profiles(valid, data):
             assert math.isfinite(plan["predicted_step_s"])  # NaN profiles no longer make NaN plans
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ---------------------------------------------------- special files and out-of-range numbers, table
+_BIG = [str(2**62), str(10**30), "1e30"]
+_NOT_FINITE = ["nan", "inf", "-inf", "1e400"]
+
+
+def _variant(doc: Any, path: tuple, value: Any) -> Any:
+    doc = json.loads(json.dumps(doc))
+    parent = doc
+    for k in path[:-1]:
+        parent = parent[k]
+    parent[path[-1]] = value
+    return doc
+
+
+def _file_variants(work: Path, valid: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """Plans, hardware models and profile directories that are special files or hold numbers out of
+    range; every one must be refused."""
+    import pandas as pd
+
+    specials = list(_specials(work).values())
+    plan_doc = json.loads((valid / "plan.json").read_text())
+    plans = list(specials)
+    for path, value in [
+        (("predicted_step_s",), float("nan")),
+        (("predicted_step_s",), float("inf")),
+        (("predicted_step_s",), 1e30),
+        (("budget_bytes",), 2**62),
+        (("budget_bytes",), 10**30),
+        (("decisions", 0, "nbytes"), 2**62),
+        (("decisions", 0, "prefetch_before_idx"), 10**30),
+        (("stats", "wall_s"), 1e30),
+        (("hardware", "tiers", "ssd", "count"), 10**30),
+    ]:
+        f = work / f"plan-{len(plans)}.json"
+        f.write_text(json.dumps(_variant(plan_doc, path, value)))
+        plans.append(f)
+    hw_doc = json.loads((valid / "hw.json").read_text())
+    hardware = list(specials)
+    for field, value in [
+        ("count", 10**30), ("count", 2**62), ("write_bw_bytes_per_s", float("nan")),
+        ("write_bw_bytes_per_s", float("inf")), ("write_bw_bytes_per_s", 1e30),
+        ("read_bw_bytes_per_s", 2**62), ("capacity_bytes", 2**62), ("read_latency_s", 1e30),
+        ("cpu_s_per_byte", 1e30),
+    ]:  # fmt: skip
+        f = work / f"hw-{len(hardware)}.json"
+        f.write_text(json.dumps(_variant(hw_doc, ("tiers", "ssd", field), value)))
+        hardware.append(f)
+    profiles = []
+
+    def profile_dir(name: str) -> Path:
+        d = work / f"prof-{name}"
+        shutil.copytree(valid / "prof", d)
+        profiles.append(d)
+        return d
+
+    for file in ("meta.json", "ops.parquet", "tensors.parquet"):
+        for special in ("fifo", "zero", "deep", "adir"):
+            d = profile_dir(f"{file}-{special}")
+            (d / file).unlink()
+            src = _specials(work)[special]
+            if special == "fifo":
+                os.mkfifo(d / file)
+            elif special == "adir":
+                (d / file).mkdir()
+            elif special == "deep":
+                shutil.copy(src, d / file)
+            else:
+                (d / file).symlink_to("/dev/zero")
+    meta = json.loads((valid / "prof" / "meta.json").read_text())
+    for key, value in [
+        ("step_s", float("nan")), ("fwd_s", float("inf")), ("bwd_s", 1e30), ("outside_s", 1e30),
+        ("census_after_fwd_bytes", 2**62), ("graph_id", 10**30), ("num_fwd_ops", 10**30),
+    ]:  # fmt: skip
+        d = profile_dir(f"meta-{key}")
+        (d / "meta.json").write_text(json.dumps({**meta, key: value}))
+    for table, col, value in [
+        ("tensors", "nbytes", 2**62),
+        ("tensors", "nbytes", 2**48 + 1),
+        ("ops", "duration_us", 1e30),
+        ("ops", "duration_us", float("inf")),
+        ("ops", "other_bytes", 2**62),
+    ]:
+        d = profile_dir(f"{table}-{col}-{value}")
+        df = pd.read_parquet(d / f"{table}.parquet")
+        if col not in df.columns:  # an optional column
+            df[col] = 0
+        df[col] = df[col].astype(type(value) if not isinstance(value, int) else "int64")
+        df.loc[0, col] = value
+        df.to_parquet(d / f"{table}.parquet", index=False)
+    for special in ("fifo", "zero", "deep"):
+        d = work / f"profset-{special}"
+        d.mkdir()
+        src = _specials(work)[special]
+        if special == "fifo":
+            os.mkfifo(d / "index.json")
+        elif special == "zero":
+            (d / "index.json").symlink_to("/dev/zero")
+        else:
+            shutil.copy(src, d / "index.json")
+        profiles.append(d)
+    return plans, hardware, profiles
+
+
+def _table(work: Path, valid: Path) -> list[list[str]]:
+    plans, hardware, profiles = _file_variants(work, valid)
+    prof, plan, out = str(work / "prof"), str(work / "plan.json"), str(work / "new.json")
+    specials = _specials(work)
+    cases: list[list[str]] = []
+    for p in map(str, plans):
+        cases += [["show", p], ["show", p, "--profile", prof], ["simulate", prof, p]]
+    for h in map(str, hardware):
+        cases += [
+            ["plan", prof, "-b", "300MB", "--solver", "greedy", "--hardware", h, "-o", out],
+            ["sweep", prof, "--budgets", "50%", "--hardware", h],
+            ["simulate", prof, plan, "--hardware", h],
+            ["demo", "--model", "tiny", "--hardware", h],
+        ]
+    for d in map(str, profiles):
+        cases += [
+            ["plan", d, "-b", "50%", "--solver", "greedy", "-o", out],
+            ["show", plan, "--profile", d],
+            ["simulate", d, plan],
+            ["sweep", d, "--budgets", "50%"],
+        ]
+    for name, special in specials.items():
+        cases.append(["profile", f"{special}:make", "--out", str(work / "p-out")])
+        if name != "adir":  # a real directory: calibrate would measure it
+            cases.append(["calibrate", str(special)])
+        if name in ("fifo", "sock", "chardev", "adir"):  # links at an output are replaced themselves
+            cases += [
+                ["plan", prof, "-b", "300MB", "--solver", "greedy", "-o", str(special), "--force"],
+                ["simulate", prof, plan, "--timeline", str(special), "--force"],
+                ["sweep", prof, "--budgets", "50%", "--out", str(special), "--force"],
+                ["calibrate", str(work / "disk"), "--out", str(special), "--force"],
+                ["demo", "--model", "tiny", "--out", str(special), "--force"],
+            ]
+    budgets = [*_BIG, *_NOT_FINITE, "99999999999999999999999999TB", "1e30%", "nan%", "-1", "0"]
+    seconds = [*_BIG, *_NOT_FINITE, "0", "-1"]
+    for b in budgets:
+        cases += [
+            ["plan", prof, "-b", b, "--solver", "greedy", "-o", out],
+            ["sweep", prof, "--budgets", b],
+            ["simulate", prof, plan, "--budget", b],
+            ["demo", "--model", "tiny", "--budget", b],
+        ]
+    for t in seconds:
+        cases += [
+            ["plan", prof, "-b", "50%", "--time-limit", t, "-o", out],
+            ["sweep", prof, "--time-limit", t],
+            ["demo", "--model", "tiny", "--time-limit", t],
+        ]
+    for n in [str(2**62), str(10**30), "0", "-1"]:
+        cases += [
+            ["plan", prof, "-b", "50%", "--workers", n, "-o", out],
+            ["sweep", prof, "--workers", n],
+            ["simulate", prof, plan, "--ssds", n],
+            ["demo", "--model", "tiny", "--steps", n],
+            ["demo", "--model", "tiny", "--round-steps", n],
+            ["profile", "builtin:tiny", "--out", str(work / "p-out"), "--steps", n],
+            ["calibrate", str(work / "disk"), "--repeats", n],
+        ]
+    for opt in ("--ssd-bw", "--ssd-write-bw", "--ssd-read-bw"):
+        for v in [*_BIG, *_NOT_FINITE, "0"]:
+            cases.append(["simulate", prof, plan, opt, v])
+    for opt in ("--layers", "--hidden", "--seq", "--batch", "--vocab", "--heads"):
+        for v in [str(2**62), str(10**30), "100000000", "1000000000", "0"]:
+            cases.append(["synth", opt, v, "--out", str(work / "s-out")])
+    for v in [*_BIG, *_NOT_FINITE, "0"]:
+        cases.append(["synth", "--tflops", v, "--out", str(work / "s-out")])
+    for opt, v in [("--size", "1e30"), ("--size", str(2**62)), ("--size", "nan"), ("--block", "1e30")]:
+        cases.append(["calibrate", str(work / "disk"), opt, v])
+    cases.append(["profile", "builtin:tiny", "--out", str(work / "p-out"), "--top", str(2**62)])
+    return cases
+
+
+def _outcome(work: Path, argv: list[str]) -> tuple[str, str]:
+    """How one command ended: "exit N", "traceback", "hang" or "started work", and what it printed."""
+    err = io.StringIO()
+    try:
+        with _inside(work), contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            with _deadline(DEADLINE_S):
+                code = main(argv)
+    except Hang:
+        return "hang", err.getvalue()
+    except WorkStarted:
+        return "started work", err.getvalue()
+    except BaseException:  # noqa: BLE001 - what escapes main() is a traceback for the user
+        return "traceback", traceback.format_exc()
+    return f"exit {code}", err.getvalue()
+
+
+def test_special_files_and_out_of_range_numbers(no_long_work, valid, tmp_path, capsys):
+    """The red team's 296 inputs left 3 tracebacks, a FIFO that blocked forever and a link to /dev/zero
+    read without end; NaN, infinities, a count of 10**30 and sizes of 2**62 were accepted. Every input of
+    this table must be refused in one line (exit 2), quickly, changing nothing."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "disk").mkdir()
+    for name in ("prof", "plan.json", "hw.json"):
+        src = valid / name
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, work / name)
+    _make_specials(work)
+    cases = _table(work, valid)
+    outcomes: Counter[str] = Counter()
+    wrong = []
+    for argv in cases:
+        before = _tree(work)
+        outcome, text = _outcome(work, argv)
+        outcomes[outcome] += 1
+        after = _tree(work)
+        changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+        lines = text.strip().splitlines()
+        if outcome != "exit 2" or len(lines) != 1 or "Traceback" in text or changed:
+            wrong.append((argv, outcome, text[-600:], sorted(changed)))
+    with capsys.disabled():
+        print(f"\nspecial files and out-of-range numbers: {len(cases)} inputs, outcomes {dict(outcomes)}")
+    assert len(cases) >= 250
+    assert wrong == [], wrong[:5]

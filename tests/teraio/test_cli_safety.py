@@ -7,8 +7,14 @@ unwritable outputs (after minutes of work for calibrate and demo), `simulate` ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import stat
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,8 @@ from tests.planner.planner_cases import pyramid, ssd_only
 from tests.teraio.cli_helpers import error_line as _error_line
 from tests.teraio.cli_helpers import run_cli as _run
 from tests.teraio.cli_helpers import tree as _tree
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -173,10 +181,12 @@ def test_argument_errors_are_one_line(capsys, files):
 
 # ------------------------------------------------------------------------------------------ calibrate
 def test_calibrate_never_follows_a_planted_link(capsys, tmp_path):
-    """calibrate wrote '.teraio-calibrate-<pid>' with O_TRUNC and no O_NOFOLLOW in the user's directory."""
+    """calibrate wrote '.teraio-calibrate-<pid>' with O_TRUNC and no O_NOFOLLOW in the user's directory.
+    It now measures in an offload subdirectory of the runtime's (random name, created O_EXCL, 0700), so
+    the directory must also be one teraio would offload to: a shared one needs the sticky bit (like /tmp)."""
     shared = tmp_path / "shared"
     shared.mkdir()
-    shared.chmod(0o777)
+    shared.chmod(0o1777)
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (shared / f".teraio-calibrate-{os.getpid()}").symlink_to(victim)
@@ -188,3 +198,191 @@ def test_calibrate_never_follows_a_planted_link(capsys, tmp_path):
     assert victim.read_text() == "precious"
     assert sorted(p.name for p in shared.iterdir()) == [f".teraio-calibrate-{os.getpid()}"]
     assert HardwareModel.load(tmp_path / "hw.json").tier("ssd").write_bw_bytes_per_s > 0
+    shared.chmod(0o777)  # anyone may rename what teraio creates there: refused, in one line
+    line = _error_line(capsys, "calibrate", shared, "--size", "1MiB", "--block", "512KiB", "--raw-only")
+    assert str(shared) in line and "sticky bit" in line
+    assert sorted(p.name for p in shared.iterdir()) == [f".teraio-calibrate-{os.getpid()}"]
+
+
+def _start_calibration(directory: Path) -> subprocess.Popen:
+    """``teraio calibrate`` measuring long enough to be killed mid-measurement (raw I/O in a loop)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "teraio", "calibrate", str(directory), "--size", "64MiB", "--block", "1MiB",
+         "--repeats", "1000", "--raw-only"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _wait_for_data(directory: Path, proc: subprocess.Popen) -> Path:
+    """The calibration's data file, once it holds bytes (the measurement is under way)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        for data in directory.glob("*/*"):  # wherever the calibration keeps its data
+            with contextlib.suppress(OSError):
+                if data.is_file() and data.stat().st_size > 0:
+                    return data
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("the calibration never started writing")
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_calibration_killed_by_sigterm_leaves_nothing(tmp_path):
+    """SIGTERM of `teraio calibrate` left .teraio-calibrate-*/data (8-24 MiB) that nothing removed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = _start_calibration(disk)
+    _wait_for_data(disk, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGTERM, err[-2000:]  # still dies of the signal
+    assert _leftovers(disk) == []
+
+
+def test_calibration_killed_by_sigkill_is_cleaned_by_the_next_one(capsys, tmp_path):
+    """SIGKILL cannot be handled: the next calibration in the directory removes what it left."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    proc = _start_calibration(disk)
+    data = _wait_for_data(disk, proc)
+    proc.kill()
+    proc.communicate(timeout=60)
+    assert data.exists()  # nothing could clean up
+    code, _, err = _run(
+        capsys, "calibrate", disk, "--size", "1MiB", "--block", "512KiB", "--repeats", "1", "--raw-only"
+    )
+    assert code == 0, err
+    assert _leftovers(disk) == []
+
+
+# ------------------------------------------------------------------------- special files at outputs
+def _special_files(tmp_path: Path) -> dict[str, Path]:
+    """A FIFO, a socket and (as root) a character device with /dev/null's numbers, all in ``tmp_path``:
+    the real /dev/null is never touched."""
+    import socket
+
+    made = {}
+    made["fifo"] = tmp_path / "fifo"
+    os.mkfifo(made["fifo"])
+    made["socket"] = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(made["socket"]))
+    sock.close()
+    with contextlib.suppress(PermissionError, OSError):
+        os.mknod(tmp_path / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        made["chardev"] = tmp_path / "null"
+    return made
+
+
+def _kind(path: Path) -> tuple[int, int]:
+    st = os.lstat(path)
+    return stat.S_IFMT(st.st_mode), st.st_rdev
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["plan", "{prof}", "--budget", "300MB", "--solver", "greedy", "-o", "{out}", "--force"],
+        ["simulate", "{prof}", "{plan}", "--timeline", "{out}", "--force"],
+        ["sweep", "{prof}", "--budgets", "50%", "--out", "{out}", "--force"],
+        ["calibrate", "{tmp}/disk", "--size", "8KiB", "--block", "4KiB", "--out", "{out}", "--force"],
+        ["demo", "--model", "tiny", "--out", "{out}", "--force"],
+    ],
+    ids=["plan", "simulate", "sweep", "calibrate", "demo"],
+)
+def test_force_replaces_only_regular_files(capsys, files, monkeypatch, argv):
+    """`plan -o <chardev> --force` replaced a device node with a regular file (as root, -o /dev/null
+    --force would have replaced /dev/null); a FIFO or socket went the same way."""
+    tmp, prof, hw = files
+    (tmp / "disk").mkdir()
+    assert _run(capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", tmp / "p.json")[0] == 0
+    import teraio.calibrate
+    import teraio.demo
+
+    def no_work(*a, **k):
+        raise AssertionError("the long work started before the output was checked")
+
+    monkeypatch.setattr(teraio.calibrate, "calibrate", no_work)
+    monkeypatch.setattr(teraio.demo, "run_demo", no_work)
+    specials = _special_files(tmp)
+    for name, special in specials.items():
+        before = _kind(special)
+        args = [a.format(tmp=tmp, prof=prof, plan=tmp / "p.json", out=special) for a in argv]
+        line = _error_line(capsys, *args)
+        assert "not a regular file" in line and str(special) in line, (name, line)
+        assert _kind(special) == before, f"the {name} was replaced"
+
+
+def test_the_library_writer_refuses_special_files_too(tmp_path):
+    """The check also runs at the rename, for library callers and for a file swapped in meanwhile."""
+    from teraio.planner.safe_io import OutputError, write_json
+
+    for name, special in _special_files(tmp_path).items():
+        before = _kind(special)
+        with pytest.raises(OutputError, match="not a regular file"):
+            write_json(special, {"a": 1}, overwrite=True)
+        assert _kind(special) == before, name
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".teraio-tmp")) == []
+
+
+# ------------------------------------------------------------------------- directories written first
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A directory nobody can write: a read-only tmpfs as root (root passes permission checks), else a
+    directory without write permission."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o500)
+        yield d
+        d.chmod(0o700)
+        return
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--model", "tiny", "--offload-dir", "{ro}"],
+        ["demo", "--model", "tiny", "--offload-dir", "{tmp}/disk", "--run-dir", "{ro}/run"],
+        ["calibrate", "{ro}", "--size", "8KiB", "--block", "4KiB"],
+        ["profile", "builtin:tiny", "--out", "{ro}/prof"],
+    ],
+    ids=["demo-offload-dir", "demo-run-dir", "calibrate", "profile"],
+)
+def test_every_directory_an_option_names_is_written_before_the_work(
+    capsys, tmp_path, read_only_dir, monkeypatch, argv
+):
+    """`demo --offload-dir` on a read-only filesystem failed after 32 s of profiling, not before."""
+    import teraio.calibrate
+    import teraio.demo
+    import teraio.profile_run
+
+    def no_work(*a, **k):
+        raise AssertionError("the long work started before the directories were written")
+
+    monkeypatch.setattr(teraio.demo, "run_demo", no_work)
+    monkeypatch.setattr(teraio.calibrate, "calibrate", no_work)
+    monkeypatch.setattr(teraio.profile_run, "profile_workload", no_work)
+    (tmp_path / "disk").mkdir()
+    line = _error_line(capsys, *[a.format(ro=read_only_dir, tmp=tmp_path) for a in argv])
+    assert str(read_only_dir) in line and ("cannot be written" in line or "not writable" in line), line
+    assert os.listdir(read_only_dir) == []
+
+
+def test_the_writability_check_leaves_nothing_behind(tmp_path):
+    from teraio.preflight import check_writable_dir
+
+    check_writable_dir(tmp_path, option="--offload-dir")
+    check_writable_dir(tmp_path / "new" / "deeper", option="--offload-dir")  # tested where it will be made
+    assert os.listdir(tmp_path) == []

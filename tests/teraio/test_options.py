@@ -31,7 +31,7 @@ def _refused(**options) -> str:
         (True, "is not a budget"),
         ("lots", "does not parse"),
         (float("inf"), "must be in (0, 1]"),
-        ("99999999999999999999999999TB", "more than 1 EiB"),
+        ("99999999999999999999999999TB", "the largest budget teraio accepts"),
     ],
 )
 def test_a_bad_budget_fails_at_construction(budget, says) -> None:

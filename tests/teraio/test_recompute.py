@@ -23,7 +23,7 @@ from teraio.rewrite import PlanMismatchError, check_plan
 
 from .captured import captured_steps
 from .loops import CASES
-from .test_loops import _check
+from .loops import check_case as _check
 
 MODELS = ("gpt", "hf-gpt2", "hf-bert", "convnet")
 

@@ -1,0 +1,157 @@
+"""One rank of a distributed training run, for test_distributed.py (torch.multiprocessing.spawn, gloo).
+
+Each rank trains the tiny GPT loss model on its own batches and writes what must be bit-identical between
+a run with a memory budget and the same run with ``enabled=False`` (every loss, a digest of every
+gradient, the final parameters), its backend's figures, and which files its offload directory holds after
+``close()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _files_under(path: str) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*") if p.is_file())
+
+
+def worker(
+    rank: int, world: int, port: int, mode: str, enableds: list[bool], out_dir: str, options: dict[str, Any]
+) -> None:
+    """Train once per value of ``enableds`` in this process (one process start for both runs)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    torch.use_deterministic_algorithms(True)
+    for enabled in enableds:
+        torch._dynamo.reset()
+        _train(rank, world, mode, enabled, out_dir, options)
+        dist.barrier()
+    dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    import teraio
+    from tests.teraio.loops import GPTLoss, _tokens
+
+    model = GPTLoss()
+    steps = int(options.get("steps", 6))
+    kill_at = options.get("kill_rank_at")
+    backend = teraio.backend(
+        memory_budget=options.get("budget", "85%"),
+        inner="eager",
+        solver="greedy",
+        profile_steps=1,
+        io_backend="posix",
+        enabled=enabled,
+        offload_dirs=options["offload_dirs"],
+        run_dir=options.get("run_dir"),
+    )
+    if mode.startswith("ddp"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        torch._dynamo.config.optimize_ddp = {
+            "ddp-split": "ddp_optimizer",
+            "ddp-nosplit": False,
+            "ddp-compiled-autograd": "python_reducer",
+        }[mode]
+        # Small buckets, so that DDP's graph optimizer splits the tiny model into several graphs.
+        dist._DEFAULT_FIRST_BUCKET_BYTES = 16 * 1024
+        compiled = torch.compile(DDP(model, bucket_cap_mb=0.02), backend=backend)
+        params = model.parameters()
+    elif mode == "fsdp-per-block":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.gpt.blocks:
+            block.compile(backend=backend)
+            fully_shard(block)
+        fully_shard(model)
+        compiled = model
+        params = model.parameters()
+    else:
+        raise ValueError(mode)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    make = _tokens(64, 2)
+    losses, grads = [], []
+    try:
+        for step in range(steps):
+            if kill_at is not None and rank == 1 and step == kill_at:
+                os.kill(
+                    os.getpid(), signal.SIGKILL
+                )  # no cleanup at all: the next run's start finds the files
+            loss = compiled(*make(step * world + rank, 32))
+            # Compiled autograd once teraio runs its plans (Note: [Compiled autograd runs its own copy of
+            # the backward] in teraio.lifecycle): python_reducer then hands DDP's reduction to it.
+            if mode == "ddp-compiled-autograd" and step >= options.get("compiled_autograd_from", 2):
+                with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+            else:
+                loss.backward()
+            losses.append(float(loss).hex())
+            grads.append(
+                _digest(
+                    {
+                        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                        for n, p in model.named_parameters()
+                    }
+                )
+            )
+            opt.step()
+            opt.zero_grad()
+        state = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()
+        }
+        st = backend.stats()
+        counters = dict(torch._dynamo.utils.counters.get("compiled_autograd", {}))
+    finally:
+        backend.close()
+    result = {
+        "losses": losses,
+        "grads": grads,
+        "params": _digest(state),
+        "stats": {
+            k: st[k]
+            for k in (
+                "running_steps",
+                "moved_bytes_per_step",
+                "offloaded_bytes",
+                "prefetched_bytes",
+                "measured_peak_bytes",
+                "predicted_peak_bytes",
+                "graphs",
+            )
+        },
+        "compiled_autograd": counters,
+        "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
+    }
+    Path(out_dir, f"{mode}-{int(enabled)}-{rank}.json").write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scratch() -> str:
+    return tempfile.mkdtemp(prefix="teraio-dist-")
