@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from teraio.planner.hardware import HardwareError, HardwareModel
+from teraio.planner.safe_io import InputError, load_json
 
 PRESET_SCHEMA_VERSION = 1
 #: The dtypes a matmul rate may be given for. "tf32" is float32 on tensor cores (PyTorch's
@@ -292,23 +293,21 @@ def load_preset(name_or_path: str) -> Preset:
     if name_or_path.endswith(".json") or "/" in name_or_path:
         p = Path(name_or_path)
         try:
-            text = p.read_text()
-        except FileNotFoundError:
-            raise CostModelError(f"hardware preset file '{p}' does not exist") from None
-        except (IsADirectoryError, OSError) as e:
-            raise CostModelError(f"hardware preset file '{p}' cannot be read: {e}") from None
-        where = f"hardware preset '{p}'"
-    else:
-        entry = _presets_dir() / f"{name_or_path}.json"
-        if not entry.is_file():
-            raise CostModelError(
-                f"unknown hardware preset '{name_or_path}'; choose one of: {', '.join(preset_names())} "
-                "(or give a preset JSON file)"
-            )
-        text = entry.read_text()
-        where = f"hardware preset '{name_or_path}'"
+            # A user's file is untrusted input: a regular file only, read up to a limit; NaN, Infinity
+            # and deep nesting refused (as every loader of the planner reads its files).
+            d = load_json(p, what="hardware preset file")
+        except InputError as e:
+            raise CostModelError(str(e)) from None
+        return preset_from_dict(d, f"hardware preset '{p}'")
+    entry = _presets_dir() / f"{name_or_path}.json"
+    if not entry.is_file():
+        raise CostModelError(
+            f"unknown hardware preset '{name_or_path}'; choose one of: {', '.join(preset_names())} "
+            "(or give a preset JSON file)"
+        )
+    where = f"hardware preset '{name_or_path}'"
     try:
-        d = json.loads(text)
+        d = json.loads(entry.read_text())
     except ValueError as e:
         raise CostModelError(f"{where} is not valid JSON: {e}") from None
     return preset_from_dict(d, where)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from teraio.commands.plan import add_force_option, console
+from teraio.commands.plan import add_force_option, check_count, check_time_limit, console
 from teraio.commands.simulate import _bw
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_dir
@@ -98,14 +98,23 @@ def _solvers(text: str) -> tuple[str, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_output_dir(args.out, ("estimate",), force=args.force)
-    if args.time_limit <= 0:
-        raise UserInputError(f"--time-limit must be positive, got {args.time_limit}")
-    if args.workers < 1:
-        raise UserInputError(f"--workers must be at least 1, got {args.workers}")
-    if args.ssds is not None and args.ssds < 1:
-        raise UserInputError(f"--ssds must be at least 1, got {args.ssds}")
+    from teraio.planner.limits import MAX_DEVICES, MAX_SYNTH_DIM, MAX_SYNTH_LAYERS, MAX_WORKERS
+
+    # Every number is checked before any tracing (one line naming the option), as the other commands do.
+    check_time_limit(args.time_limit)
+    check_count(args.workers, "--workers", 1, MAX_WORKERS)
+    check_count(args.gpus, "--gpus", 1, MAX_DEVICES)
+    if args.ssds is not None:
+        check_count(args.ssds, "--ssds", 1, MAX_DEVICES)
+    for value, option, most in (
+        (args.batch, "--batch", MAX_SYNTH_DIM),
+        (args.seq, "--seq", MAX_SYNTH_DIM),
+        (args.layers, "--layers", MAX_SYNTH_LAYERS),
+    ):
+        if value is not None:
+            check_count(value, option, 1, most)
     ssd_bw = _bw(args.ssd_bw, "--ssd-bw") if args.ssd_bw is not None else None
+    out = check_output_dir(args.out, ("estimate",), force=args.force)
     # Heavy imports only now: `teraio --help` stays fast.
     from teraio.estimate import run_estimate
     from teraio.planner.costmodel import CostModelError

@@ -162,8 +162,12 @@ def test_the_table_says_it_is_an_estimate(tmp_path, capsys):
         (("--hardware", "cpu-local", "--ssd-bw", "fast"), "--ssd-bw 'fast' is not a bandwidth"),
         (("--hardware", "cpu-local", "--budget", "lots"), "--budget"),
         (("--hardware", "cpu-local", "--solvers", "magic"), "unknown solver 'magic'"),
-        (("--hardware", "cpu-local", "--gpus", "0"), "--gpus must be a positive integer"),
+        (("--hardware", "cpu-local", "--gpus", "0"), "--gpus must be at least 1"),
         (("--hardware", "cpu-local", "--time-limit", "0"), "--time-limit must be positive"),
+        (("--hardware", "cpu-local", "--time-limit", "nan"), "--time-limit must be positive"),
+        (("--hardware", "cpu-local", "--workers", "100000"), "--workers must be at most 1024"),
+        (("--hardware", "cpu-local", "--seq", str(2**40)), "--seq must be at most"),
+        (("--hardware", "cpu-local", "--ssds", "5000"), "--ssds must be at most 4096"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
