@@ -37,7 +37,7 @@ import os
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,7 @@ from teraio.errors import CaptureError, UserInputError
 from teraio.planner.costmodel import ComputeModel, Preset
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import analyse
-from teraio.planner.model_states import OPTIMIZERS, ModelStates
+from teraio.planner.model_states import OPTIMIZERS, ModelStates, Optimizer, Precision
 from teraio.planner.profile import Profile
 from teraio.planner.whatif import PlanOutcome
 from teraio.profiler import GraphRun, StepProfiler, classify_inputs
@@ -61,6 +61,20 @@ from teraio.workload import BUILTIN_PREFIX
 log = logging.getLogger("teraio")
 
 HF_PREFIX = "hf:"
+#: The columns of a Profile's ``tensors`` table that an estimate has exactly as a real profile of the same
+#: model, batch and inner compiler has them (module docstring): what the tests and the benchmark compare.
+SAVED_TENSOR_COLUMNS: tuple[str, ...] = (
+    "name",
+    "nbytes",
+    "dtype",
+    "kind",
+    "offloadable",
+    "producer_idx",
+    "last_fwd_use_idx",
+    "first_bwd_use_idx",
+    "last_use_idx",
+    "aliases",
+)
 DType = Literal["float32", "bfloat16", "float16"]
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -216,7 +230,7 @@ def build_target(
     *,
     batch: int | None = None,
     seq: int | None = None,
-    dtype: str | None = None,
+    dtype: DType | None = None,
     layers: int | None = None,
 ) -> EstimateTarget:
     """Build ``target`` inside a fresh FakeTensorMode: ``builtin:NAME``, ``hf:NAME`` or ``file.py:fn``.
@@ -577,9 +591,13 @@ def estimated_profile(
 
 # ------------------------------------------------------------------------------------------ the whole
 StatesMode = Literal["auto", "resident", "streamed"]
-STATES_MODES: tuple[str, ...] = ("auto", "resident", "streamed")
+STATES_MODES: tuple[str, ...] = get_args(StatesMode)
 #: Model-state precision for each compute dtype (teraio.planner.model_states).
-_PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16-mixed", "float16": "fp16-mixed"}
+_PRECISION_OF_DTYPE: dict[str, Precision] = {
+    "float32": "fp32",
+    "bfloat16": "bf16-mixed",
+    "float16": "fp16-mixed",
+}
 ESTIMATE_SCHEMA_VERSION = 1
 
 
@@ -736,11 +754,11 @@ def run_estimate(
     *,
     batch: int | None = None,
     seq: int | None = None,
-    dtype: str | None = None,
+    dtype: DType | None = None,
     layers: int | None = None,
     gpus: int = 1,
     zero_stage: int | None = None,
-    optimizer: str = "adamw",
+    optimizer: Optimizer = "adamw",
     states: StatesMode = "auto",
     budget: str = "device",
     solvers: tuple[str, ...] = ("greedy", "ilp"),
@@ -798,17 +816,23 @@ def run_estimate(
     capture_s = time.perf_counter() - t0
 
     precision = _PRECISION_OF_DTYPE.get(built.settings.get("dtype", "float32"), "fp32")
-    try:
-        all_resident = model_states(
-            num_params,
-            largest_layer_params=largest,
-            precision=precision,  # type: ignore[arg-type]
-            optimizer=optimizer,  # type: ignore[arg-type]
-            gpus=gpus,
-            zero_stage=stage,
-        )
-    except ModelStateError as e:
-        raise UserInputError(str(e)) from None
+
+    def states_with(offload: tuple[str, ...]) -> ModelStates:
+        """This device's share of the model states, ``offload`` kinds kept off the device."""
+        try:
+            return model_states(
+                num_params,
+                largest_layer_params=largest,
+                precision=precision,
+                optimizer=optimizer,
+                gpus=gpus,
+                zero_stage=stage,
+                offload=offload,
+            )
+        except ModelStateError as e:
+            raise UserInputError(str(e)) from None
+
+    all_resident = states_with(())
     device_nbytes = preset.compute.device_memory_bytes
     mode = states
     if mode == "auto":
@@ -822,15 +846,7 @@ def run_estimate(
             "produces them (counted in the profile's memory, in full: a ZeRO reduce-scatter is not modelled)"
         )
     else:
-        st = model_states(
-            num_params,
-            largest_layer_params=largest,
-            precision=precision,  # type: ignore[arg-type]
-            optimizer=optimizer,  # type: ignore[arg-type]
-            gpus=gpus,
-            zero_stage=stage,
-            offload=STATE_KINDS,
-        )
+        st = states_with(STATE_KINDS)
         note = (
             "model states live on the SSDs and stream through the device (whole-state offload): the device "
             "holds the largest layer's gathered parameters and gradients, and each gradient leaves as "

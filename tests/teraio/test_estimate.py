@@ -13,6 +13,7 @@ import torch
 from teraio.errors import UserInputError
 from teraio.estimate import (
     HF_MODELS,
+    SAVED_TENSOR_COLUMNS,
     build_target,
     capture_graphs,
     count_parameters,
@@ -27,18 +28,7 @@ from teraio.planner.lifetimes import analyse
 from teraio.profile_run import profile_workload
 from teraio.workload import builtin_workload, load_workload
 
-SAVED_COLUMNS = [
-    "name",
-    "nbytes",
-    "dtype",
-    "kind",
-    "offloadable",
-    "producer_idx",
-    "last_fwd_use_idx",
-    "first_bwd_use_idx",
-    "last_use_idx",
-    "aliases",
-]
+SAVED_COLUMNS = list(SAVED_TENSOR_COLUMNS)
 CPU = load_preset("cpu-local").compute
 
 
@@ -87,9 +77,13 @@ def test_op_durations_rank_like_measured_ones(tiny_pair):
     assert _spearman(est.ops["duration_us"].to_numpy(), real.ops["duration_us"].to_numpy()) > 0
 
 
-@pytest.mark.slow
+@pytest.mark.expensive
 def test_saved_tensors_equal_a_real_inductor_profile_exactly():
-    """Inductor's joint-graph passes run in the capture too: the same segments and saved storages."""
+    """Inductor's joint-graph passes run in the capture too: the same segments and saved storages.
+
+    Expensive (an Inductor compile of the real profile, 25 s on 2 cores): the default run checks the same
+    equality on the FX-only path (test_saved_tensors_equal_a_real_profile_exactly), and the README's
+    ``teraio estimate`` blocks capture with Inductor."""
     torch.use_deterministic_algorithms(True)
     real = profile_workload(builtin_workload("tiny"), profile_steps=2, inner="inductor")[0]
     _, est = _estimate("builtin:tiny", "inductor")
