@@ -36,6 +36,7 @@ from .loops import (
     check_case,
     loop_backend,
     rec_ctx,
+    record_peak,
 )
 
 INNERS = [
@@ -152,6 +153,7 @@ def test_a_smaller_last_batch_reaches_running_steps_and_is_measured(
         assert st["running_steps"] > 0 and st["step_s"] is not None
         assert st["measured_peak_bytes"] is not None, st
         budget = common.step_budget_bytes
+        record_peak("smaller-last-batch", inner, st["measured_peak_bytes"], budget)
         assert st["measured_peak_bytes"] <= PEAK_SLACK * budget
         _within(st["measured_peak_bytes"], st["predicted_peak_bytes"], "the prediction")
     finally:
@@ -312,6 +314,7 @@ def test_two_models_with_two_backends_each_within_its_budget(
             assert_bit_identical(tr, ref)
             budget = max(r.step_budget_bytes for r in be.runners if r.plan is not None)
             assert be.stats()["moved_bytes_per_step"] > 0
+            record_peak(f"two-models/{be.backend_id}", inner, tr.last_step_peak_bytes, budget)
             assert tr.last_step_peak_bytes <= PEAK_SLACK * budget
             _within(
                 tr.last_step_peak_bytes, be._predicted_peak(be.tracker.last_complete.calls), "the prediction"
