@@ -180,5 +180,9 @@ def test_direct_path_with_thp_alloc_roundtrip_bit_exact(tmp_path):
 def test_without_thp_alloc_every_read_bounces(tmp_path):
     rep = _run_child(tmp_path, None)
     assert all(rep["ok"]) and all(rep["seen"])
-    assert not any(rep["aligned"])
-    assert rep["path"] == "bounce" and rep["direct"] == 0 and rep["bounced"] == rep["read"]
+    # Without THP torch aligns to 64 bytes: a buffer lands on a page boundary only by chance (glibc's
+    # heap, about one in 64), and then it is read directly, as it should be; every other one bounces.
+    expected_bounced = sum(n if not a else n % 4096 for a, n in zip(rep["aligned"], rep["nbytes"]))
+    assert rep["bounced"] == expected_bounced and rep["direct"] + rep["bounced"] == rep["read"]
+    if not any(rep["aligned"]):
+        assert rep["path"] == "bounce" and rep["direct"] == 0

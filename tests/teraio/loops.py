@@ -15,6 +15,7 @@ import contextlib
 import copy
 import gc
 import io
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -309,6 +310,17 @@ PATTERNS: dict[str, StepFn] = {
 }
 
 
+def record_peak(pattern: str, inner: str, measured_bytes: int | None, budget_bytes: int) -> None:
+    """With TERAIO_TEST_PEAKS=<file>, append one line per checked loop: the figures a closing note
+    quotes (measured step peak against its budget, per pattern and inner compiler)."""
+    path = os.environ.get("TERAIO_TEST_PEAKS")
+    if path and measured_bytes is not None:
+        with open(path, "a") as f:
+            f.write(
+                f"{pattern}\t{inner}\t{measured_bytes}\t{budget_bytes}\t{measured_bytes / budget_bytes:.3f}\n"
+            )
+
+
 @dataclass
 class Trace:
     losses: list[torch.Tensor] = field(default_factory=list)
@@ -512,6 +524,7 @@ def check_case(
             limit = PEAK_SLACK * reference.last_step_peak_bytes
             assert trace.last_step_peak_bytes <= limit, f"{trace.last_step_peak_bytes} > {limit}"
             return trace, be
+        record_peak(f"{case_name}/{pattern}", inner, trace.last_step_peak_bytes, budget)
         over = trace.last_step_peak_bytes > PEAK_SLACK * budget
         assert not (over and within_budget), (
             f"measured step peak {trace.last_step_peak_bytes} > {PEAK_SLACK} x budget {budget}"

