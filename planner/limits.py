@@ -44,7 +44,8 @@ MAX_JSON_FILE_NBYTES = 256 << 20
 #: The largest profile table (``ops.parquet``, ``tensors.parquet``) teraio reads.
 MAX_TABLE_FILE_NBYTES = 4 << 30
 #: A synthetic profile (``teraio synth``, ``planner.synth``): layers, and each of hidden, seq, batch,
-#: vocab (its largest tensor must also stay within ``MAX_TENSOR_NBYTES``).
+#: vocab (its largest tensor must also stay within ``MAX_TENSOR_NBYTES``). ``teraio estimate`` bounds its
+#: ``--layers``, ``--batch`` and ``--seq`` by the same figures.
 MAX_SYNTH_LAYERS = 1024
 MAX_SYNTH_DIM = 1 << 24
 #: ``teraio synth --tflops``: matmul throughput in TFLOP/s.

@@ -52,7 +52,12 @@ ARTIFACT_LAYOUTS: dict[str, tuple[str, ...]] = {
     "profile": ("ops.parquet", "tensors.parquet", "meta.json"),
     # A multi-graph profile: index.json plus one profile directory per captured graph.
     "profile-set": ("index.json", "graph*/"),
+    # ``teraio estimate --out``: its summary, the hardware model planned for, the estimated profile (a
+    # profile or a profile-set) and one plan per solver (the plans estimate.json names).
+    "estimate": ("estimate.json", "hardware.json", "profile/", "plan-*.json"),
 }
+#: The key every estimate.json carries (with its schema version): a file without it is not teraio's.
+ESTIMATE_META_KEY = "estimate_schema_version"
 
 _TMP_PREFIX = ".teraio-tmp-"
 _FILE_MODE = 0o644
@@ -328,6 +333,29 @@ def _is_profile_set(directory: Path) -> bool:
     return all(_is_profile(Path(e.path)) for e in graphs.values())
 
 
+def _is_estimate(directory: Path) -> bool:
+    """estimate.json (teraio's key, naming its plans), hardware.json, a profile or profile-set in
+    profile/, and exactly the plan files estimate.json names."""
+    entries = _real_entries(directory)
+    if entries is None or not {"estimate.json", "hardware.json", "profile"} <= set(entries):
+        return False
+    summary = read_json_object(entries["estimate.json"].path)
+    if summary is None or not isinstance(summary.get(ESTIMATE_META_KEY), int):
+        return False
+    plans = summary.get("plan_files")
+    if not isinstance(plans, list) or not all(isinstance(n, str) and _glob1(n, "plan-*.json") for n in plans):
+        return False
+    if set(entries) != {"estimate.json", "hardware.json", "profile", *plans}:
+        return False
+    files = [e for n, e in entries.items() if n != "profile"]
+    if not all(e.is_file(follow_symlinks=False) for e in files):
+        return False
+    profile = entries["profile"]
+    return profile.is_dir(follow_symlinks=False) and (
+        _is_profile(Path(profile.path)) or _is_profile_set(Path(profile.path))
+    )
+
+
 def _matches_layout(directory: Path, kind: str) -> bool:
     """True if ``directory`` is a complete artefact of ``kind`` that teraio wrote: every file of the layout
     and nothing else (no links), and JSON content with teraio's own keys. A directory that merely holds
@@ -336,6 +364,8 @@ def _matches_layout(directory: Path, kind: str) -> bool:
         return _is_profile(directory)
     if kind == "profile-set":
         return _is_profile_set(directory)
+    if kind == "estimate":
+        return _is_estimate(directory)
     raise ValueError(f"unknown artefact kind {kind!r}")
 
 
@@ -346,7 +376,8 @@ def _glob1(name: str, pattern: str) -> bool:
 
 
 def artifact_kind(directory: str | os.PathLike) -> str | None:
-    """The artefact kind of ``directory`` ("profile", "profile-set") if it is a complete one teraio wrote.
+    """The artefact kind of ``directory`` ("profile", "profile-set", "estimate") if it is a complete one
+    teraio wrote.
 
     None for an empty directory, an incomplete layout, any file teraio would not have written, or a
     meta.json / index.json whose content is not teraio's.
@@ -404,7 +435,8 @@ def _remove_artifact(directory: Path, kind: str) -> bool:
     try:
         for e in os.scandir(directory):
             if e.is_dir(follow_symlinks=False):
-                if not _remove_artifact(Path(e.path), "profile"):
+                sub_kind = artifact_kind(e.path)
+                if sub_kind is None or not _remove_artifact(Path(e.path), sub_kind):
                     return False
             else:
                 os.unlink(e.path)
@@ -416,7 +448,7 @@ def _remove_artifact(directory: Path, kind: str) -> bool:
 
 def replace_dir(
     path: str | os.PathLike,
-    kind: Literal["profile", "profile-set"],
+    kind: Literal["profile", "profile-set", "estimate"],
     populate: Callable[[Path], None],
     *,
     force: bool = False,
@@ -881,6 +913,7 @@ def _empty_dir_at(parent_fd: int, name: str) -> bool:
 
 __all__ = [
     "ARTIFACT_LAYOUTS",
+    "ESTIMATE_META_KEY",
     "InputError",
     "OutputError",
     "PROFILE_META_KEYS",

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 # Order is the order of ``teraio --help``.
-COMMAND_MODULES = ["profile", "synth", "plan", "simulate", "show", "sweep", "calibrate", "demo"]
+COMMAND_MODULES = ["profile", "estimate", "synth", "plan", "simulate", "show", "sweep", "calibrate", "demo"]
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:

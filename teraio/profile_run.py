@@ -15,18 +15,27 @@ from teraio.errors import CaptureError
 from teraio.planner.profile import Profile
 from teraio.workload import Workload, compute_loss
 
+#: Steps beyond ``profile_steps`` a graph may need before its profile is done: with Inductor one step
+#: runs its kernels under the torch profiler for their memory timeline (Note: [The budget is of the graph
+#: that runs] in teraio.kernel_memory), and is tried again when the profiler was busy.
+EXTRA_PROFILE_STEPS = 4
+
 
 def profile_workload(workload: Workload, profile_steps: int = 3, inner: str = "inductor") -> list[Profile]:
-    """Run ``profile_steps`` forward+backward steps through the profiling backend; one Profile per graph."""
+    """Run ``profile_steps`` forward+backward steps through the profiling backend, and the few more a
+    graph may need to finish (``EXTRA_PROFILE_STEPS``); one Profile per graph."""
     from teraio.lifecycle import TeraioBackend
 
     torch._dynamo.reset()
     be = TeraioBackend(profile_steps=profile_steps, inner=inner, enabled=False)
     compiled = torch.compile(workload.model, backend=be)
-    for step in range(profile_steps):
+    for step in range(profile_steps + EXTRA_PROFILE_STEPS):
+        if step >= profile_steps and all(r.profile is not None for r in be.runners if r.is_training):
+            break
         workload.model.zero_grad(set_to_none=True)
         loss = compute_loss(compiled, workload, step)
         loss.backward()
+        be.profiles  # noqa: B018  (finishes the graphs that profiled enough)
     workload.model.zero_grad(set_to_none=True)
     profiles = be.profiles
     if not profiles:

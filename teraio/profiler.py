@@ -457,6 +457,19 @@ class StepProfiler:
             self._probed_gms[variant] = self.probe.probed(self.step.fw_gm, self.step.bw_gm, variant)
         return self._probed_gms[variant]
 
+    def record_step(self, fwd: GraphRun, bwd: GraphRun) -> None:
+        """Record one step's forward and backward that ran elsewhere (``teraio.estimate`` builds them from
+        a cost model and a static census); the first recorded step also gives the memory timeline."""
+        if len(fwd.duration_ns) != len(self.analysis.fw_ops) or len(bwd.duration_ns) != len(
+            self.analysis.bw_ops
+        ):
+            raise ValueError(
+                f"record_step: {len(fwd.duration_ns)} forward and {len(bwd.duration_ns)} backward op times "
+                f"for a graph of {len(self.analysis.fw_ops)} and {len(self.analysis.bw_ops)} ops"
+            )
+        self.fwd_runs.append(fwd)
+        self.bwd_runs.append(bwd)
+
     @property
     def steps_recorded(self) -> int:
         return len(self.bwd_runs)

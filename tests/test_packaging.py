@@ -176,3 +176,57 @@ def test_pyproject_lists_every_package_folder():
     )
     stale = sorted(p for p in listed if p not in expected)
     assert stale == [], f"pyproject lists packages without an __init__.py: {stale}"
+
+
+PRESETS = ("a100-40g-g10", "cpu-local", "h100-nvl-4x990pro", "h100-sxm-1ssd")
+
+
+def test_the_installed_package_finds_the_hardware_presets(tmp_path):
+    """``pip install -e`` (the dev install): the presets load through importlib.resources from outside
+    the source tree."""
+    code = (
+        "import json\nfrom teraio.planner.costmodel import load_preset, preset_names\n"
+        "print(json.dumps([preset_names(), load_preset('h100-nvl-4x990pro').hardware.tier('ssd').count]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    names, count = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(PRESETS) <= set(names) and count == 4
+
+
+def test_a_built_wheel_carries_the_hardware_presets(tmp_path):
+    """pyproject's package-data: a wheel built from the sources holds every preset (a copy of the tree is
+    built, so the worktree gets no build/ directory)."""
+    import shutil
+    import zipfile
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("teraio", "planner", "runtime"):
+        shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    dist = tmp_path / "dist"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    (wheel,) = dist.glob("teraio-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"teraio/planner/presets/{p}.json" for p in PRESETS} <= names

@@ -60,6 +60,18 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
     ),
     (r"\bteraio profile ", "teraio profile --inner eager ", "shell", "an Inductor compile takes 20-40 s"),
     (
+        r"\bteraio estimate (hf:\S+)",
+        r"teraio estimate \1 --layers 1 --seq 128 --time-limit 5",
+        "shell",
+        "a whole Llama takes minutes to capture and plan; one layer of it runs the same path in seconds",
+    ),
+    (
+        r"\bteraio estimate (builtin:\S+)",
+        r"teraio estimate \1 --time-limit 5",
+        "shell",
+        "CP-SAT does not prove the tiny GPT's joint plan optimal: it took 3-25 s of its 60 s limit",
+    ),
+    (
         r"\bteraio calibrate ",
         "teraio calibrate --size 16MiB --repeats 1 ",
         "shell",

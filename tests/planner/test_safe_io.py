@@ -245,6 +245,48 @@ def test_output_dir_that_is_a_file_or_symlink(tmp_path, victim):
         pyramid().save(tmp_path / "link")
 
 
+def _estimate_dir(path: Path, plans: tuple[str, ...] = ("plan-greedy.json",)) -> Path:
+    """An estimate artefact as ``teraio estimate --out`` lays it out (with stand-in plan contents)."""
+
+    def populate(d: Path) -> None:
+        (d / "profile").mkdir()
+        pyramid().write_files(d / "profile")
+        (d / "hardware.json").write_text(json.dumps(HardwareModel().to_dict()))
+        for name in plans:
+            (d / name).write_text("{}")
+        (d / "estimate.json").write_text(
+            json.dumps({"estimate_schema_version": 1, "plan_files": list(plans)})
+        )
+
+    return replace_dir(path, "estimate", populate)
+
+
+def test_an_estimate_is_replaced_only_when_it_is_exactly_teraios(tmp_path):
+    out = _estimate_dir(tmp_path / "est")
+    assert artifact_kind(out) == "estimate"
+    _estimate_dir(out, ("plan-greedy.json", "plan-ilp.json"))  # replaces an estimate without force
+    assert [p.name for p in tmp_path.iterdir()] == ["est"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "estimate.json",
+        "hardware.json",
+        "plan-greedy.json",
+        "plan-ilp.json",
+        "profile",
+    ]
+    (out / "plan-other.json").write_text("{}")  # a plan estimate.json does not name: not teraio's layout
+    assert artifact_kind(out) is None
+    with pytest.raises(OutputError, match="not a teraio estimate"):
+        _estimate_dir(out)
+    (out / "plan-other.json").unlink()
+    (out / "estimate.json").write_text(json.dumps({"plan_files": ["plan-greedy.json", "plan-ilp.json"]}))
+    assert artifact_kind(out) is None  # no teraio key: someone else's estimate.json
+    (out / "estimate.json").write_text(
+        json.dumps({"estimate_schema_version": 1, "plan_files": ["plan-greedy.json", "plan-ilp.json"]})
+    )
+    (out / "profile" / "notes.txt").write_text("mine")  # the profile is not teraio's any more
+    assert artifact_kind(out) is None
+
+
 # ------------------------------------------------------------------------------------------- inputs
 def test_inputs_are_read_only_when_regular_files_and_up_to_a_limit(tmp_path):
     """A plan that was a link to /dev/zero read without end (7.3 GB in 25 s); a FIFO blocked forever."""

@@ -126,12 +126,14 @@ def no_long_work(monkeypatch):
     """Replace the first step of each long job (right after its argument checks) with WorkStarted."""
     import teraio.calibrate
     import teraio.demo
+    import teraio.estimate
     import teraio.profile_run
 
     def started(*args, **kwargs):
         raise WorkStarted("an argument list that must be refused started the real work")
 
     monkeypatch.setattr(teraio.profile_run, "profile_workload", started)
+    monkeypatch.setattr(teraio.estimate, "build_target", started)  # the capture, after every check
     monkeypatch.setattr(teraio.calibrate, "filesystem_type", started)  # before its scratch directory
     monkeypatch.setattr(teraio.demo, "run_demo", started)
 
@@ -749,6 +751,18 @@ def _table(work: Path, valid: Path) -> list[list[str]]:
     for opt, v in [("--size", "1e30"), ("--size", str(2**62)), ("--size", "nan"), ("--block", "1e30")]:
         cases.append(["calibrate", str(work / "disk"), opt, v])
     cases.append(["profile", "builtin:tiny", "--out", str(work / "p-out"), "--top", str(2**62)])
+    est = ["estimate", "builtin:tiny", "--out", str(work / "e-out")]
+    for special in specials.values():  # a preset file given by path is read like any other input
+        cases.append([*est, "--hardware", str(special)])
+    for t in seconds:
+        cases.append([*est, "--hardware", "cpu-local", "--time-limit", t])
+    for b in budgets:
+        cases.append([*est, "--hardware", "cpu-local", "--budget", b])
+    for v in [*_BIG, *_NOT_FINITE, "0"]:
+        cases.append([*est, "--hardware", "cpu-local", "--ssd-bw", v])
+    for opt in ("--workers", "--ssds", "--gpus", "--batch", "--seq", "--layers"):
+        for n in [str(2**62), str(10**30), "0", "-1"]:
+            cases.append([*est, "--hardware", "cpu-local", opt, n])
     return cases
 
 
