@@ -66,7 +66,9 @@ def test_inductor_matrix(case_name: str, deterministic_inductor, tmp_path) -> No
     check_case(case_name, "plain", "inductor", tmp_path, budget)
 
 
-@pytest.mark.slow
+# By hand: a minute of compiles; test_inductor_convnet_kernels_with_every_tensor_moved checks the same
+# property (kernels unchanged with every tensor moved) in CI.
+@pytest.mark.expensive
 def test_inductor_bf16_autocast_moving_every_tensor_keeps_the_kernels(
     deterministic_inductor, tmp_path
 ) -> None:

@@ -127,7 +127,7 @@ def _epochs(backend: TeraioBackend, epochs: int) -> Trace:
     return trace
 
 
-@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("inner", INNERS_EXPENSIVE_INDUCTOR)
 def test_a_smaller_last_batch_reaches_running_steps_and_is_measured(
     inner: str, deterministic_inductor, tmp_path
 ) -> None:
@@ -266,7 +266,7 @@ def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> 
 
 
 # ------------------------------------------------------------------------------- two models, two backends
-@pytest.mark.parametrize("inner", INNERS)
+@pytest.mark.parametrize("inner", INNERS_EXPENSIVE_INDUCTOR)
 def test_two_models_with_two_backends_each_within_its_budget(
     inner: str, deterministic_inductor, tmp_path
 ) -> None:
