@@ -50,6 +50,7 @@ from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
 from teraio.errors import UserInputError
 from teraio.outside import OutsideTimer
+from teraio.planner.budget import parse_budget
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
@@ -1003,6 +1004,8 @@ class TeraioBackend:
             and result.peak_bytes > PREDICTION_SLACK * predicted
             and self.cfg.enabled
             and self.cfg.memory_budget is not None
+            # "auto" plans each graph for its own floor: memory beside the graphs changes no plan.
+            and parse_budget(self.cfg.memory_budget, "memory_budget").kind != "auto"
             and self._outside_rounds < 1
         ):
             # Note: [Memory outside the graphs is measured and planned for]
