@@ -231,11 +231,19 @@ def write_json(path: str | os.PathLike, obj: Any, *, overwrite: bool = False, in
 
 def append_line(path: str | os.PathLike, line: str) -> None:
     """Append one line to a log file (``O_APPEND|O_NOFOLLOW``: a symlink planted there is refused)."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(path, flags, _FILE_MODE)
+    fd = os.open(path, _APPEND_FLAGS, _FILE_MODE)
+    _append_and_close(fd, line, path)
+
+
+_APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _append_and_close(fd: int, line: str, shown: str | os.PathLike) -> None:
+    """Write ``line`` (newline-terminated) to a log opened with ``_APPEND_FLAGS``, refusing anything but
+    a regular file (``shown`` names it in the error); the descriptor is closed in every case."""
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OutputError(f"'{path}' is not a regular file; refusing to append to it")
+            raise OutputError(f"'{shown}' is not a regular file; refusing to append to it")
         data = (line.rstrip("\n") + "\n").encode()
         while data:
             data = data[os.write(fd, data) :]
@@ -793,16 +801,8 @@ class PrivateDir:
 
     def append_line(self, name: str, line: str) -> None:
         """Append one line to the log ``name`` (``O_APPEND|O_NOFOLLOW``, created 0600)."""
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(_one_name(name), flags, _PRIVATE_FILE_MODE, dir_fd=self.fd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OutputError(f"'{self.path / name}' is not a regular file; refusing to append to it")
-            data = (line.rstrip("\n") + "\n").encode()
-            while data:
-                data = data[os.write(fd, data) :]
-        finally:
-            os.close(fd)
+        fd = os.open(_one_name(name), _APPEND_FLAGS, _PRIVATE_FILE_MODE, dir_fd=self.fd)
+        _append_and_close(fd, line, self.path / name)
 
     def replace_subdir(self, name: str, kind: str, populate: Callable[[PrivateDir], None]) -> None:
         """Build the artefact directory ``name`` of ``kind`` with ``populate(staged)`` in a fresh private
