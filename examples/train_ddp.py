@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--budget", default="85%")
     parser.add_argument("--offload-dir", default=None, help="may say {local_rank}; default: teraio's own")
     parser.add_argument("--run-dir", default=None, help="each rank writes RUN_DIR/rank<r>/")
+    parser.add_argument(
+        "--disabled", action="store_true", help="enabled=False: the same run without teraio's plan"
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -42,6 +45,7 @@ def main() -> None:
         memory_budget=args.budget,
         offload_dirs=[args.offload_dir] if args.offload_dir else None,
         run_dir=args.run_dir,
+        enabled=not args.disabled,
     )
     compiled = torch.compile(DDP(model), backend=backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -56,7 +60,8 @@ def main() -> None:
     st = backend.stats()
     print(
         f"rank {rank}: {st['running_steps']} running steps, {st['moved_bytes_per_step']} bytes moved per step, "
-        f"measured peak {st['measured_peak_bytes']} (predicted {st['predicted_peak_bytes']})",
+        f"measured peak {st['measured_peak_bytes']} (predicted {st['predicted_peak_bytes']}), "
+        f"median step {st['step_s']} s",
         flush=True,
     )
     backend.close()

@@ -4,7 +4,8 @@
 
 ``fully_shard`` frees each block's gathered parameters after its forward and gathers them again for its
 backward, outside teraio's graphs: teraio measures that memory in the first running step and plans for
-it. One block graph runs once per block per step; its plan is shared by every call.
+it. One block graph runs once per block per step, with a plan per call: the first block's activations,
+idle longest, are moved; the last block's, used again at once, stay.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def main() -> None:
     parser.add_argument("--budget", default="85%")
     parser.add_argument("--offload-dir", default=None, help="may say {local_rank}; default: teraio's own")
     parser.add_argument("--run-dir", default=None, help="each rank writes RUN_DIR/rank<r>/")
+    parser.add_argument(
+        "--disabled", action="store_true", help="enabled=False: the same run without teraio's plan"
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -42,6 +46,7 @@ def main() -> None:
         memory_budget=args.budget,
         offload_dirs=[args.offload_dir] if args.offload_dir else None,
         run_dir=args.run_dir,
+        enabled=not args.disabled,
     )
     for block in model.blocks:
         block.compile(backend=backend)
@@ -59,7 +64,8 @@ def main() -> None:
     st = backend.stats()
     print(
         f"rank {rank}: {st['running_steps']} running steps, {st['moved_bytes_per_step']} bytes moved per step, "
-        f"measured peak {st['measured_peak_bytes']} (predicted {st['predicted_peak_bytes']})",
+        f"measured peak {st['measured_peak_bytes']} (predicted {st['predicted_peak_bytes']}), "
+        f"median step {st['step_s']} s",
         flush=True,
     )
     backend.close()

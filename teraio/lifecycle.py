@@ -63,7 +63,7 @@ from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
 from teraio.step_stats import Measurement, StepStats
-from teraio.steps import InvocationEnd, StepRecord, StepTracker
+from teraio.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 
 log = logging.getLogger("teraio")
 
@@ -113,7 +113,12 @@ class GraphRunner:
         self.profiler: StepProfiler | None = None
         self.profile: Profile | None = None
         self.plan: Plan | None = None
+        # Note: [A graph called several times per step is planned per call]: the plan of each call of a
+        # step (by its ordinal), when they differ; ``plan`` is the first call's, and serves calls beyond.
+        self.plans: dict[int, Plan] = {}
         self.plan_before_outside: Plan | None = None
+        self.plans_before_outside: dict[int, Plan] = {}
+        self._compiled_for: dict[int, Callable[..., Any]] = {}  # ordinal -> compilation with its plan
         self.rewrite: RewriteResult | None = None
         self.invocations = 0
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
@@ -162,6 +167,11 @@ class GraphRunner:
     @property
     def is_training(self) -> bool:
         return self._training
+
+    def plan_for(self, ordinal: int) -> Plan | None:
+        """The plan of this graph's ``ordinal``-th call in a step (Note: [A graph called several times per
+        step is planned per call])."""
+        return self.plans.get(ordinal, self.plan)
 
     # ----------------------------------------------------------------------------------- compiling
     def _on_profiling_partition(self, step: CapturedStep) -> None:
@@ -293,8 +303,37 @@ class GraphRunner:
         return self._call_params or frozenset()
 
     def compile_final(self) -> None:
-        """Recompile with the plan's migration ops (or none), for every later forward."""
-        plan = self.plan if self.cfg.enabled and self.plan is not None and self.plan.decisions else None
+        """Recompile with the plan's migration ops (or none), for every later forward; one compilation per
+        distinct plan when the calls of a step have plans of their own."""
+        by_ordinal = self.plans or {0: self.plan}
+        compiled: dict[str, Callable[..., Any]] = {}
+        self._compiled_for = {}
+        for ordinal, p in sorted(by_ordinal.items()):
+            plan = p if self.cfg.enabled and p is not None and p.decisions else None
+            identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
+            if identity not in compiled:
+                compiled[identity] = self._compile_with(plan, identity)
+            self._compiled_for[ordinal] = compiled[identity]
+        self._compiled = self._compiled_for[min(self._compiled_for)]
+        if len(self._compiled_for) == 1:
+            self._compiled_for = {}
+        self.phase = Phase.RUNNING
+        self.compiles += 1
+        if self.profile is not None and self.profiler is not None:
+            self.profiler.abandon_kernel_memory()  # never leave a profiler session running unowned
+            self.profiler = None
+        if len(compiled) > 1:
+            log.info(
+                "running %s with a plan per call of the step: %s",
+                self.name,
+                "; ".join(f"call {j}: {describe_plan(p)}" for j, p in sorted(self.plans.items())),
+            )
+        else:
+            plan = self.plan if self.cfg.enabled and self.plan is not None and self.plan.decisions else None
+            log.info("running %s with %s", self.name, describe_plan(plan) if plan else "no migration")
+
+    def _compile_with(self, plan: Plan | None, identity: str) -> Callable[..., Any]:
+        """The graph compiled with ``plan``'s migration ops (None: without any)."""
 
         def on_partition(step: CapturedStep) -> CapturedStep | None:
             if plan is None:
@@ -317,8 +356,7 @@ class GraphRunner:
             )
             return self.rewrite.step
 
-        identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
-        self._compiled = compile_graph(
+        return compile_graph(
             self.gm,
             self.example_inputs,
             self.cfg.inner,
@@ -326,12 +364,6 @@ class GraphRunner:
             identity=identity,
             inductor_options=self.backend.inductor_options,
         )
-        self.phase = Phase.RUNNING
-        self.compiles += 1
-        if self.profile is not None and self.profiler is not None:
-            self.profiler.abandon_kernel_memory()  # never leave a profiler session running unowned
-            self.profiler = None
-        log.info("running %s with %s", self.name, describe_plan(plan) if plan else "no migration")
 
     def _without_plan(self) -> Callable[..., Any]:
         """The graph compiled without migration ops, for calls whose outputs are never backpropagated
@@ -388,6 +420,9 @@ class GraphRunner:
         if not never_backpropagated:
             self.backend._maybe_start_measurement()
         compiled = self._compiled
+        if self._compiled_for:  # Note: [A graph called several times per step is planned per call]
+            ordinal = sum(1 for g, k, _ in step.calls if g is self and k is CallKind.FWD)
+            compiled = self._compiled_for.get(ordinal, compiled)
         if never_backpropagated and self.rewrite is not None:
             compiled = self._without_plan()
             self.unplanned_calls += 1
@@ -470,6 +505,10 @@ class GraphRunner:
 #: How far a measured step peak may exceed the prediction before the user is told (the budget tests hold
 #: measured peaks to 5% over the budget).
 PREDICTION_SLACK = 1.05
+
+#: Plans per graph at most, for a graph called several times per step (Note: [A graph called several
+#: times per step is planned per call]): each distinct plan is one more compilation.
+MAX_PLANS_PER_GRAPH = 4
 
 
 def _warn_unplanned_memory(measured_bytes: int, predicted_bytes: int | None, graphs: int) -> None:
@@ -637,8 +676,9 @@ class TeraioBackend:
                 self._replan_wanted = False
                 for r in self.runners:
                     if r.is_training and r.profile is not None and r.phase is Phase.RUNNING:
-                        r.plan_before_outside = r.plan  # kept when the budget cannot absorb that memory
-                        r.plan, r.phase = None, Phase.PLANNING
+                        # Kept when the budget cannot absorb that memory.
+                        r.plan_before_outside, r.plans_before_outside = r.plan, r.plans
+                        r.plan, r.plans, r.phase = None, {}, Phase.PLANNING
                 self._ranks_ready = True
         if runner.phase is not Phase.PLANNING:
             return
@@ -681,6 +721,20 @@ class TeraioBackend:
             where,
         )
 
+    # Note: [A graph called several times per step is planned per call]
+    #     One graph may run several times in a step with its invocations in flight together: each block of
+    #     a model compiled on its own (``block.compile()``, torchtitan's way, with or without FSDP2) gives
+    #     Dynamo one graph that runs once per block. The first block's saved tensors are held from its
+    #     forward to the end of the backward; the last block's backward follows its forward at once. So
+    #     each call of a step (its ordinal among the graph's forwards in the step) is a node of the step's
+    #     composition with a plan of its own: the calls start with everything offloadable moved, and from
+    #     the latest forward back, each gets the largest budget that still composes within the step's
+    #     (teraio.step_budget.split_budget's ``relax``). The last calls keep what they save; the first,
+    #     idle longest, move it. At most MAX_PLANS_PER_GRAPH plans per graph (consecutive calls share one)
+    #     bound the compilations. A call beyond those planned (a step with more calls) takes the first
+    #     call's plan, which holds the least. Each plan's own time model still sees its forward followed
+    #     by its backward: the I/O of the early calls hides behind the other blocks' compute in practice,
+    #     which the prediction does not count (it is pessimistic there).
     def _plan_step(self, ready: list[GraphRunner]) -> None:
         from teraio import step_budget
         from teraio.planner.budget import BudgetError, resolve_budget
@@ -689,19 +743,38 @@ class TeraioBackend:
 
         graphs = [r for r in self.runners if r.profile is not None and r.is_training]
         calls = self._step_calls(graphs)
+        ordinals = invocation_ordinals(calls)
+        counts: dict[GraphRunner, int] = {}
+        for g, _, i in calls:
+            counts[g] = max(counts.get(g, 0), ordinals.get(i, 0) + 1)
+
+        def group(r: GraphRunner, ordinal: int) -> int:
+            n = counts.get(r, 1)
+            return ordinal * MAX_PLANS_PER_GRAPH // n if n > MAX_PLANS_PER_GRAPH else ordinal
+
+        def node_of(g: GraphRunner, inv: int) -> tuple[GraphRunner, int]:
+            return (g, group(g, ordinals.get(inv, 0)))
+
+        node_calls = [(node_of(g, i), k, i) for g, k, i in calls]
+        nodes = list(dict.fromkeys(n for n, _, _ in node_calls))
+        first_ordinal = {}
+        for g, _, i in calls:
+            first_ordinal.setdefault(node_of(g, i), ordinals.get(i, 0))
         lifetimes = {r: analyse(r.profile) for r in graphs}
 
         def held(r: GraphRunner, plan: Plan | None) -> int:
             after = int(r.profile.meta.get("census_after_fwd_bytes", 0))
             return max(0, after - (plan.moved_bytes if plan is not None else 0))
 
-        unplanned = {r: GraphMemory(lifetimes[r].baseline_peak_bytes, held(r, None)) for r in graphs}
-        fixed = {r: r.plan for r in graphs if r not in ready and r.plan is not None}
-        memory = {
-            r: GraphMemory(p.predicted_peak_bytes, held(r, p)) if (p := fixed.get(r)) else unplanned[r]
-            for r in graphs
-        }
-        step_unplanned, _ = step_peak(calls, unplanned)
+        def memory_of(node: tuple[GraphRunner, int], plan: Plan | None) -> GraphMemory:
+            r = node[0]
+            if plan is None:
+                return GraphMemory(lifetimes[r].baseline_peak_bytes, held(r, None))
+            return GraphMemory(plan.predicted_peak_bytes, held(r, plan))
+
+        fixed = {n: n[0].plan_for(first_ordinal[n]) for n in nodes if n[0] not in ready}
+        memory = {n: memory_of(n, fixed.get(n)) for n in nodes}
+        step_unplanned, _ = step_peak(node_calls, {n: memory_of(n, None) for n in nodes})
         # Note: [Memory outside the graphs is measured and planned for]: a fraction is of the whole step's
         # unplanned peak, outside memory included, and the graphs get the budget less that memory.
         outside = self._outside_bytes
@@ -711,18 +784,23 @@ class TeraioBackend:
             budget_bytes = int(self.ranks.reduce([budget_bytes], "min")[0])
         for r in ready:
             r.step_budget_bytes = budget_bytes
+            r.plans = {}
         graphs_budget = None if budget_bytes is None else budget_bytes - outside
         if budget_bytes is None:  # "auto": each graph's own smallest stall-free peak
             for r in ready:
                 r.plan = self._solve(r, "auto")
             return
-        plans: dict[GraphRunner, Plan] = {}
+        plans: dict[tuple[GraphRunner, int], Plan] = {}
+        solved: dict[tuple[GraphRunner, int, bool], Plan] = {}  # a graph planned for one budget once
 
-        def plan_graph(r: GraphRunner, b: int, fast: bool) -> GraphMemory:
+        def plan_graph(n: tuple[GraphRunner, int], b: int, fast: bool) -> GraphMemory:
+            r = n[0]
             if r not in ready:
-                return memory[r]
-            plans[r] = self._solve(r, b, solver="greedy" if fast else None, quiet=fast)
-            return GraphMemory(plans[r].predicted_peak_bytes, held(r, plans[r]))
+                return memory[n]
+            if (r, b, fast) not in solved:
+                solved[(r, b, fast)] = self._solve(r, b, solver="greedy" if fast else None, quiet=fast)
+            plans[n] = solved[(r, b, fast)]
+            return memory_of(n, plans[n])
 
         log.info(
             "planning %d graph(s) for a step budget of %s (%s; solver %s, time limit %.0f s per graph)",
@@ -733,23 +811,27 @@ class TeraioBackend:
             self.cfg.time_limit,
         )
 
-        def min_held(r: GraphRunner) -> int:
+        def min_held(n: tuple[GraphRunner, int]) -> int:
+            r = n[0]
             if r not in ready:
-                return memory[r].held_bytes
+                return memory[n].held_bytes
             t = r.profile.tensors
             movable = int(t.loc[t["offloadable"] & (t["first_bwd_use_idx"] >= 0), "nbytes"].sum())
             return max(0, held(r, None) - movable)
 
+        several = {n for n in nodes if n[0] in ready and counts.get(n[0], 1) > 1}
+        last_forward = {n: j for j, (n, k, _) in enumerate(node_calls) if k == "fwd"}
         failure: BudgetError | None = None
         try:
             step_budget.split_budget(
-                calls,
+                node_calls,
                 graphs_budget,
                 memory,
                 plan_graph,
-                {r: lifetimes[r].min_feasible_peak_bytes for r in graphs},
-                {r: min_held(r) for r in graphs},
-                lambda r: r.name,
+                {n: lifetimes[n[0]].min_feasible_peak_bytes for n in nodes},
+                {n: min_held(n) for n in nodes},
+                lambda n: n[0].name + (f" (call {first_ordinal[n]} of the step)" if n in several else ""),
+                relax=sorted(several, key=lambda n: -last_forward.get(n, -1)),
             )
         except BudgetError as exc:
             failure = exc
@@ -767,7 +849,7 @@ class TeraioBackend:
             # the graphs' share; stopping it for memory the loop holds would lose a job that works. Every
             # rank takes this branch together (the failure was gathered above).
             for r in ready:
-                r.plan, r.phase = r.plan_before_outside, Phase.RUNNING
+                r.plan, r.plans, r.phase = r.plan_before_outside, r.plans_before_outside, Phase.RUNNING
             log.warning(
                 "the step holds %s outside teraio's graphs, more than memory_budget %s leaves beside them (%s); "
                 "the graphs keep their plans and the step peaks above the budget: free what the loop holds "
@@ -776,22 +858,19 @@ class TeraioBackend:
                 _fmt(budget_bytes),
                 failure,
             )
-            kept = {r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) for r in ready}
-            self.predicted_step_peak_bytes = step_peak(calls, {**memory, **kept})[0] + outside
+            kept = {n: memory_of(n, n[0].plan_for(first_ordinal[n])) for n in nodes if n[0] in ready}
+            self.predicted_step_peak_bytes = step_peak(node_calls, {**memory, **kept})[0] + outside
             return
         if failure is not None:
             raise failure
-        for r, p in plans.items():
-            r.plan = p
+        for r in {n[0] for n in plans}:
+            mine = {first_ordinal[n]: plans[n] for n in plans if n[0] is r}
+            r.plan = mine[min(mine)]
+            if len({id(p) for p in mine.values()}) > 1:
+                r.plans = {j: plans[(r, group(r, j))] for j in range(counts[r])}
             self._save_plan(r)
         self.predicted_step_peak_bytes = (
-            step_peak(
-                calls,
-                {
-                    r: GraphMemory(r.plan.predicted_peak_bytes, held(r, r.plan)) if r.plan else memory[r]
-                    for r in graphs
-                },
-            )[0]
+            step_peak(node_calls, {n: memory_of(n, n[0].plan_for(first_ordinal[n])) for n in nodes})[0]
             + self._outside_bytes
         )
         log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
@@ -1034,19 +1113,20 @@ class TeraioBackend:
         """Changes whenever a graph of ``kind`` is recompiled (a new plan): measurements are per plans."""
         return sum(r.compiles for r in self.runners if r.graph_id in kind)
 
-    def _graph_memory(self, r: GraphRunner) -> Any:
-        """A graph's peak and what one invocation holds between forward and backward, under its plan (or
-        unplanned, from its profile; None when it was never profiled)."""
+    def _graph_memory(self, r: GraphRunner, ordinal: int = 0) -> Any:
+        """A graph's peak and what its ``ordinal``-th call of a step holds between forward and backward,
+        under its plan (or unplanned, from its profile; None when it was never profiled)."""
         from teraio.planner.lifetimes import analyse
         from teraio.step_budget import GraphMemory
 
         if r.profile is None:
             return None
+        plan = r.plan_for(ordinal)
         held = max(
-            0, int(r.profile.meta.get("census_after_fwd_bytes", 0)) - (r.plan.moved_bytes if r.plan else 0)
+            0, int(r.profile.meta.get("census_after_fwd_bytes", 0)) - (plan.moved_bytes if plan else 0)
         )
-        if r.plan is not None and self.cfg.enabled and r.plan.decisions:
-            return GraphMemory(r.plan.predicted_peak_bytes, held)
+        if plan is not None and self.cfg.enabled and plan.decisions:
+            return GraphMemory(plan.predicted_peak_bytes, held)
         if r._unplanned_peak_bytes is None:
             r._unplanned_peak_bytes = analyse(r.profile).baseline_peak_bytes
         return GraphMemory(r._unplanned_peak_bytes, held)
@@ -1056,12 +1136,12 @@ class TeraioBackend:
         it has no profile to predict from."""
         from teraio.step_budget import step_peak
 
-        memory = {g: self._graph_memory(g) for g, _, _ in calls}
+        ordinals = invocation_ordinals(calls)
+        nodes = [((g, ordinals.get(i, 0)), getattr(k, "value", k), i) for g, k, i in calls]
+        memory = {n: self._graph_memory(*n) for n, _, _ in nodes}
         if any(m is None for m in memory.values()):
             return None
-        return (
-            step_peak([(g, getattr(k, "value", k), i) for g, k, i in calls], memory)[0] + self._outside_bytes
-        )
+        return step_peak(nodes, memory)[0] + self._outside_bytes
 
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
@@ -1271,7 +1351,9 @@ class TeraioBackend:
             io_backend = self.cfg.io_backend
             if set(self.cfg.tiers) == {"host"}:
                 io_backend = "host"
-            reserve = sum(r.plan.moved_bytes for r in self.runners if r.plan is not None)
+            reserve = sum(
+                p.moved_bytes for r in self.runners for p in (r.plans.values() or [r.plan]) if p is not None
+            )
             # One subdirectory per process and rank (DDP, torchrun): the runtime names them by both.
             rank = rank_info().rank
             self.engine = Engine(
@@ -1322,6 +1404,10 @@ class TeraioBackend:
         if self._run is None or runner.plan is None or self._run.error is not None:
             return  # (no simulation for a trace that would not be written)
         self._run.save_plan(runner.graph_id, runner.plan.to_json(), trace_of(runner.profile, runner.plan))
+        # Note: [A graph called several times per step is planned per call]: each later call's own plan.
+        for j, p in sorted(runner.plans.items()):
+            if j > 0 and p is not runner.plans[j - 1]:
+                self._run.save_plan(runner.graph_id, p.to_json(), trace_of(runner.profile, p), call=j)
 
     def _append_stats(self, step: StepRecord) -> None:
         # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
@@ -1374,6 +1460,9 @@ class TeraioBackend:
                 "phase": r.phase.value,
                 "invocations": r.invocations,
                 "moved_bytes_per_invocation": r.plan.moved_bytes if r.plan else 0,
+                # Note: [A graph called several times per step is planned per call]: per call of a step,
+                # when its calls have plans of their own (the first is ``moved_bytes_per_invocation``).
+                "moved_bytes_by_call": [p.moved_bytes for _, p in sorted(r.plans.items())],
                 "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
                 "predicted_step_s": r.plan.predicted_step_s if r.plan else None,
                 "profiled_s": r.profile.meta.get("step_s") if r.profile is not None else None,
@@ -1405,8 +1494,7 @@ class TeraioBackend:
                 "measure_note": None,
                 "moved_bytes_per_step": 0,
             }
-        fwd = [g for g, k, _ in calls if getattr(k, "value", k) == "fwd"]
-        planned = [g.plan for g in fwd if g.plan is not None]
+        planned = self._forward_plans(calls)
         return {
             "steps": self.tracker.completed_steps,
             "graphs": len(self.runners),
@@ -1430,9 +1518,14 @@ class TeraioBackend:
         """Bytes a step with these calls moves: each forward's plan, when the backend runs plans."""
         if not self.cfg.enabled:
             return 0
-        return sum(
-            g.plan.moved_bytes for g, k, _ in calls if getattr(k, "value", k) == "fwd" and g.plan is not None
-        )
+        return sum(p.moved_bytes for p in self._forward_plans(calls))
+
+    @staticmethod
+    def _forward_plans(calls: list[tuple[Any, Any, int]]) -> list[Plan]:
+        """The plan each forward of a step with these calls runs (its graph's plan for that call)."""
+        ordinals = invocation_ordinals(calls)
+        plans = (g.plan_for(ordinals.get(i, 0)) for g, k, i in calls if getattr(k, "value", k) == "fwd")
+        return [p for p in plans if p is not None]
 
 
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -255,14 +255,18 @@ class RunDir:
             graph_id, "profile", lambda g: g.replace_subdir("profile", "profile", profile.write_into)
         )
 
-    def save_plan(self, graph_id: int, plan_json: str, trace: dict[str, Any]) -> None:
-        """``graphN/plan.json`` and ``graphN/trace.json`` (the plan's predicted step, Chrome trace)."""
+    def save_plan(
+        self, graph_id: int, plan_json: str, trace: dict[str, Any], call: int | None = None
+    ) -> None:
+        """``graphN/plan.json`` and ``graphN/trace.json`` (the plan's predicted step, Chrome trace); with
+        ``call``, a later call's own plan in a step (``plan_call<j>.json``, ``trace_call<j>.json``)."""
+        suffix = "" if call is None else f"_call{call}"
 
         def write(g: PrivateDir) -> None:
-            g.write_bytes("plan.json", plan_json.encode())
-            g.write_json("trace.json", trace, indent=None)
+            g.write_bytes(f"plan{suffix}.json", plan_json.encode())
+            g.write_json(f"trace{suffix}.json", trace, indent=None)
 
-        self._in_graph(graph_id, "plan.json", write)
+        self._in_graph(graph_id, f"plan{suffix}.json", write)
 
     def save_hardware(self, hardware: dict[str, Any]) -> None:
         """``hardware.json``: the hardware model the plans were made with."""

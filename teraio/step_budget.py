@@ -70,6 +70,7 @@ def split_budget(
     min_held: dict[Hashable, int],
     describe: Callable[[Hashable], str],
     bisections: int = 7,
+    relax: Sequence[Hashable] = (),
 ) -> dict[Hashable, int]:
     """Per-graph budgets whose composed step peak fits ``budget_bytes``; plans every graph for them.
 
@@ -84,6 +85,11 @@ def split_budget(
             ``fast`` plans are for the search, the last call for each graph is the real plan.
         min_peak: each graph's smallest achievable peak (everything offloadable moved).
         min_held: what one invocation of each graph holds at the least after its forward.
+        relax: nodes planned per call of a graph that runs several times in a step (Note: [A graph
+            called several times per step is planned per call] in teraio.lifecycle), latest forward
+            first. They start at their smallest peak (everything offloadable moved) while the scale is
+            searched for the other graphs, then each in turn gets the largest budget that still
+            composes: the calls whose saved tensors are held for the shortest time keep them first.
 
     Raises:
         BudgetError: no split fits; names the graph and the smallest achievable step peak.
@@ -102,8 +108,13 @@ def split_budget(
             plan_graph(g, top[g], False)
         return top
 
+    pinned = set(relax)
+
     def at(scale: float) -> dict[Hashable, int]:
-        return {g: int(min_peak[g] + scale * (top[g] - min_peak[g])) for g in graphs}
+        return {
+            g: min_peak[g] if g in pinned else int(min_peak[g] + scale * (top[g] - min_peak[g]))
+            for g in graphs
+        }
 
     def fits(budgets: dict[Hashable, int], fast: bool) -> tuple[bool, int, Hashable | None]:
         memory = {g: plan_graph(g, b, fast) for g, b in budgets.items()}
@@ -127,6 +138,19 @@ def split_budget(
             else:
                 hi = mid
     budgets = at(lo)
+    for g in relax:
+        low_b, high_b = budgets[g], top[g]
+        for attempt in range(bisections // 2 + 1):
+            trial_b = high_b if attempt == 0 else (low_b + high_b) // 2
+            if trial_b <= low_b:
+                break
+            trial = {**budgets, g: trial_b}
+            if fits(trial, True)[0]:
+                budgets, low_b = trial, trial_b
+                if attempt == 0:
+                    break
+            else:
+                high_b = trial_b
     ok, _, _ = fits(budgets, False)
     if not ok:  # the real solver's plans compose worse than the fast ones: keep the fast ones
         fits(budgets, True)

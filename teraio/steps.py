@@ -221,3 +221,25 @@ class StepTracker:
             self.last_complete = step
         if self._on_step_end is not None:
             self._on_step_end(step)
+
+
+def invocation_ordinals(calls: list[tuple[Any, Any, int]]) -> dict[int, int]:
+    """Per invocation id in a step's calls: how many forwards of its graph came before it in that step.
+
+    Note: [A graph called several times per step is planned per call] in teraio.lifecycle: the ordinal
+    picks the call's plan. ``calls`` may hold several steps one after the other (each kind of step the
+    backend saw): counting restarts whenever a step's first forward comes (nothing in flight).
+    """
+    ordinals: dict[int, int] = {}
+    seen: dict[Any, int] = {}
+    in_flight: set[int] = set()
+    for graph, kind, inv in calls:
+        if getattr(kind, "value", kind) == "fwd":
+            if not in_flight:
+                seen.clear()  # a new step
+            ordinals[inv] = seen.get(graph, 0)
+            seen[graph] = ordinals[inv] + 1
+            in_flight.add(inv)
+        else:
+            in_flight.discard(inv)
+    return ordinals
