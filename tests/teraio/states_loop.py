@@ -32,6 +32,8 @@ class Run:
     state_stats: dict[str, Any] = field(default_factory=dict)
     #: Per step: the peak resident optimizer-state bytes of the streamed step and its chunks' bytes.
     step_peaks: list[tuple[int, list[int]]] = field(default_factory=list)
+    #: After ``load_state_dict`` of a checkpoint: optimizer-state bytes resident and written.
+    after_load: dict[str, int] = field(default_factory=dict)
 
 
 def engine_io_bytes(states: Any) -> int:
@@ -70,12 +72,18 @@ def train(
         )
     else:
         be = teraio.backend(inner="eager", profile_steps=1, measure_memory=False, enabled=False)
+    run = Run()
     if checkpoint_in is not None:
         ckpt = torch.load(checkpoint_in, weights_only=True)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
+        if offload:
+            st = be.states.stats()
+            run.after_load = {
+                "resident_bytes": st["resident_bytes"]["optimizer_state"],
+                "written_bytes": st["written_bytes"]["optimizer_state"],
+            }
     compiled = torch.compile(model, backend=be)
-    run = Run()
     for step in range(first_step, steps):
         before = engine_io_bytes(be.states) if offload else 0
         opt.zero_grad(set_to_none=True)
