@@ -89,6 +89,14 @@ Note: [CUDA ordering]
         block is reused only after that stream finished its work up to the free.
     (6) settle: Note: [A read nobody fetched is settled by the allocator].
 
+Note: [Exclusive fetches are not served again]
+    A fetched buffer is remembered (weakly) so sibling keys and later fetches share it while its users
+    hold it. A caller that changes the fetched bytes in place (teraio.states updates optimizer states in
+    the buffer it fetched, and autograd accumulates into a fetched gradient) would then have its changed
+    bytes served as the key's: ``fetch(key, exclusive=True)`` leaves the buffer unremembered, so the key
+    keeps meaning its bytes on disk whatever happens to the buffer, and however long something (a
+    traceback's frame, say) keeps it alive.
+
 Note: [A read nobody fetched is settled by the allocator]
     A read buffer that no ``fetch`` took (the read failed, or its key was dropped or the engine closed
     first) may still have copies and checksums queued on I/O read streams when the engine lets it go.
@@ -859,10 +867,14 @@ class Engine:
             return "<host memory>"
         return str(self._dirs[chunk.dir_idx].data_path)
 
-    def fetch(self, key: str) -> torch.Tensor:
+    def fetch(self, key: str, *, exclusive: bool = False) -> torch.Tensor:
         """Return ``key``'s tensor with its dtype, shape, strides and bytes (from memory if still
         there, else from the prefetched or a new read). Views deduplicated onto one storage come back
         as views of one buffer.
+
+        ``exclusive=True``: a buffer this call reads is the caller's alone, which may change it in place:
+        it is never served to a later fetch or prefetch of this or a sibling key, which read the disk
+        again (Note: [Exclusive fetches are not served again]).
 
         Raises:
             ChecksumError, DiskIOError, RuntimeIOError: the read failed (the key stays readable); or an
@@ -880,7 +892,7 @@ class Engine:
                 if rec.tensor is not None:
                     self._stats.count("forwarded_fetches")
                     self._stats.count("forwarded_nbytes", entry.nbytes)
-                    return rec.tensor
+                    return rec.tensor.clone() if exclusive else rec.tensor  # still the caller's bytes
                 copy = self._memory_copy(entry)
                 if copy is not None:
                     self._stats.count("forwarded_fetches")
@@ -890,7 +902,8 @@ class Engine:
                         # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3), (5)).
                         whole = torch.empty(0, dtype=torch.uint8, device=loaded.device).set_(loaded)
                         self._order_before_consumer(rec.device, entry.last_read.device_events, whole)
-                    return self._rebuild(rec, copy[0], copy[1])
+                    served = self._rebuild(rec, copy[0], copy[1])
+                    return served.clone() if exclusive else served  # others hold that buffer
                 req = entry.read_req
                 if req is None:
                     req = entry.read_req = self._submit_read(key, entry)
@@ -910,8 +923,9 @@ class Engine:
                 if buf is not None:
                     # The buffer now belongs to the returned tensors; remember it only weakly so sibling
                     # keys share it while someone holds it and the memory goes when they let go.
-                    entry.loaded_ref = weakref.ref(buf.untyped_storage())
-                    entry.last_read = req
+                    if not exclusive:  # Note: [Exclusive fetches are not served again]
+                        entry.loaded_ref = weakref.ref(buf.untyped_storage())
+                        entry.last_read = req
                     break
             # A concurrent fetch of a sibling key took the buffer: look again (memory, or a new read).
         if req.device_events:

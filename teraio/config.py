@@ -6,7 +6,7 @@ import importlib.util
 import math
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from teraio.compilers import InnerCompiler
@@ -19,6 +19,7 @@ OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
 RecomputeOption = Literal["off", "only", "joint"]
+StatesOption = Literal["keep", "offload"]
 #: ``hardware=CALIBRATE``: time the offload directory before the first plan instead of reading a file.
 CALIBRATE = "calibrate"
 
@@ -59,6 +60,22 @@ class BackendConfig:
     #: plan recompute, "off" with the offload-only baselines.
     recompute: RecomputeOption | None = None
     runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
+    #: "offload": gradients and optimizer states of ``optimizer`` live on disk between uses and its step
+    #: streams (teraio.states); "keep": they stay in memory, as without teraio.
+    states: StatesOption = "keep"
+    optimizer: Any = field(default=None, repr=False)  # a torch.optim.Optimizer, for states="offload"
+    states_chunk_bytes: int | str = "64MiB"  # gradient + state bytes per chunk of the streamed step
+
+    def recorded(self) -> dict[str, Any]:
+        """The options as written into the run directory: no runtime_options (test seams), the optimizer
+        by its class name (``dataclasses.asdict`` would deep-copy it, parameters and all)."""
+        out = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name not in ("runtime_options", "optimizer")
+        }
+        out["optimizer"] = None if self.optimizer is None else type(self.optimizer).__name__
+        return out
 
     def offload_dirs_for(self, info: RankInfo) -> list[str] | None:
         """This rank's offload directories (None: the runtime's default)."""
@@ -130,6 +147,26 @@ class BackendConfig:
             )
         if self.offload_dirs is not None:
             self._check_offload_dirs()
+        self._check_states()
+
+    def _check_states(self) -> None:
+        _check_choice("states", self.states, StatesOption)
+        from teraio.planner.sizes import SizeError, nbytes_of
+
+        try:
+            chunk_nbytes = nbytes_of(self.states_chunk_bytes, "states_chunk_bytes")
+        except SizeError as exc:
+            raise UserInputError(str(exc)) from None
+        if chunk_nbytes <= 0:
+            raise UserInputError(f"states_chunk_bytes must be positive, not {self.states_chunk_bytes!r}")
+        if self.states == "offload" and self.optimizer is None:
+            raise UserInputError(
+                "states='offload' needs the optimizer: teraio.backend(states='offload', optimizer=opt)"
+            )
+        if self.optimizer is not None:
+            from teraio.states.offload import check_optimizer
+
+            check_optimizer(self.optimizer)
 
     def _check_offload_dirs(self) -> None:
         if not self.offload_dirs:

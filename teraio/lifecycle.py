@@ -33,7 +33,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_p
 from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
+from teraio.states import attach_states, moved_bytes_by_kind
 from teraio.step_stats import Measurement, StepStats
 from teraio.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 
@@ -628,10 +628,10 @@ class TeraioBackend:
         self._run: RunDir | None = None
         if self.run_dir is not None:
             self._run = RunDir.open(self.run_dir, self.run_id)
-            cfg = {k: v for k, v in asdict(self.cfg).items() if k != "runtime_options"}
-            self._run.write_config(json.loads(json.dumps(cfg, default=str)))
+            self._run.write_config(json.loads(json.dumps(self.cfg.recorded(), default=str)))
         if self.cfg.plan is not None:
             self.plans_from_file = load_plans(self.cfg.plan)
+        self.states = attach_states(self.cfg)  # states="offload": teraio.states (issue 23)
 
     # ---------------------------------------------------------------------------- torch.compile API
     def __call__(
@@ -1380,6 +1380,8 @@ class TeraioBackend:
             self._recorder = None
         self._measure = MeasureState.DONE
         process.unregister(self)
+        if getattr(self, "states", None) is not None:
+            self.states.close()
         if self.engine is not None:
             from teraio.ops import unregister_engine
 
@@ -1504,6 +1506,7 @@ class TeraioBackend:
             "models": summaries,
             "per_graph": graphs,
             **self._io_stats(),
+            "moved_bytes_by_kind": moved_bytes_by_kind(self._io_stats(), self.states),
         }
 
     def _parameter_links(self) -> list[frozenset[int]]:

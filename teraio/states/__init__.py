@@ -1,0 +1,64 @@
+"""Gradients and optimizer states offloaded to disk, the optimizer step streamed (issue 23, first slice).
+
+``teraio.backend(states="offload", optimizer=opt)`` attaches a :class:`StateOffload` to a stock optimizer;
+:func:`attach_states` is what the backend calls. Parameters stay resident in this slice, and the planner
+does not see these tensors in its budget yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from teraio.states.errors import StatesError
+
+if TYPE_CHECKING:
+    from teraio.config import BackendConfig
+    from teraio.states.offload import StateOffload
+
+__all__ = ["StateOffload", "StatesError", "attach_states", "moved_bytes_by_kind"]
+
+#: The kinds of ``moved_bytes_by_kind``, in the order the backend reports them.
+KINDS = ("activation", "parameter", "gradient", "optimizer_state")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "StateOffload":  # imports torch: only when asked for
+        from teraio.states.offload import StateOffload
+
+        return StateOffload
+    raise AttributeError(f"module 'teraio.states' has no attribute {name!r}")
+
+
+def attach_states(cfg: BackendConfig) -> StateOffload | None:
+    """The backend's StateOffload for ``cfg`` (None unless ``states="offload"`` and enabled), with its own
+    engine on the backend's offload directories, I/O backend, checksum and runtime options."""
+    if cfg.states != "offload" or not cfg.enabled:
+        return None
+    from teraio.ranks import rank_info
+    from teraio.runtime import RuntimeConfig
+    from teraio.runtime.config import parse_nbytes
+    from teraio.states.offload import StateOffload
+
+    io_backend = "host" if set(cfg.tiers) == {"host"} else cfg.io_backend
+    runtime = RuntimeConfig(
+        dirs=cfg.offload_dirs_for(rank_info()) or (),
+        backend=io_backend,
+        checksum=cfg.checksum,
+        **{"rank": rank_info().rank, **cfg.runtime_options},
+    )
+    return StateOffload(
+        cfg.optimizer, runtime_config=runtime, chunk_bytes=parse_nbytes(cfg.states_chunk_bytes)
+    )
+
+
+def moved_bytes_by_kind(io_stats: dict[str, Any], states: StateOffload | None) -> dict[str, int]:
+    """Bytes moved (written + read) per step kind since the start: activations from the backend's own
+    engine (``io_stats``: its ``offloaded_bytes`` and ``prefetched_bytes``), gradients and optimizer
+    states from ``states``; parameters do not move in this slice."""
+    out = dict.fromkeys(KINDS, 0)
+    out["activation"] = int(io_stats.get("offloaded_bytes", 0)) + int(io_stats.get("prefetched_bytes", 0))
+    if states is not None:
+        for kind, nbytes in states.stats()["moved_bytes_by_kind"].items():
+            if kind != "activation":
+                out[kind] += nbytes
+    return out

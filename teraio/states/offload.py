@@ -1,0 +1,284 @@
+"""``StateOffload``: a stock ``torch.optim`` optimizer whose gradients and states live on disk, with the
+user's loop unchanged (``loss.backward(); opt.step(); opt.zero_grad()``).
+
+It wires three pieces to one runtime engine: the gradient hooks (:mod:`teraio.states.grads`), the streamed
+step (:mod:`teraio.states.optimizer_stream`) installed as the optimizer's ``step``, and the checkpoint
+hooks (``state_dict()`` reads the committed states back, ``load_state_dict()`` writes the loaded ones out).
+Parameters stay resident: this is the first slice of issue 23.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from teraio.runtime import Engine, RuntimeConfig
+from teraio.states.errors import StatesError
+from teraio.states.grads import GradOffload
+from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
+from teraio.states.store import Kind, Record, TensorStore
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def _adam_states(group: dict[str, Any]) -> int:
+    return 3 if group.get("amsgrad", False) else 2
+
+
+def _sgd_states(group: dict[str, Any]) -> int:
+    return 1 if group.get("momentum", 0) != 0 else 0
+
+
+#: The optimizer classes whose step is known to update each parameter from its own gradient and states
+#: only (so a chunk's step equals the whole step restricted to the chunk), and the count of offloaded
+#: state tensors of a parameter in a group (for cutting chunks before the first step made them).
+SUPPORTED: dict[type[torch.optim.Optimizer], Callable[[dict[str, Any]], int]] = {
+    torch.optim.Adam: _adam_states,
+    torch.optim.AdamW: _adam_states,
+    torch.optim.SGD: _sgd_states,
+}
+
+
+def check_optimizer(optimizer: object, option: str = "optimizer") -> None:
+    """Raise ``StatesError`` (one line) unless ``optimizer`` is a supported ``torch.optim.Optimizer``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise StatesError(
+            f"{option} must be a torch.optim.Optimizer (AdamW, Adam or SGD), not {type(optimizer).__name__}"
+        )
+    if type(optimizer) not in SUPPORTED:
+        names = ", ".join(sorted(c.__name__ for c in SUPPORTED))
+        raise StatesError(
+            f"{option}: states='offload' supports {names}, not {type(optimizer).__name__} (its step may mix "
+            "parameters, so it cannot be streamed chunk by chunk); use states='keep'"
+        )
+    for g in optimizer.param_groups:
+        if g.get("differentiable", False):
+            raise StatesError(f"{option}: states='offload' does not support differentiable=True")
+
+
+class StateOffload:
+    """Gradients and optimizer states of ``optimizer`` on disk between their uses; the step streamed.
+
+    Args:
+        optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD``; its ``step``, ``zero_grad``,
+            ``state_dict`` and ``load_state_dict`` keep working as before.
+        engine: the runtime engine to use (not closed by :meth:`close`); None: a new one from
+            ``runtime_config`` (closed by :meth:`close`).
+        runtime_config: for the engine made when ``engine`` is None (default: ``RuntimeConfig()``).
+        chunk_bytes: bytes of gradients and states one chunk of the streamed step holds.
+        grad_window_bytes: gradient bytes being written during backward before a hook waits (default:
+            two chunks).
+
+    Raises:
+        StatesError: an unsupported optimizer (one line).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        engine: Engine | None = None,
+        *,
+        runtime_config: RuntimeConfig | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        grad_window_bytes: int | None = None,
+    ) -> None:
+        check_optimizer(optimizer)
+        if getattr(optimizer, "_teraio_states", None) is not None:
+            raise StatesError("this optimizer already has a StateOffload attached: close that one first")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+            raise StatesError(f"chunk_bytes must be a positive number of bytes, not {chunk_bytes!r}")
+        self.optimizer = optimizer
+        self._own_engine = engine is None
+        self.engine = engine if engine is not None else Engine(runtime_config or RuntimeConfig())
+        self.store = TensorStore(self.engine)
+        self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
+        self.chunk_bytes = chunk_bytes
+        window = grad_window_bytes if grad_window_bytes is not None else 2 * chunk_bytes
+        self.grads = GradOffload(self.store, self.params, window)
+        self.stream = StreamedStep(
+            optimizer, self.store, self.params, chunk_bytes, SUPPORTED[type(optimizer)]
+        )
+        self.closed = False
+        self._raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
+        self._had_step = "step" in vars(optimizer)
+        self._had_zero_grad = "zero_grad" in vars(optimizer)
+        self._saved_step = vars(optimizer).get("step")
+        self._saved_zero_grad = vars(optimizer).get("zero_grad")
+        # The streamed step runs the optimizer's step hooks once, as the stock step does
+        # (Optimizer.profile_hook_step), and calls the raw algorithm once per chunk.
+        streamed = torch.optim.Optimizer.profile_hook_step(_streamed_step)
+        optimizer.step = types.MethodType(streamed, optimizer)  # type: ignore[method-assign]
+        optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)  # type: ignore[method-assign]
+        self._hooks = [
+            optimizer.register_state_dict_post_hook(_state_dict_post_hook),
+            optimizer.register_load_state_dict_post_hook(_load_state_dict_post_hook),
+        ]
+        optimizer._teraio_states = self  # type: ignore[attr-defined]
+        if any(optimizer.state.get(p) for p in self.params):  # attached to an optimizer that stepped
+            self.stream.adopt_all()
+
+    # -- what the optimizer calls ------------------------------------------------------------------
+    def _check_params(self) -> None:
+        now = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if len(now) != len(self.params) or any(a is not b for a, b in zip(now, self.params)):
+            raise StatesError(
+                "the optimizer's parameters changed since StateOffload was attached (add_param_group?): "
+                "attach a new one after changing them"
+            )
+
+    def step_order(self) -> list[int]:
+        """Parameter indices in the order the step updates them (Note: [The step streams in backward
+        order] in teraio.states.optimizer_stream)."""
+        seen = list(self.grads.arrival_order)
+        known = set(seen)
+        return seen + [i for i in reversed(range(len(self.params))) if i not in known]
+
+    def step(self) -> None:
+        """The streamed step (the optimizer's ``step`` calls it through the stock hooks wrapper)."""
+        if self.closed:
+            raise StatesError("this StateOffload is closed: the optimizer's states were restored to memory")
+        self._check_params()
+        self.grads.settle()
+        opt = self.optimizer
+
+        def raw() -> Any:
+            return self._raw_step(opt)
+
+        self.stream.run(self.step_order(), self.grads.current, raw)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        if not self.closed:
+            self.grads.zero_grad(set_to_none)
+
+    # -- reading what is on disk -------------------------------------------------------------------
+    def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
+        """A copy of ``param.grad``'s values (read back if offloaded), or None without a gradient."""
+        idx = self._index(param)
+        rec = self.grads.current(idx)
+        if rec is None:
+            g = self.params[idx].grad
+            return None if g is None else g.detach().clone()
+        self.grads.settle()
+        return self.store.read_copy(rec)
+
+    def _index(self, param: torch.Tensor) -> int:
+        for i, p in enumerate(self.params):
+            if p is param:
+                return i
+        raise StatesError("not a parameter of this optimizer")
+
+    def committed_state(self) -> dict[int, dict[str, Any]]:
+        """The last committed step's optimizer state, by parameter index, read back from disk (copies),
+        whatever happened since: what ``state_dict()['state']`` holds when the parameters agree."""
+        out: dict[int, dict[str, Any]] = {}
+        for idx, p in enumerate(self.params):
+            st = self.optimizer.state.get(p)
+            if not st:
+                continue
+            recs = self.stream.records.get(idx, {})
+            out[idx] = {k: (self.store.read_copy(recs[k]) if k in recs else v) for k, v in st.items()}
+        return out
+
+    @property
+    def committed_steps(self) -> int:
+        """Steps committed to disk by this object (Note: [A step commits all of its states or none])."""
+        return self.stream.committed_steps
+
+    @property
+    def consistency(self) -> Consistency:
+        return self.stream.consistency
+
+    @property
+    def last_step(self) -> StepLog | None:
+        """The chunks of the last streamed step."""
+        return self.stream.last
+
+    def stats(self) -> dict[str, Any]:
+        """Bytes moved (written + read) by kind, resident bytes now and at peak, and the I/O counters."""
+        s = self.store.stats()
+        moved = {k.value: s["written_bytes"][k.value] + s["read_bytes"][k.value] for k in Kind}
+        return {
+            "moved_bytes_by_kind": {"activation": 0, "parameter": 0, **moved},
+            **s,
+            "peak_resident_state_bytes": s["peak_resident_bytes"][Kind.OPTIMIZER_STATE.value],
+            "step_peak_resident_state_bytes": self.store.counts.window_peak_resident[Kind.OPTIMIZER_STATE],
+            "committed_steps": self.committed_steps,
+            "consistency": self.consistency.value,
+        }
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def _fill_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
+        self.stream.check_usable()
+        self.grads.settle()
+        by_tensor: dict[int, Record] = {id(r.tensor): r for r in self.stream.all_records()}
+        state = {}
+        for pid, entries in sd["state"].items():
+            state[pid] = {
+                k: (self.store.read_copy(by_tensor[id(v)]) if id(v) in by_tensor else v)
+                for k, v in entries.items()
+            }
+        return {**sd, "state": state}
+
+    # -- detach --------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Bring every gradient and state back into memory, restore the optimizer's own methods, and
+        close the engine if this object made it. The optimizer works as without teraio afterwards."""
+        if self.closed:
+            return
+        self.grads.settle()
+        for idx in list(self.grads.records):
+            rec = self.grads.current(idx)
+            if rec is not None:
+                self.store.load(rec)
+        for rec in self.stream.all_records():
+            self.store.load(rec)
+        self.grads.remove_hooks()
+        for h in self._hooks:
+            h.remove()
+        opt = self.optimizer
+        for name, had, saved in (
+            ("step", self._had_step, self._saved_step),
+            ("zero_grad", self._had_zero_grad, self._saved_zero_grad),
+        ):
+            if had:
+                setattr(opt, name, saved)
+            else:
+                vars(opt).pop(name, None)
+        opt._teraio_states = None  # type: ignore[attr-defined]
+        self.closed = True
+        if self._own_engine:
+            self.engine.close()
+
+
+def _of(opt: torch.optim.Optimizer) -> StateOffload:
+    return opt._teraio_states  # type: ignore[attr-defined]
+
+
+def _streamed_step(opt: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+    """The optimizer's ``step`` while a StateOffload is attached (wrapped in the stock hooks)."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    opt._opt_called = True  # type: ignore[attr-defined]  # an LR scheduler checks it
+    _of(opt).step()
+    return loss
+
+
+def _zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    _of(opt).zero_grad(set_to_none)
+    type(opt).zero_grad(opt, set_to_none)
+
+
+def _state_dict_post_hook(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    states = getattr(opt, "_teraio_states", None)
+    return sd if states is None else states._fill_state_dict(sd)
+
+
+def _load_state_dict_post_hook(opt: torch.optim.Optimizer) -> None:
+    states = getattr(opt, "_teraio_states", None)
+    if states is not None:
+        states.stream.adopt_all()

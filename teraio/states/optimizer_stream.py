@@ -1,0 +1,367 @@
+"""The optimizer step streamed through memory: the stock optimizer's own step, one chunk of parameters at
+a time, with the reads of the next chunk and the writes of the previous one in flight meanwhile.
+
+Note: [The step streams in backward order]
+    Chunks are cut (by bytes of gradients and states) from the parameters in the order their gradients
+    arrived in the first backward: the last layers first, the first layers last. The first layers are
+    then the last ones updated and written, the ones still in memory when the step returns, and the ones
+    the next forward needs first (ZeRO-Infinity's swapper and DeepCompile stream in a fixed order too;
+    here the order is the one the next forward consumes from the end of the step). Parameters whose
+    gradient never arrived keep the optimizer's order, last layers first (reversed).
+
+Note: [Three chunks in memory]
+    For chunk i the loop starts the reads of chunk i+1, waits for chunk i's reads, runs the stock step on
+    chunk i, starts chunk i's writes, and only then waits for chunk i-1's writes and frees chunk i-1. So at
+    most chunks i-1 (writing), i (updating) and i+1 (reading) hold memory, and a chunk's reads overlap
+    the update of the one before it and the writes of the one before that.
+
+Note: [A step commits all of its states or none]
+    Each state tensor has two slots on disk. A step reads every state from its committed slot and writes
+    the updated state to the other slot; only when every write of the step has finished does one
+    assignment switch the committed slots, after which the old slots are dropped. An exception anywhere
+    in the step (a failed read, a failed write, an error in the optimizer's own code) drops the slots the
+    step wrote, frees the memory the step loaded, and restores the resident scalars (``step``) from a
+    copy taken before each chunk's update: the optimizer's state is then the last committed step's, bit
+    for bit. Parameters are resident and updated in place by the stock step, so they cannot be rolled
+    back: when the failure came after a chunk's update, the offload says so and refuses
+    ``state_dict()`` and ``step()`` until a checkpoint is loaded (``Consistency.PARAMETERS_AHEAD``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from teraio.states.store import Kind, Record, Residency, TensorStore
+
+
+class Consistency(Enum):
+    """Whether the parameters and the committed optimizer state describe the same step."""
+
+    COMMITTED = "committed"
+    PARAMETERS_AHEAD = "parameters_ahead"  # a failed step updated some parameters, the states are older
+
+
+#: The state entries that stay resident: tiny scalars the stock optimizers update every step.
+RESIDENT_STATE_KEYS = frozenset({"step"})
+
+
+def state_key(param_idx: int, name: str, slot: int) -> str:
+    """The engine key of one slot of one optimizer state tensor."""
+    return f"state/{param_idx}/{name}/{slot}"
+
+
+def slot_of(key: str) -> int:
+    return int(key.rsplit("/", 1)[1])
+
+
+@dataclass
+class Chunk:
+    """Parameters updated together, by their index in the optimizer's parameter order."""
+
+    param_idxs: list[int]
+    nbytes: int
+
+
+def cut_chunks(order: list[int], nbytes_of: Callable[[int], int], chunk_bytes: int) -> list[Chunk]:
+    """Consecutive runs of ``order`` of at most ``chunk_bytes`` each (a larger parameter alone)."""
+    chunks: list[Chunk] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for idx in order:
+        n = nbytes_of(idx)
+        if cur and cur_bytes + n > chunk_bytes:
+            chunks.append(Chunk(cur, cur_bytes))
+            cur, cur_bytes = [], 0
+        cur.append(idx)
+        cur_bytes += n
+    if cur:
+        chunks.append(Chunk(cur, cur_bytes))
+    return chunks
+
+
+@dataclass
+class StepLog:
+    """What one streamed step did (for tests and stats)."""
+
+    chunks: list[list[int]] = field(default_factory=list)
+    chunk_bytes: list[int] = field(default_factory=list)
+    updated_chunks: int = 0
+
+
+@contextmanager
+def narrowed(opt: torch.optim.Optimizer, params: set[int], by_id: dict[int, int]) -> Iterator[None]:
+    """Every param group lists only the parameters in ``params`` (indices; ``by_id`` maps ``id(p)`` to
+    its index); restored afterwards, whatever happens."""
+    saved = [(g, g["params"]) for g in opt.param_groups]
+    try:
+        for g, ps in saved:
+            g["params"] = [p for p in ps if by_id[id(p)] in params]
+        yield
+    finally:
+        for g, ps in saved:
+            g["params"] = ps
+
+
+class StreamedStep:
+    """The optimizer states on disk and the streamed step over them (see the module's notes)."""
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        store: TensorStore,
+        params: list[torch.nn.Parameter],
+        chunk_bytes: int,
+        states_per_param: Callable[[dict[str, Any]], int],
+    ) -> None:
+        self.opt = opt
+        self.store = store
+        self.params = params
+        self.by_id = {id(p): i for i, p in enumerate(params)}
+        self.chunk_bytes = chunk_bytes
+        self.states_per_param = states_per_param
+        #: param index -> state name -> its record; the record's ``saved_key`` is the committed slot.
+        self.records: dict[int, dict[str, Record]] = {}
+        self.committed_steps = 0
+        self.consistency = Consistency.COMMITTED
+        self.failure: str | None = None
+        self.last: StepLog | None = None
+        #: Test seam: called with the chunk's position before its stock step.
+        self.before_chunk_update: Callable[[int], None] | None = None
+        self._group_of = {}
+        for g in opt.param_groups:
+            for p in g["params"]:
+                self._group_of[id(p)] = g
+
+    # -- records -----------------------------------------------------------------------------------
+    def records_of(self, idx: int) -> list[Record]:
+        return list(self.records.get(idx, {}).values())
+
+    def all_records(self) -> list[Record]:
+        return [r for recs in self.records.values() for r in recs.values()]
+
+    def _offloaded_items(self, idx: int) -> list[tuple[str, torch.Tensor]]:
+        st = self.opt.state.get(self.params[idx])
+        if not st:
+            return []
+        return [
+            (k, v)
+            for k, v in st.items()
+            if isinstance(k, str) and isinstance(v, torch.Tensor) and k not in RESIDENT_STATE_KEYS
+        ]
+
+    def _reconcile(self, idx: int) -> list[Record]:
+        """Records for the state tensors the stock step left in ``opt.state[p]`` (new on the first step,
+        or objects it replaced), marked changed: they are written next."""
+        out = []
+        recs = self.records.setdefault(idx, {})
+        for name, v in self._offloaded_items(idx):
+            rec = recs.get(name)
+            if rec is None:
+                rec = recs[name] = self.store.new_record(Kind.OPTIMIZER_STATE, v, name)
+            elif rec.tensor is not v:
+                self.store.adopt(rec, v)
+            self.store.mark_changed(rec)
+            out.append(rec)
+        return out
+
+    def _step_nbytes(self, idx: int, grad_rec: Record | None) -> int:
+        p = self.params[idx]
+        grad_nbytes = grad_rec.nbytes if grad_rec is not None else p.numel() * p.element_size()
+        recs = self.records_of(idx)
+        if recs:
+            return grad_nbytes + sum(r.nbytes for r in recs)
+        group = self._group_of.get(id(p), {})
+        return grad_nbytes + self.states_per_param(group) * p.numel() * p.element_size()
+
+    # -- the step ----------------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        from teraio.states.errors import StatesError
+
+        if self.consistency is Consistency.PARAMETERS_AHEAD:
+            raise StatesError(
+                self.failure or "a failed optimizer step left the parameters ahead of the states"
+            )
+
+    def run(
+        self,
+        order: list[int],
+        grad_record: Callable[[int], Record | None],
+        raw_step: Callable[[], Any],
+    ) -> None:
+        """One step over the parameters that have a gradient, in ``order`` (Note: [The step streams in
+        backward order]). ``grad_record(idx)`` is the record of an offloaded gradient (None: resident or
+        absent); ``raw_step()`` runs the stock step on the narrowed param groups."""
+        self.check_usable()
+        live = [i for i in order if self.params[i].grad is not None]
+        chunks = cut_chunks(live, lambda i: self._step_nbytes(i, grad_record(i)), self.chunk_bytes)
+        log = self.last = StepLog([c.param_idxs for c in chunks], [c.nbytes for c in chunks])
+        self.store.reset_window_peak()
+        loads: list[list[Record]] = []
+        for c in chunks:
+            recs = [r for i in c.param_idxs for r in self.records_of(i)]
+            recs += [g for i in c.param_idxs if (g := grad_record(i)) is not None]
+            loads.append(recs)
+        touched: list[Record] = []  # state records whose memory or staged slot this step changed
+        snapshots: list[dict[int, dict[str, Any]]] = []
+        written: list[list[Record]] = [[] for _ in chunks]
+        try:
+            for r in loads[0] if chunks else []:
+                self.store.prefetch(r)
+            for pos, c in enumerate(chunks):
+                if pos + 1 < len(chunks):  # Note: [Three chunks in memory]
+                    for r in loads[pos + 1]:
+                        self.store.prefetch(r)
+                for r in loads[pos]:
+                    if r.kind is Kind.OPTIMIZER_STATE:
+                        touched.append(r)
+                    self.store.load(r)
+                snapshots.append(self._snapshot(c.param_idxs))
+                if self.before_chunk_update is not None:
+                    self.before_chunk_update(pos)
+                with narrowed(self.opt, set(c.param_idxs), self.by_id):
+                    log.updated_chunks += 1
+                    raw_step()
+                for i in c.param_idxs:
+                    for rec in self._reconcile(i):
+                        if rec not in touched:
+                            touched.append(rec)
+                        other = 1 - slot_of(rec.saved_key) if rec.saved_key is not None else 0
+                        self.store.write(rec, state_key(i, rec.name, other))
+                        written[pos].append(rec)
+                for r in loads[pos]:
+                    if r.kind is Kind.GRADIENT and r.residency is Residency.SAVED:
+                        self.store.evict(r)  # unchanged by the step: its disk copy is still valid
+                if pos >= 1:
+                    self._finish_chunk(written[pos - 1])
+            if chunks:
+                self._finish_chunk(written[-1])
+        except BaseException as exc:
+            self._roll_back(touched, loads, snapshots, log, exc)
+            raise
+        self._commit(touched)
+
+    def _finish_chunk(self, recs: list[Record]) -> None:
+        for rec in recs:
+            self.store.finish_write(rec)
+        for rec in recs:
+            self.store.evict(rec)
+
+    def _commit(self, touched: list[Record]) -> None:
+        """Note: [A step commits all of its states or none]: every write finished; switch the slots."""
+        old = [(r.saved_key, r.staged_key) for r in touched if r.staged_key is not None]
+        for rec in touched:
+            if rec.staged_key is not None:
+                rec.saved_key, rec.staged_key = rec.staged_key, None
+        self.committed_steps += 1
+        for previous, new in old:
+            if previous is not None and previous != new:
+                self.store.drop_key(previous)
+
+    def _snapshot(self, idxs: list[int]) -> dict[int, dict[str, Any]]:
+        """The resident state entries of these parameters before their update (None: no state yet)."""
+        snap: dict[int, dict[str, Any]] = {}
+        for i in idxs:
+            st = self.opt.state.get(self.params[i])
+            if st is None:
+                snap[i] = {}
+                continue
+            snap[i] = {
+                k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in st.items()
+                if not (isinstance(v, torch.Tensor) and k not in RESIDENT_STATE_KEYS)
+            }
+            snap[i]["__offloaded__"] = {
+                k: v for k, v in st.items() if isinstance(v, torch.Tensor) and k not in RESIDENT_STATE_KEYS
+            }
+        return snap
+
+    def _roll_back(
+        self,
+        touched: list[Record],
+        loads: list[list[Record]],
+        snapshots: list[dict[int, dict[str, Any]]],
+        log: StepLog,
+        exc: BaseException,
+    ) -> None:
+        """Note: [A step commits all of its states or none]: back to the last committed step."""
+        for recs in loads:  # reads in flight or done: their memory goes (gradients keep their disk copy)
+            for r in recs:
+                if r.kind is Kind.GRADIENT:
+                    if r.residency is Residency.READING:
+                        self.store.drain_read(r)
+                    elif r.residency is Residency.SAVED:
+                        self.store.evict(r)
+        for rec in touched + [r for recs in loads for r in recs if r.kind is Kind.OPTIMIZER_STATE]:
+            self.store.discard(rec)
+            if rec.staged_key is not None and rec.staged_key != rec.saved_key:
+                self.store.drop_key(rec.staged_key)
+            rec.staged_key = None
+        for snap in snapshots:
+            for i, entries in snap.items():
+                p = self.params[i]
+                if not entries:  # no state before this step: the step's new entries go
+                    for rec in self.records.pop(i, {}).values():
+                        self.store.forget(rec)
+                    self.opt.state.pop(p, None)
+                    continue
+                st = self.opt.state[p]
+                offloaded = entries["__offloaded__"]
+                for k, v in entries.items():
+                    if k == "__offloaded__":
+                        continue
+                    if isinstance(v, torch.Tensor) and isinstance(st.get(k), torch.Tensor):
+                        with torch.no_grad():
+                            st[k].copy_(v)
+                    else:
+                        st[k] = v
+                for k, v in offloaded.items():  # the committed objects, whatever the step assigned
+                    st[k] = v
+                    rec = self.records.get(i, {}).get(k)
+                    if rec is not None and rec.tensor is not v:
+                        self.store.forget(rec)
+                        rec.tensor = v
+        if log.updated_chunks:
+            self.consistency = Consistency.PARAMETERS_AHEAD
+            self.failure = (
+                f"optimizer step {self.committed_steps + 1} failed ({type(exc).__name__}: {exc}) after "
+                f"updating the parameters of {log.updated_chunks} of {len(log.chunks)} chunks: the optimizer "
+                f"state on disk is step {self.committed_steps}'s, some parameters are not; load a checkpoint "
+                "(the model's and optimizer.load_state_dict) before saving or stepping again"
+            )
+
+    # -- whole-state moves (checkpoints) ------------------------------------------------------------
+    def adopt_all(self) -> None:
+        """After ``load_state_dict``: forget the old records, write every state tensor ``opt.state`` holds
+        now to slot 0 and free it (Note: [A step commits all of its states or none])."""
+        for rec in self.all_records():
+            self.store.drop_key(rec.saved_key)
+            self.store.drop_key(rec.staged_key)
+            self.store.forget(rec)
+        self.records.clear()
+        fresh: list[Record] = []
+        for idx, p in enumerate(self.params):
+            st = self.opt.state.get(p)
+            if not st:
+                continue
+            for name, v in self._offloaded_items(idx):
+                # Our own object over the loaded storage: the caller's loaded tensors must not be freed.
+                own = torch.empty(0, dtype=v.dtype, device=v.device)
+                with torch.no_grad():
+                    own.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
+                st[name] = own
+                rec = self.store.new_record(Kind.OPTIMIZER_STATE, own, name)
+                self.records.setdefault(idx, {})[name] = rec
+                self.store.write(rec, state_key(idx, name, 0))
+                fresh.append(rec)
+        for rec in fresh:
+            rec.saved_key = self.store.finish_write(rec)
+            rec.staged_key = None
+            self.store.evict(rec)
+        self.consistency = Consistency.COMMITTED
+        self.failure = None

@@ -1,0 +1,271 @@
+"""Tensors that keep their identity while their bytes live on disk: the records of gradients and
+optimizer states, their residency, and the byte accounting by kind.
+
+A gradient (``param.grad``) or an optimizer state (``optimizer.state[p]["exp_avg"]``) is a tensor object
+other code holds: autograd accumulates into ``param.grad``, the stock optimizer looks its moments up in
+``optimizer.state[p]``. So the object stays; only its storage comes and goes (Note: [Offloaded tensors
+keep their object, not their storage]). Every move goes through :class:`TensorStore`, which counts the
+bytes read and written per kind and the bytes resident per kind, with their peaks.
+
+Note: [Offloaded tensors keep their object, not their storage]
+    While its bytes are on disk, a record's tensor points at an empty storage with its shape, strides
+    and dtype unchanged (FSDP2 frees an unsharded parameter the same way, by its storage). It is brought
+    back with ``set_`` onto the buffer the runtime read, so a load costs no copy. Those reads are
+    exclusive (Note: [Exclusive fetches are not served again] in teraio.runtime.engine): the step then
+    updates the buffer in place, and autograd accumulates into it, without the engine ever serving the
+    changed bytes as the key's. Eviction points the tensor at a fresh empty storage rather than resizing
+    its storage in place: a gradient autograd handed over may share its storage with other tensors,
+    which must keep theirs. Reading an evicted tensor directly is invalid (on CPU it reads a null
+    pointer): code that wants the values goes through ``optimizer.state_dict()`` or
+    :meth:`teraio.states.StateOffload.gradient`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+from teraio.runtime import Engine, Handle
+
+
+class Kind(Enum):
+    """What a record holds; the values are the keys of ``moved_bytes_by_kind``."""
+
+    GRADIENT = "gradient"
+    OPTIMIZER_STATE = "optimizer_state"
+
+
+class Residency(Enum):
+    """Where a record's bytes are. Every state but ``DISK`` holds memory."""
+
+    MEMORY = "memory"  # only in memory: new, or changed since its last write
+    WRITING = "writing"  # in memory, its write in flight
+    SAVED = "saved"  # in memory and on disk, the same bytes
+    READING = "reading"  # on disk, a read into a fresh buffer in flight
+    DISK = "disk"  # only on disk: the tensor's storage is empty
+
+
+@dataclass(eq=False)
+class Record:
+    """One offloaded tensor: the object others hold, and the engine key of its bytes on disk."""
+
+    kind: Kind
+    tensor: torch.Tensor
+    nbytes: int
+    #: The optimizer state's name ("exp_avg"), or "grad".
+    name: str = "grad"
+    residency: Residency = Residency.MEMORY
+    #: The key whose bytes are this record's valid copy on disk (None: none).
+    saved_key: str | None = None
+    #: The key a write in flight, or a write not committed yet, goes to.
+    staged_key: str | None = None
+    handle: Handle | None = None
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the tensor's elements (what an offload writes for a dense tensor)."""
+    return t.numel() * t.element_size()
+
+
+def _point_at_empty(t: torch.Tensor) -> None:
+    """Note: [Offloaded tensors keep their object, not their storage]: ``t`` keeps its shape, strides and
+    dtype over a fresh storage resized to zero bytes; its old storage dies with its last reference."""
+    span_elems = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0) if t.numel() else 0
+    fresh = torch.UntypedStorage(span_elems * t.element_size(), device=t.device)  # untouched pages
+    with torch.no_grad():
+        t.set_(fresh, 0, t.shape, t.stride())
+    fresh.resize_(0)
+
+
+def _point_at(t: torch.Tensor, src: torch.Tensor) -> None:
+    """``t`` takes ``src``'s storage and layout (no copy)."""
+    with torch.no_grad():
+        t.set_(src.untyped_storage(), src.storage_offset(), src.shape, src.stride())
+
+
+@dataclass
+class ByteCounts:
+    """Bytes moved and resident, per kind."""
+
+    written: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    read: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    resident: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    peak_resident: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+    #: Peak since the last :meth:`TensorStore.reset_window_peak` (the streamed step resets it).
+    window_peak_resident: dict[Kind, int] = field(default_factory=lambda: dict.fromkeys(Kind, 0))
+
+
+class TensorStore:
+    """Moves records between memory and the engine, keeping :class:`ByteCounts` up to date.
+
+    Only the caller's thread calls it (the training loop, autograd's hooks, the optimizer step).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.counts = ByteCounts()
+
+    # -- accounting -------------------------------------------------------------------------------
+    def _set(self, rec: Record, residency: Residency) -> None:
+        was_resident = rec.residency is not Residency.DISK
+        now_resident = residency is not Residency.DISK
+        rec.residency = residency
+        if was_resident != now_resident:
+            self._add_resident(rec.kind, rec.nbytes if now_resident else -rec.nbytes)
+
+    def _add_resident(self, kind: Kind, nbytes: int) -> None:
+        c = self.counts
+        c.resident[kind] += nbytes
+        c.peak_resident[kind] = max(c.peak_resident[kind], c.resident[kind])
+        c.window_peak_resident[kind] = max(c.window_peak_resident[kind], c.resident[kind])
+
+    def reset_window_peak(self) -> None:
+        """Start a new window for ``counts.window_peak_resident`` at the bytes resident now."""
+        self.counts.window_peak_resident = dict(self.counts.resident)
+
+    def new_record(self, kind: Kind, tensor: torch.Tensor, name: str = "grad") -> Record:
+        """A record for a tensor that is in memory now (counted resident)."""
+        rec = Record(
+            kind=kind, tensor=tensor, nbytes=tensor_nbytes(tensor), name=name, residency=Residency.DISK
+        )
+        self._set(rec, Residency.MEMORY)
+        return rec
+
+    def adopt(self, rec: Record, tensor: torch.Tensor) -> None:
+        """The record's object was replaced by ``tensor`` (in memory); its saved bytes stay until replaced."""
+        self._set(rec, Residency.DISK)
+        rec.tensor = tensor
+        rec.nbytes = tensor_nbytes(tensor)
+        self._set(rec, Residency.MEMORY)
+
+    def forget(self, rec: Record) -> None:
+        """Stop tracking ``rec`` (its tensor is no longer ours); its keys are the caller's to drop."""
+        self._set(rec, Residency.DISK)
+
+    # -- moves ------------------------------------------------------------------------------------
+    def write(self, rec: Record, key: str) -> None:
+        """Start writing the record's bytes under ``key`` (replacing whatever ``key`` held)."""
+        if rec.residency not in (Residency.MEMORY, Residency.SAVED):
+            raise AssertionError(f"write of a record in state {rec.residency.value}")
+        if key == rec.saved_key:
+            rec.saved_key = None  # the engine drops the old bytes of the key first
+        rec.handle = self.engine.offload(key, rec.tensor)
+        rec.staged_key = key
+        self._set(rec, Residency.WRITING)
+
+    def write_done(self, rec: Record) -> bool:
+        """Whether the record's write has finished (successfully or not)."""
+        return rec.handle is None or rec.handle.done()
+
+    def finish_write(self, rec: Record) -> str:
+        """Wait for the record's write; it is ``SAVED`` under its staged key (returned) afterwards.
+
+        Raises:
+            RuntimeIOError: the write failed (the record stays ``WRITING``; see :meth:`abandon`).
+        """
+        key = rec.staged_key
+        assert rec.residency is Residency.WRITING and key is not None
+        self.engine.release(key)  # waits; raises when the write failed
+        self.counts.written[rec.kind] += rec.nbytes
+        rec.handle = None
+        self._set(rec, Residency.SAVED)
+        return key
+
+    def prefetch(self, rec: Record) -> None:
+        """Start reading an evicted record back (no-op unless ``DISK``)."""
+        if rec.residency is Residency.DISK and rec.saved_key is not None:
+            self.engine.prefetch(rec.saved_key)
+            self._set(rec, Residency.READING)
+
+    def load(self, rec: Record) -> None:
+        """Bring the record's bytes back into its own tensor (waits for its read)."""
+        if rec.residency not in (Residency.DISK, Residency.READING):
+            return
+        assert rec.saved_key is not None, "an evicted record without saved bytes"
+        if rec.residency is Residency.DISK:
+            self._set(rec, Residency.READING)  # the read's buffer is allocated now
+        try:
+            fetched = self.engine.fetch(rec.saved_key, exclusive=True)
+        except BaseException:
+            self._set(rec, Residency.DISK)
+            raise
+        _point_at(rec.tensor, fetched)
+        del fetched
+        self.counts.read[rec.kind] += rec.nbytes
+        self._set(rec, Residency.SAVED)
+
+    def read_copy(self, rec: Record) -> torch.Tensor:
+        """A new tensor with the record's bytes: its own memory, or a copy read from disk (the record
+        stays where it is). The copy is never a buffer the engine would serve again (Note: [Offloaded
+        tensors keep their object, not their storage])."""
+        if rec.residency not in (Residency.DISK, Residency.READING):
+            return rec.tensor.detach().clone()
+        assert rec.saved_key is not None
+        out = self.engine.fetch(rec.saved_key, exclusive=True)
+        self.counts.read[rec.kind] += rec.nbytes
+        return out
+
+    def drain_read(self, rec: Record) -> None:
+        """Let a read in flight finish and its buffer go, ignoring its outcome (cleaning up a failure)."""
+        if rec.residency is Residency.READING and rec.saved_key is not None:
+            try:
+                self.engine.fetch(rec.saved_key, exclusive=True)
+            except Exception:  # noqa: BLE001 - the step that needed it already failed
+                pass
+            self._set(rec, Residency.DISK)
+
+    def evict(self, rec: Record) -> None:
+        """Free the record's memory; its bytes must be saved (``SAVED``)."""
+        if rec.residency is Residency.DISK:
+            return
+        if rec.residency is not Residency.SAVED:
+            raise AssertionError(f"evicting a record in state {rec.residency.value}: its bytes would be lost")
+        _point_at_empty(rec.tensor)
+        self._set(rec, Residency.DISK)
+
+    def discard(self, rec: Record) -> None:
+        """Free the record's memory whatever it held (a failed step's values); a write in flight is
+        dropped with its key. Its ``saved_key`` (if any) is again the record's only copy."""
+        if rec.residency is Residency.READING:
+            self.drain_read(rec)
+            return
+        if rec.residency is Residency.WRITING:
+            assert rec.staged_key is not None
+            self.engine.drop(rec.staged_key, missing_ok=True)  # waits for the write
+            rec.staged_key = None
+            rec.handle = None
+        if rec.residency is not Residency.DISK:
+            _point_at_empty(rec.tensor)
+            self._set(rec, Residency.DISK)
+
+    def make_resident_zeros(self, rec: Record) -> None:
+        """Give an evicted record fresh zeroed memory (``zero_grad(set_to_none=False)``: no read)."""
+        if rec.residency is Residency.READING:
+            self.drain_read(rec)
+        if rec.residency is Residency.DISK:
+            t = rec.tensor
+            _point_at(t, torch.zeros_like(t, memory_format=torch.preserve_format))
+            self._set(rec, Residency.MEMORY)
+
+    def mark_changed(self, rec: Record) -> None:
+        """The record's tensor is about to change in memory: its saved bytes stop being its copy."""
+        if rec.residency is Residency.SAVED:
+            self._set(rec, Residency.MEMORY)
+
+    def drop_key(self, key: str | None) -> None:
+        """Free a key's space on disk (no I/O)."""
+        if key is not None:
+            self.engine.drop(key, missing_ok=True)
+
+    def stats(self) -> dict[str, Any]:
+        """Plain numbers by kind value."""
+        c = self.counts
+        return {
+            "written_bytes": {k.value: v for k, v in c.written.items()},
+            "read_bytes": {k.value: v for k, v in c.read.items()},
+            "resident_bytes": {k.value: v for k, v in c.resident.items()},
+            "peak_resident_bytes": {k.value: v for k, v in c.peak_resident.items()},
+        }

@@ -1,0 +1,137 @@
+"""The training loop of tests/teraio/test_states.py, also run by itself in a fresh process to finish a run
+from a checkpoint: ``python -m tests.teraio.states_loop CHECKPOINT OUT OFFLOAD_DIR``."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import teraio
+from teraio.workload import builtin_workload, compute_loss
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9),
+}
+CHUNK_BYTES = "64KiB"  # the tiny GPT's 16 tensors then stream in about a dozen chunks
+
+
+@dataclass
+class Run:
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    opt_state: dict[int, dict[str, Any]] = field(default_factory=dict)
+    #: Per step: engine bytes read + written during ``zero_grad()`` (states="offload" only).
+    zero_grad_io_bytes: list[int] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    state_stats: dict[str, Any] = field(default_factory=dict)
+    #: Per step: the peak resident optimizer-state bytes of the streamed step and its chunks' bytes.
+    step_peaks: list[tuple[int, list[int]]] = field(default_factory=list)
+    #: After ``load_state_dict`` of a checkpoint: optimizer-state bytes resident and written.
+    after_load: dict[str, int] = field(default_factory=dict)
+
+
+def engine_io_bytes(states: Any) -> int:
+    st = states.engine.stats()
+    return sum(v.nbytes for v in st.transfers.values())
+
+
+def train(
+    opt_name: str,
+    offload: bool,
+    offload_dir: str,
+    *,
+    steps: int = 5,
+    micro_batches: int = 1,
+    first_step: int = 0,
+    checkpoint_in: str | None = None,
+    checkpoint_out: str | None = None,
+    save_after: int | None = None,
+) -> Run:
+    """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
+    state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint."""
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    if offload:
+        be = teraio.backend(
+            inner="eager",
+            profile_steps=1,
+            measure_memory=False,
+            states="offload",
+            optimizer=opt,
+            states_chunk_bytes=CHUNK_BYTES,
+            offload_dirs=[offload_dir],
+            io_backend="posix",
+        )
+    else:
+        be = teraio.backend(inner="eager", profile_steps=1, measure_memory=False, enabled=False)
+    run = Run()
+    if checkpoint_in is not None:
+        ckpt = torch.load(checkpoint_in, weights_only=True)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        if offload:
+            st = be.states.stats()
+            run.after_load = {
+                "resident_bytes": st["resident_bytes"]["optimizer_state"],
+                "written_bytes": st["written_bytes"]["optimizer_state"],
+            }
+    compiled = torch.compile(model, backend=be)
+    for step in range(first_step, steps):
+        before = engine_io_bytes(be.states) if offload else 0
+        opt.zero_grad(set_to_none=True)
+        if offload:
+            run.zero_grad_io_bytes.append(engine_io_bytes(be.states) - before)
+        total = None
+        for micro in range(micro_batches):
+            loss = compute_loss(compiled, w, step * micro_batches + micro)
+            loss.backward()
+            total = loss.detach().clone() if total is None else total + loss.detach()
+        opt.step()
+        run.losses.append(total)
+        if offload:
+            log = be.states.last_step
+            run.step_peaks.append((be.states.stats()["step_peak_resident_state_bytes"], log.chunk_bytes))
+        if save_after is not None and step + 1 == save_after:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_out)
+    for n, p in model.named_parameters():
+        g = be.states.gradient(p) if offload else p.grad
+        run.grads[n] = g.clone()
+    run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sd = opt.state_dict()
+    run.opt_state = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
+    run.stats = be.stats()
+    if offload:
+        run.state_stats = be.states.stats()
+    be.close()
+    return run
+
+
+def assert_same_run(a: Run, b: Run) -> None:
+    """Bit for bit: losses, final parameters and gradients, every optimizer state tensor."""
+    assert len(a.losses) == len(b.losses)
+    for i, (x, y) in enumerate(zip(a.losses, b.losses)):
+        assert torch.equal(x, y), f"loss of step {i}: {x} vs {y}"
+    assert a.params.keys() == b.params.keys()
+    for n in a.params:
+        assert torch.equal(a.params[n], b.params[n]), f"parameter {n}"
+        assert torch.equal(a.grads[n], b.grads[n]), f"gradient of {n}"
+    assert a.opt_state.keys() == b.opt_state.keys() and a.opt_state
+    for i in a.opt_state:
+        assert a.opt_state[i].keys() == b.opt_state[i].keys()
+        for k in a.opt_state[i]:
+            assert torch.equal(a.opt_state[i][k], b.opt_state[i][k]), f"optimizer state {k} of parameter {i}"
+
+
+if __name__ == "__main__":  # finish an AdamW run from a checkpoint in a fresh process
+    checkpoint, out, offload_dir = sys.argv[1:4]
+    torch.use_deterministic_algorithms(True)
+    finished = train("adamw", True, offload_dir, first_step=3, checkpoint_in=checkpoint)
+    torch.save(finished.__dict__, out)

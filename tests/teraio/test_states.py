@@ -1,0 +1,254 @@
+"""states="offload": gradients and optimizer states on disk, the optimizer step streamed (teraio.states).
+
+Every comparison is bit for bit against the same loop without teraio's offload (``enabled=False``, or
+the eager model with a plain optimizer), never with a tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import teraio
+from teraio.errors import UserInputError
+from teraio.runtime import Engine, RuntimeConfig
+from teraio.runtime.errors import RuntimeIOError
+from teraio.runtime.testing import FaultInjector
+from teraio.states import StatesError
+from teraio.states.offload import StateOffload
+from teraio.states.optimizer_stream import Consistency
+from teraio.workload import builtin_workload, compute_loss
+
+from .states_loop import assert_same_run, train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(tmp_path_factory):
+    """The AdamW loop without and with states="offload"; the latter saves a checkpoint after step 3."""
+    tmp = tmp_path_factory.mktemp("adamw")
+    torch.use_deterministic_algorithms(True)
+    ref = train("adamw", False, str(tmp / "ref"))
+    got = train("adamw", True, str(tmp / "off"), save_after=3, checkpoint_out=str(tmp / "ckpt.pt"))
+    return ref, got, tmp
+
+
+def test_adamw_bit_identical(adamw_runs):
+    ref, got, _ = adamw_runs
+    assert_same_run(ref, got)
+    moved = got.stats["moved_bytes_by_kind"]
+    assert set(moved) == {"activation", "parameter", "gradient", "optimizer_state"}
+    assert moved["parameter"] == 0 and moved["gradient"] > 0 and moved["optimizer_state"] > 0
+    assert ref.stats["moved_bytes_by_kind"]["optimizer_state"] == 0  # enabled=False moves nothing
+
+
+def test_sgd_momentum_bit_identical(tmp_path):
+    ref = train("sgd", False, str(tmp_path / "ref"))
+    got = train("sgd", True, str(tmp_path / "off"))
+    assert_same_run(ref, got)
+    assert set(got.opt_state[0]) == {"momentum_buffer"}
+
+
+def test_gradient_accumulation_bit_identical(tmp_path):
+    ref = train("adamw", False, str(tmp_path / "ref"), steps=2, micro_batches=4)
+    got = train("adamw", True, str(tmp_path / "off"), steps=2, micro_batches=4)
+    assert_same_run(ref, got)
+    # Micro-batches 2..4 read every gradient back before accumulating into it: 3 reads per step, plus
+    # the step's own read of each, plus the test's final read of the gradients.
+    grad_nbytes = sum(g.numel() * g.element_size() for g in got.grads.values())
+    assert got.state_stats["read_bytes"]["gradient"] == (2 * (3 + 1) + 1) * grad_nbytes
+
+
+def test_checkpoint_loads_in_a_fresh_process(adamw_runs):
+    ref, _, tmp = adamw_runs
+    out = tmp / "finished.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.teraio.states_loop",
+            str(tmp / "ckpt.pt"),
+            str(out),
+            str(tmp / "fresh"),
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    finished = torch.load(out, weights_only=False)
+    assert len(finished["losses"]) == 2
+    for i, loss in enumerate(finished["losses"]):
+        assert torch.equal(loss, ref.losses[3 + i]), f"loss of step {3 + i}"
+    for n in ref.params:
+        assert torch.equal(finished["params"][n], ref.params[n]), f"parameter {n}"
+        assert torch.equal(finished["grads"][n], ref.grads[n]), f"gradient of {n}"
+    for i, st in ref.opt_state.items():
+        for k, v in st.items():
+            assert torch.equal(finished["opt_state"][i][k], v), f"optimizer state {k} of parameter {i}"
+    # The loaded states went to disk at once (none resident), and were read back by the steps.
+    state_nbytes = sum(
+        v.numel() * v.element_size() for st in ref.opt_state.values() for k, v in st.items() if k != "step"
+    )
+    assert finished["after_load"] == {"resident_bytes": 0, "written_bytes": state_nbytes}
+    assert finished["state_stats"]["read_bytes"]["optimizer_state"] >= state_nbytes
+
+
+def test_zero_grad_set_to_none_moves_no_bytes(adamw_runs):
+    _, got, _ = adamw_runs
+    assert len(got.zero_grad_io_bytes) == 5
+    assert got.zero_grad_io_bytes == [0] * 5
+
+
+def test_step_holds_about_three_chunks(adamw_runs):
+    _, got, _ = adamw_runs
+    total_state_nbytes = sum(
+        v.numel() * v.element_size() for st in got.opt_state.values() for v in st.values()
+    )
+    for step, (peak, chunk_nbytes) in enumerate(got.step_peaks):
+        assert len(chunk_nbytes) >= 6, "the test needs a step of many chunks"
+        three = max(sum(chunk_nbytes[i : i + 3]) for i in range(len(chunk_nbytes)))
+        assert 0 < peak <= three, f"step {step}: {peak} state bytes resident, three chunks hold {three}"
+        assert peak < total_state_nbytes / 2
+
+
+# -- durability ----------------------------------------------------------------------------------------
+def _eager_setup(tmp_path, injector=None):
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = Engine(RuntimeConfig(dirs=[str(tmp_path)], backend="posix", fault_injector=injector))
+    return w, model, opt, engine
+
+
+def _eager_step(w, model, opt, step):
+    opt.zero_grad(set_to_none=True)
+    compute_loss(model, w, step).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("fault", ["write_fails", "error_in_a_chunk"])
+def test_failed_step_leaves_the_last_committed_step(tmp_path, fault):
+    w = builtin_workload("tiny")
+    ref_model = copy.deepcopy(w.model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    for step in range(3):
+        _eager_step(w, ref_model, ref_opt, step)
+    ckpt = copy.deepcopy({"model": ref_model.state_dict(), "optimizer": ref_opt.state_dict()})
+    _eager_step(w, ref_model, ref_opt, 3)
+
+    injector = FaultInjector()
+    _, model, opt, engine = _eager_setup(tmp_path / "off", injector)
+    states = StateOffload(opt, engine, chunk_bytes=64 << 10)
+    try:
+        for step in range(3):
+            _eager_step(w, model, opt, step)
+        assert states.committed_steps == 3
+        opt.zero_grad(set_to_none=True)
+        compute_loss(model, w, 3).backward()
+        if fault == "write_fails":  # the first chunks' writes go through, a later one fails
+            injector.fail("write", after_nbytes=300 << 10)
+            expected: type[BaseException] = RuntimeIOError
+        else:
+
+            def boom(chunk_pos: int) -> None:
+                if chunk_pos == 3:
+                    raise RuntimeError("an error in the optimizer's code")
+
+            states.stream.before_chunk_update = boom
+            expected = RuntimeError
+        with pytest.raises(expected):
+            opt.step()
+        injector.clear()
+        states.stream.before_chunk_update = None
+        assert states.last_step.updated_chunks >= 2, "the failure must come after some updates"
+        # The partial step is never read as valid ...
+        assert states.committed_steps == 3
+        assert states.consistency is Consistency.PARAMETERS_AHEAD
+        with pytest.raises(StatesError, match="step 3's"):
+            opt.state_dict()
+        with pytest.raises(StatesError):
+            opt.step()
+        # ... the committed state on disk is step 3's, bit for bit ...
+        committed = states.committed_state()
+        for i, st in ckpt["optimizer"]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(committed[i][k], v), f"committed {k} of parameter {i}"
+        # ... and loading the step-3 checkpoint continues exactly as the uninterrupted run.
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+        assert states.consistency is Consistency.COMMITTED
+        _eager_step(w, model, opt, 3)
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            assert torch.equal(p, q), f"parameter {n} after the resumed step"
+        sd = opt.state_dict()
+        for i, st in ref_opt.state_dict()["state"].items():
+            for k, v in st.items():
+                assert torch.equal(sd["state"][i][k], v), f"{k} of parameter {i} after the resumed step"
+    finally:
+        states.close()
+        engine.close()
+
+
+def test_states_are_checksummed(tmp_path):
+    w, model, opt, engine = _eager_setup(tmp_path)
+    states = StateOffload(opt, engine, chunk_bytes=64 << 10)
+    try:
+        assert engine.config.checksum == "crc32c"
+        _eager_step(w, model, opt, 0)
+        st = engine.stats()
+        assert st.transfers["ssd.write"].nbytes > 0
+    finally:
+        states.close()
+        engine.close()
+
+
+def test_close_brings_everything_back(tmp_path):
+    w, model, opt, engine = _eager_setup(tmp_path)
+    ref_model = copy.deepcopy(model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    states = StateOffload(opt, engine, chunk_bytes=64 << 10)
+    for step in range(2):
+        _eager_step(w, model, opt, step)
+        _eager_step(w, ref_model, ref_opt, step)
+    states.close()
+    engine.close()
+    assert "step" not in vars(opt) and "zero_grad" not in vars(opt)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p.grad, q.grad)  # resident again: readable directly
+        for k, v in ref_opt.state[q].items():
+            assert torch.equal(opt.state[p][k], v)
+
+
+# -- the option ----------------------------------------------------------------------------------------
+def test_states_option_is_checked_when_the_backend_is_built():
+    model = torch.nn.Linear(2, 2)
+    cases = [
+        ({"states": "offload"}, "needs the optimizer"),
+        ({"states": "offload", "optimizer": object()}, "must be a torch.optim.Optimizer"),
+        ({"states": "offload", "optimizer": torch.optim.RMSprop(model.parameters())}, "not RMSprop"),
+        ({"states": "disk"}, "states must be one of"),
+        ({"states_chunk_bytes": "lots"}, "states_chunk_bytes"),
+    ]
+    for options, message in cases:
+        with pytest.raises(UserInputError, match=message) as info:
+            teraio.backend(**options)
+        assert "\n" not in str(info.value)
+
+
+def test_enabled_false_offloads_nothing():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    be = teraio.backend(enabled=False, states="offload", optimizer=opt)
+    try:
+        assert be.states is None and "step" not in vars(opt)
+    finally:
+        be.close()
