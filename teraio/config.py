@@ -65,6 +65,9 @@ class BackendConfig:
     states: StatesOption = "keep"
     optimizer: Any = field(default=None, repr=False)  # a torch.optim.Optimizer, for states="offload"
     states_chunk_bytes: int | str = "64MiB"  # gradient + state bytes per chunk of the streamed step
+    #: With states="offload", gradients on disk too between backward and the step; param.grad must then
+    #: not be read before the step (Note: [Gradients stay readable unless asked] in teraio.states.grads).
+    offload_gradients: bool = False
 
     def recorded(self) -> dict[str, Any]:
         """The options as written into the run directory: no runtime_options (test seams), the optimizer
@@ -159,6 +162,10 @@ class BackendConfig:
             raise UserInputError(str(exc)) from None
         if chunk_nbytes <= 0:
             raise UserInputError(f"states_chunk_bytes must be positive, not {self.states_chunk_bytes!r}")
+        if not isinstance(self.offload_gradients, bool):
+            raise UserInputError(f"offload_gradients must be True or False, not {self.offload_gradients!r}")
+        if self.offload_gradients and self.states != "offload":
+            raise UserInputError("offload_gradients=True needs states='offload' (and optimizer=opt)")
         if self.states == "offload" and self.optimizer is None:
             raise UserInputError(
                 "states='offload' needs the optimizer: teraio.backend(states='offload', optimizer=opt)"

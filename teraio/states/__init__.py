@@ -47,7 +47,10 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
         **{"rank": rank_info().rank, **cfg.runtime_options},
     )
     return StateOffload(
-        cfg.optimizer, runtime_config=runtime, chunk_bytes=parse_nbytes(cfg.states_chunk_bytes)
+        cfg.optimizer,
+        runtime_config=runtime,
+        chunk_bytes=parse_nbytes(cfg.states_chunk_bytes),
+        offload_gradients=cfg.offload_gradients,
     )
 
 

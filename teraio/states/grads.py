@@ -7,6 +7,13 @@ micro-batch's backward accumulates into it again, a hook that runs before Accumu
 the leaf, ``param.register_hook``) reads it back into the same object first, so AccumulateGrad adds into
 the same values as without teraio. ``zero_grad(set_to_none=True)`` drops the disk copies: no I/O.
 
+Note: [Gradients stay readable unless asked]
+    An offloaded gradient keeps its object over an empty storage, and reading it (gradient clipping,
+    logging a norm between ``backward()`` and ``step()``) reads a null pointer: on CPU the process dies
+    with SIGSEGV. Nothing in torch lets teraio catch that read, so gradients move only when the user
+    asks for it (``offload_gradients=True``) and promises not to touch ``param.grad`` before the step;
+    by default only the optimizer's states move, which nothing outside the step reads.
+
 Note: [Gradient writes are bounded during backward]
     Writes run in the background while backward goes on; each hook first frees the gradients whose
     writes finished, then, while more than ``window_bytes`` are still being written, waits for the
@@ -33,8 +40,13 @@ def grad_key(param_idx: int) -> str:
 class GradOffload:
     """The gradients of ``params`` (in the optimizer's order), offloaded through ``store``."""
 
-    def __init__(self, store: TensorStore, params: list[torch.nn.Parameter], window_bytes: int) -> None:
+    def __init__(
+        self, store: TensorStore, params: list[torch.nn.Parameter], window_bytes: int, offload: bool = True
+    ) -> None:
         self.store = store
+        #: False: gradients stay where autograd puts them (Note: [Gradients stay readable unless asked]);
+        #: only the order they arrive in is recorded, for the step's order.
+        self.offload = offload
         self.params = params
         self.window_bytes = window_bytes
         self.records: dict[int, Record] = {}
@@ -126,7 +138,7 @@ class GradOffload:
             self._seen.add(idx)
             self.arrival_order.append(idx)
         grad = self.params[idx].grad
-        if grad is None:
+        if grad is None or not self.offload:
             return
         rec = self.records.get(idx)
         if rec is None or rec.tensor is not grad:

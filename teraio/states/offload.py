@@ -69,6 +69,8 @@ class StateOffload:
             ``runtime_config`` (closed by :meth:`close`).
         runtime_config: for the engine made when ``engine`` is None (default: ``RuntimeConfig()``).
         chunk_bytes: bytes of gradients and states one chunk of the streamed step holds.
+        offload_gradients: gradients on disk too, between the backward that accumulates them and the step
+            (Note: [Gradients stay readable unless asked] in teraio.states.grads).
         grad_window_bytes: gradient bytes being written during backward before a hook waits (default:
             two chunks).
 
@@ -84,6 +86,7 @@ class StateOffload:
         runtime_config: RuntimeConfig | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         grad_window_bytes: int | None = None,
+        offload_gradients: bool = False,
     ) -> None:
         check_optimizer(optimizer)
         if getattr(optimizer, "_teraio_states", None) is not None:
@@ -97,7 +100,7 @@ class StateOffload:
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         self.chunk_bytes = chunk_bytes
         window = grad_window_bytes if grad_window_bytes is not None else 2 * chunk_bytes
-        self.grads = GradOffload(self.store, self.params, window)
+        self.grads = GradOffload(self.store, self.params, window, offload=offload_gradients)
         self.stream = StreamedStep(
             optimizer, self.store, self.params, chunk_bytes, SUPPORTED[type(optimizer)]
         )

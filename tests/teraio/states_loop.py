@@ -29,6 +29,7 @@ class Run:
     #: Per step: engine bytes read + written during ``zero_grad()`` (states="offload" only).
     zero_grad_io_bytes: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
+    grad_norms: list[torch.Tensor] = field(default_factory=list)  # clip_grad_norm_'s, per step
     state_stats: dict[str, Any] = field(default_factory=dict)
     #: Per step: the peak resident optimizer-state bytes of the streamed step and its chunks' bytes.
     step_peaks: list[tuple[int, list[int]]] = field(default_factory=list)
@@ -52,6 +53,8 @@ def train(
     checkpoint_in: str | None = None,
     checkpoint_out: str | None = None,
     save_after: int | None = None,
+    offload_gradients: bool = True,
+    clip_norm: float | None = None,
 ) -> Run:
     """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
     state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint."""
@@ -67,6 +70,7 @@ def train(
             states="offload",
             optimizer=opt,
             states_chunk_bytes=CHUNK_BYTES,
+            offload_gradients=offload_gradients,
             offload_dirs=[offload_dir],
             io_backend="posix",
         )
@@ -94,6 +98,8 @@ def train(
             loss = compute_loss(compiled, w, step * micro_batches + micro)
             loss.backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
+        if clip_norm is not None:
+            run.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
         opt.step()
         run.losses.append(total)
         if offload:
