@@ -151,9 +151,18 @@ def split_budget(
                     break
             else:
                 high_b = trial_b
-    ok, _, _ = fits(budgets, False)
-    if not ok:  # the real solver's plans compose worse than the fast ones: keep the fast ones
-        fits(budgets, True)
+    real = {g: plan_graph(g, b, False) for g, b in budgets.items()}
+    if not relax and step_peak(calls, real)[0] <= budget_bytes:
+        return budgets
+    # The fast plans at these budgets compose within the budget (the search checked it). The real solver
+    # spends a budget on time, not on what a call holds, so its plans may compose worse; and with
+    # ``relax`` the split of memory between the calls is the fast plans'. So each graph keeps its real
+    # plan only where it neither peaks nor holds more than its fast one: the composition then cannot get
+    # worse than the fast plans'.
+    fast = {g: plan_graph(g, b, True) for g, b in budgets.items()}
+    for g in graphs:
+        if real[g].held_bytes <= fast[g].held_bytes and real[g].peak_bytes <= fast[g].peak_bytes:
+            plan_graph(g, budgets[g], False)
     return budgets
 
 
