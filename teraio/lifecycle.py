@@ -119,6 +119,7 @@ class GraphRunner:
         self.plan_before_outside: Plan | None = None
         self.plans_before_outside: dict[int, Plan] = {}
         self._compiled_for: dict[int, Callable[..., Any]] = {}  # ordinal -> compilation with its plan
+        self.saved_call_plans = 0  # run_dir: plan_call<j>.json written for j < this
         self.rewrite: RewriteResult | None = None
         self.invocations = 0
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
@@ -1406,10 +1407,14 @@ class TeraioBackend:
         if self._run is None or runner.plan is None or self._run.error is not None:
             return  # (no simulation for a trace that would not be written)
         self._run.save_plan(runner.graph_id, runner.plan.to_json(), trace_of(runner.profile, runner.plan))
-        # Note: [A graph called several times per step is planned per call]: each later call's own plan.
-        for j, p in sorted(runner.plans.items()):
-            if j > 0 and p is not runner.plans[j - 1]:
-                self._run.save_plan(runner.graph_id, p.to_json(), trace_of(runner.profile, p), call=j)
+        # Note: [A graph called several times per step is planned per call]: each later call's own plan,
+        # also over the files of an earlier plan with more calls (they then show the plan calls run now).
+        calls = max(len(runner.plans), runner.saved_call_plans)
+        for j in range(1, calls):
+            p = runner.plan_for(j)
+            assert p is not None
+            self._run.save_plan(runner.graph_id, p.to_json(), trace_of(runner.profile, p), call=j)
+        runner.saved_call_plans = calls
 
     def _append_stats(self, step: StepRecord) -> None:
         # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are

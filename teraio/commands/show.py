@@ -63,6 +63,13 @@ def _run_dir_summary(path: str) -> dict:
         for plan_file in sorted(rank_dir.glob("graph*/plan.json"), key=lambda p: int(p.parent.name[5:] or 0)):
             plan = Plan.load(plan_file)
             graphs.append({"graph": plan_file.parent.name, **plan_summary(plan)})
+            # A graph called several times per step with a plan per call: each later call's own plan.
+            calls = sorted(plan_file.parent.glob("plan_call*.json"), key=lambda p: int(p.stem[9:] or 0))
+            for call_file in calls:
+                call = Plan.load(call_file)
+                graphs.append(
+                    {"graph": f"{plan_file.parent.name} call {call_file.stem[9:]}", **plan_summary(call)}
+                )
         last = None
         stats = rank_dir / "stats.jsonl"
         if stats.is_file():

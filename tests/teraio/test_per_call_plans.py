@@ -14,12 +14,14 @@ from teraio.steps import invocation_ordinals
 LAYERS = 4
 
 
-def _train(enabled: bool, inner: str, budget: str, steps: int = 9):
+def _train(enabled: bool, inner: str, budget: str, steps: int = 9, run_dir: str | None = None):
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = GPTConfig(layers=LAYERS, hidden=32, heads=2, seq=32, batch=2, vocab=64)
     model = GPT(cfg)
-    backend = teraio.backend(memory_budget=budget, inner=inner, enabled=enabled, time_limit=5)
+    backend = teraio.backend(
+        memory_budget=budget, inner=inner, enabled=enabled, time_limit=5, run_dir=run_dir
+    )
     for block in model.blocks:
         block.compile(backend=backend)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -42,12 +44,13 @@ def _train(enabled: bool, inner: str, budget: str, steps: int = 9):
 
 
 @pytest.fixture(scope="module")
-def per_block_eager():
-    return _train(False, "eager", "60%"), _train(True, "eager", "60%")
+def per_block_eager(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("per-call") / "run"
+    return _train(False, "eager", "60%"), _train(True, "eager", "60%", run_dir=str(run_dir)), run_dir
 
 
 def test_each_call_of_a_block_graph_has_its_own_plan_and_the_run_is_exact(per_block_eager) -> None:
-    (l0, g0, p0, _, _), (l1, g1, p1, st, budget_bytes) = per_block_eager
+    (l0, g0, p0, _, _), (l1, g1, p1, st, budget_bytes), _ = per_block_eager
     assert all(torch.equal(a, b) for a, b in zip(l0, l1))
     assert all(torch.equal(a, b) for ga, gb in zip(g0, g1) for a, b in zip(ga, gb))
     assert all(torch.equal(a, b) for a, b in zip(p0, p1))
@@ -63,11 +66,23 @@ def test_each_call_of_a_block_graph_has_its_own_plan_and_the_run_is_exact(per_bl
 
 
 def test_the_per_call_prediction_is_what_the_step_measures(per_block_eager) -> None:
-    _, (_, _, _, st, budget_bytes) = per_block_eager
+    _, (_, _, _, st, budget_bytes), _ = per_block_eager
     measured, predicted = st["measured_peak_bytes"], st["predicted_peak_bytes"]
     assert measured is not None and predicted is not None, st
     assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
     assert measured <= 1.05 * budget_bytes, (measured, budget_bytes)
+
+
+def test_teraio_show_lists_each_calls_plan(per_block_eager) -> None:
+    from teraio.commands.show import _run_dir_summary
+
+    _, (_, _, _, st, _), run_dir = per_block_eager
+    (rank,) = _run_dir_summary(str(run_dir))["ranks"].values()
+    shown = {g["graph"]: g["moved_bytes"] for g in rank["graphs"]}
+    by_call = st["per_graph"][0]["moved_bytes_by_call"]
+    assert shown["graph0"] == by_call[0]
+    for j in range(1, len(by_call)):
+        assert shown[f"graph0 call {j}"] == by_call[j], shown
 
 
 def test_invocation_ordinals_count_a_graphs_forwards_within_each_step() -> None:
