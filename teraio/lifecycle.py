@@ -1420,7 +1420,15 @@ class TeraioBackend:
         # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
         # by-products] in teraio.run_dir).
         if self._run is not None:
-            self._run.append_stats({"step": step.index, "step_s": self.step_times_s[-1], **self._io_stats()})
+            io = self._io_stats()
+            self._run.append_stats(
+                {
+                    "step": step.index,
+                    "step_s": self.step_times_s[-1],
+                    **io,
+                    "moved_bytes_by_kind": moved_bytes_by_kind(io, self.states),
+                }
+            )
 
     @property
     def run_dir_error(self) -> RunDirError | None:

@@ -119,6 +119,12 @@ def _show_run_dir(args: argparse.Namespace) -> int:
                 f"{format_bytes(last.get('offloaded_bytes', 0))} offloaded, "
                 f"{format_bytes(last.get('prefetched_bytes', 0))} read back so far"
             )
+            by_kind = last.get("moved_bytes_by_kind")
+            if by_kind:
+                con.print(
+                    f"rank {rank}: moved so far (written + read) by kind: "
+                    + ", ".join(f"{kind} {format_bytes(n)}" for kind, n in by_kind.items())
+                )
     return 0
 
 

@@ -112,3 +112,15 @@ def test_split_budget_gives_the_latest_calls_their_memory_first() -> None:
     assert step_peak(calls, memory)[0] <= 200
     assert budgets[(0, 3)] > budgets[(0, 0)], budgets
     assert budgets[(0, 0)] == 70, budgets  # the first call moves everything it can
+
+
+def test_stats_lines_report_the_bytes_moved_by_kind(per_block_eager) -> None:
+    import json
+
+    _, (_, _, _, st, _), run_dir = per_block_eager
+    last = json.loads((run_dir / "stats.jsonl").read_text().splitlines()[-1])
+    by_kind = last["moved_bytes_by_kind"]
+    assert set(by_kind) == {"activation", "parameter", "gradient", "optimizer_state"}
+    assert by_kind["activation"] == last["offloaded_bytes"] + last["prefetched_bytes"] > 0
+    assert by_kind["parameter"] == by_kind["gradient"] == by_kind["optimizer_state"] == 0
+    assert st["moved_bytes_by_kind"]["activation"] >= by_kind["activation"]
