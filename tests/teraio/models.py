@@ -70,6 +70,31 @@ def hf_bert() -> Workload:
     )
 
 
+def hf_llama() -> Workload:
+    """A Llama-shaped model: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        vocab_size=256,
+        attention_dropout=0.0,
+    )
+    model = LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    return Workload(
+        name="hf:llama",
+        model=model,
+        batch={"input_ids": ids},
+        loss_fn=lambda out, batch: _lm_loss(out.logits, batch["input_ids"]),
+    )
+
+
 WORKLOADS = {
     "gpt-tiny": lambda: builtin_workload("tiny"),
     "hf-gpt2": hf_gpt2,

@@ -269,3 +269,57 @@ def test_enabled_false_offloads_nothing():
         assert be.states is None and "step" not in vars(opt)
     finally:
         be.close()
+
+
+# -- other models, with the activations planned too ----------------------------------------------------
+def _model_run(name: str, opt_name: str, enabled: bool, offload_dir: str, steps: int = 4):
+    from .models import hf_gpt2, hf_llama
+
+    torch._dynamo.reset()
+    w = {"hf-gpt2": hf_gpt2, "hf-llama": hf_llama}[name]()
+    model = w.model
+    opt = {
+        "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+    }[opt_name](model.parameters())
+    be = teraio.backend(
+        memory_budget="85%",
+        inner="eager",
+        solver="greedy",
+        enabled=enabled,
+        states="offload",
+        optimizer=opt,
+        offload_gradients=True,
+        states_chunk_bytes="32KiB",
+        offload_dirs=[offload_dir],
+    )
+    compiled = torch.compile(model, backend=be)
+    losses = []
+    try:
+        for step in range(steps):
+            loss = compute_loss(compiled, w, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        stats = be.stats()
+        state = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+    finally:
+        be.close()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, params, state, stats
+
+
+@pytest.mark.parametrize("name", ["hf-gpt2", "hf-llama"])
+@pytest.mark.parametrize("opt_name", ["adamw", "sgd"])
+def test_hf_models_with_planned_activations_are_exact(name, opt_name, tmp_path):
+    """Activations planned under a budget and the gradients and states on disk, in one run."""
+    ref = _model_run(name, opt_name, False, str(tmp_path / "ref"))
+    got = _model_run(name, opt_name, True, str(tmp_path / "off"))
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert ref[1].keys() == got[1].keys() and all(torch.equal(ref[1][n], got[1][n]) for n in ref[1])
+    assert ref[2].keys() == got[2].keys() and ref[2]
+    for i in ref[2]:
+        assert all(torch.equal(ref[2][i][k], got[2][i][k]) for k in ref[2][i]), (name, i)
+    moved = got[3]["moved_bytes_by_kind"]
+    assert moved["activation"] > 0 and moved["gradient"] > 0 and moved["optimizer_state"] > 0, moved
