@@ -323,3 +323,61 @@ def test_hf_models_with_planned_activations_are_exact(name, opt_name, tmp_path):
         assert all(torch.equal(ref[2][i][k], got[2][i][k]) for k in ref[2][i]), (name, i)
     moved = got[3]["moved_bytes_by_kind"]
     assert moved["activation"] > 0 and moved["gradient"] > 0 and moved["optimizer_state"] > 0, moved
+
+
+def _users_loop(enabled: bool, offload_dir: str):
+    """What a training script does around the step: two param groups (no decay on norms and biases),
+    OneCycleLR, fp16 autocast with a GradScaler (unscale_, clipping, a step it may skip), zero_grad both
+    ways."""
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3
+    )
+    be = teraio.backend(
+        inner="eager",
+        memory_budget="80%",
+        solver="greedy",
+        enabled=enabled,
+        states="offload",
+        optimizer=opt,
+        states_chunk_bytes="32KiB",
+        offload_dirs=[offload_dir],
+    )
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    scaler = torch.amp.GradScaler("cpu")
+    compiled = torch.compile(model, backend=be)
+    losses, norms = [], []
+    try:
+        for step in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = compute_loss(compiled, w, step)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            scaler.step(opt)
+            scaler.update()
+            sched.step()
+            opt.zero_grad(set_to_none=step % 2 == 0)
+            losses.append(loss.detach())
+        sd = opt.state_dict()
+        moved = be.stats()["moved_bytes_by_kind"]
+    finally:
+        be.close()
+    return losses, norms, [p.detach().clone() for p in model.parameters()], sd, moved
+
+
+def test_a_users_loop_around_the_step_is_exact(tmp_path):
+    ref = _users_loop(False, str(tmp_path / "ref"))
+    got = _users_loop(True, str(tmp_path / "off"))
+    for a, b in zip(ref[:3], got[:3]):
+        assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    (sa, sb) = (ref[3], got[3])
+    assert sa["param_groups"] == sb["param_groups"]
+    assert sa["state"].keys() == sb["state"].keys() and sa["state"]
+    for i in sa["state"]:
+        assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for k in sa["state"][i])
+    assert got[4]["optimizer_state"] > 0 and got[4]["activation"] > 0
