@@ -29,6 +29,12 @@ def main() -> None:
     parser.add_argument(
         "--disabled", action="store_true", help="enabled=False: the same run without teraio's plan"
     )
+    parser.add_argument(
+        "--states",
+        choices=["keep", "offload"],
+        default="keep",
+        help="offload: AdamW's states on disk between steps",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -41,14 +47,16 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     cfg = GPTConfig(layers=2, hidden=64, heads=2, seq=64, batch=4, vocab=256)
     model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     backend = teraio.backend(
         memory_budget=args.budget,
         offload_dirs=[args.offload_dir] if args.offload_dir else None,
         run_dir=args.run_dir,
         enabled=not args.disabled,
+        states=args.states,
+        optimizer=opt,
     )
     compiled = torch.compile(DDP(model), backend=backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank = dist.get_rank()
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
@@ -61,7 +69,7 @@ def main() -> None:
     print(
         f"rank {rank}: {st['running_steps']} running steps, {st['moved_bytes_per_step']} bytes moved per step, "
         f"measured peak {st['measured_peak_bytes']} (predicted {st['predicted_peak_bytes']}), "
-        f"median step {st['step_s']} s",
+        f"median step {st['step_s']} s, moved by kind {st['moved_bytes_by_kind']}",
         flush=True,
     )
     backend.close()

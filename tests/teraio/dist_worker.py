@@ -55,7 +55,11 @@ def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, option
     model = GPTLoss()
     steps = int(options.get("steps", 6))
     kill_at = options.get("kill_rank_at")
+    # states="offload" needs the optimizer when the backend is built (DDP keeps the model's parameters).
+    opt_first = torch.optim.AdamW(model.parameters(), lr=1e-3) if options.get("states") else None
+    states = {"states": "offload", "optimizer": opt_first} if opt_first is not None else {}
     backend = teraio.backend(
+        **states,
         memory_budget=options.get("budget", "85%"),
         inner="eager",
         solver="greedy",
@@ -88,7 +92,7 @@ def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, option
         params = model.parameters()
     else:
         raise ValueError(mode)
-    opt = torch.optim.AdamW(params, lr=1e-3)
+    opt = opt_first if opt_first is not None else torch.optim.AdamW(params, lr=1e-3)
     make = _tokens(64, 2)
     losses, grads = [], []
     try:
@@ -137,6 +141,7 @@ def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, option
                 "measured_peak_bytes",
                 "predicted_peak_bytes",
                 "graphs",
+                "moved_bytes_by_kind",
             )
         },
         "compiled_autograd": counters,

@@ -68,6 +68,12 @@ def test_ddp_with_compiled_autograd(tmp_path) -> None:
     ]
 
 
+def test_ddp_with_the_optimizer_states_on_disk(tmp_path) -> None:
+    """states="offload" under DDP: each rank streams its own AdamW states through its own directory."""
+    results = _check("ddp-nosplit", tmp_path, states="offload")
+    assert all(r["stats"]["moved_bytes_by_kind"]["optimizer_state"] > 0 for r in results)
+
+
 def test_fsdp2_per_block_compilation(tmp_path) -> None:
     """FSDP2 with each block compiled on its own (torchtitan's order): one graph, called once per block."""
     _check("fsdp-per-block", tmp_path, budget="80%")
