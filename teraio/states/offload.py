@@ -57,6 +57,14 @@ def check_optimizer(optimizer: object, option: str = "optimizer") -> None:
     for g in optimizer.param_groups:
         if g.get("differentiable", False):
             raise StatesError(f"{option}: states='offload' does not support differentiable=True")
+        for p in g["params"]:
+            if type(p) not in (torch.nn.Parameter, torch.Tensor):
+                # A tensor subclass (FSDP2's DTensor shards, a quantized weight) keeps its bytes in inner
+                # tensors that the states' storage swap cannot reach.
+                raise StatesError(
+                    f"{option}: states='offload' supports plain parameters, not {type(p).__name__} ones (FSDP2's "
+                    "fully_shard makes DTensors); use states='keep' with them"
+                )
 
 
 class StateOffload:

@@ -244,6 +244,10 @@ def test_close_brings_everything_back(tmp_path):
 
 
 # -- the option ----------------------------------------------------------------------------------------
+class _Subclass(torch.Tensor):
+    """A tensor subclass parameter, as FSDP2's DTensor shards are."""
+
+
 def test_states_option_is_checked_when_the_backend_is_built():
     model = torch.nn.Linear(2, 2)
     cases = [
@@ -253,6 +257,10 @@ def test_states_option_is_checked_when_the_backend_is_built():
         ({"states": "disk"}, "states must be one of"),
         ({"states_chunk_bytes": "lots"}, "states_chunk_bytes"),
         ({"offload_gradients": True}, "needs states='offload'"),
+        (
+            {"states": "offload", "optimizer": torch.optim.SGD([_Subclass(torch.zeros(2))])},
+            "supports plain parameters, not _Subclass",
+        ),
         ({"offload_gradients": "yes"}, "offload_gradients must be True or False"),
     ]
     for options, message in cases:
