@@ -68,6 +68,9 @@ class BackendConfig:
     #: With states="offload", gradients on disk too between backward and the step; param.grad must then
     #: not be read before the step (Note: [Gradients stay readable unless asked] in teraio.states.grads).
     offload_gradients: bool = False
+    #: With states="offload", each parameter updated inside backward once its gradient is complete, the
+    #: gradient freed at once; opt.step() commits (teraio.states.optimizer_stream).
+    optimizer_in_backward: bool = False
 
     def recorded(self) -> dict[str, Any]:
         """The options as written into the run directory: no runtime_options (test seams), the optimizer
@@ -162,10 +165,17 @@ class BackendConfig:
             raise UserInputError(str(exc)) from None
         if chunk_nbytes <= 0:
             raise UserInputError(f"states_chunk_bytes must be positive, not {self.states_chunk_bytes!r}")
-        if not isinstance(self.offload_gradients, bool):
-            raise UserInputError(f"offload_gradients must be True or False, not {self.offload_gradients!r}")
-        if self.offload_gradients and self.states != "offload":
-            raise UserInputError("offload_gradients=True needs states='offload' (and optimizer=opt)")
+        for name in ("offload_gradients", "optimizer_in_backward"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise UserInputError(f"{name} must be True or False, not {value!r}")
+            if value and self.states != "offload":
+                raise UserInputError(f"{name}=True needs states='offload' (and optimizer=opt)")
+        if self.optimizer_in_backward and self.offload_gradients:
+            raise UserInputError(
+                "optimizer_in_backward=True frees each gradient once it is used, so there is none to offload: "
+                "drop offload_gradients=True"
+            )
         if self.states == "offload" and self.optimizer is None:
             raise UserInputError(
                 "states='offload' needs the optimizer: teraio.backend(states='offload', optimizer=opt)"

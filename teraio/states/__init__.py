@@ -51,6 +51,7 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
         runtime_config=runtime,
         chunk_bytes=parse_nbytes(cfg.states_chunk_bytes),
         offload_gradients=cfg.offload_gradients,
+        optimizer_in_backward=cfg.optimizer_in_backward,
     )
 
 

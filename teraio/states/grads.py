@@ -47,6 +47,9 @@ class GradOffload:
         #: False: gradients stay where autograd puts them (Note: [Gradients stay readable unless asked]);
         #: only the order they arrive in is recorded, for the step's order.
         self.offload = offload
+        #: Note: [The optimizer step inside backward] in teraio.states.optimizer_stream: called with a
+        #: parameter's index once its gradient is complete, instead of offloading it.
+        self.on_complete: Callable[[int], None] | None = None
         self.params = params
         self.window_bytes = window_bytes
         self.records: dict[int, Record] = {}
@@ -138,6 +141,9 @@ class GradOffload:
             self._seen.add(idx)
             self.arrival_order.append(idx)
         grad = self.params[idx].grad
+        if grad is not None and self.on_complete is not None:
+            self.on_complete(idx)
+            return
         if grad is None or not self.offload:
             return
         rec = self.records.get(idx)

@@ -79,6 +79,9 @@ class StateOffload:
         chunk_bytes: bytes of gradients and states one chunk of the streamed step holds.
         offload_gradients: gradients on disk too, between the backward that accumulates them and the step
             (Note: [Gradients stay readable unless asked] in teraio.states.grads).
+        optimizer_in_backward: update each parameter inside backward once its gradient is complete, and
+            free the gradient (Note: [The optimizer step inside backward] in
+            teraio.states.optimizer_stream); ``step()`` then commits.
         grad_window_bytes: gradient bytes being written during backward before a hook waits (default:
             two chunks).
 
@@ -95,6 +98,7 @@ class StateOffload:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         grad_window_bytes: int | None = None,
         offload_gradients: bool = False,
+        optimizer_in_backward: bool = False,
     ) -> None:
         check_optimizer(optimizer)
         if getattr(optimizer, "_teraio_states", None) is not None:
@@ -108,7 +112,16 @@ class StateOffload:
         self.params: list[torch.nn.Parameter] = [p for g in optimizer.param_groups for p in g["params"]]
         self.chunk_bytes = chunk_bytes
         window = grad_window_bytes if grad_window_bytes is not None else 2 * chunk_bytes
+        if optimizer_in_backward and offload_gradients:
+            raise StatesError(
+                "optimizer_in_backward frees each gradient once it is used, so there is none to offload: "
+                "drop offload_gradients=True"
+            )
         self.grads = GradOffload(self.store, self.params, window, offload=offload_gradients)
+        self.in_backward = optimizer_in_backward
+        self.window_bytes = window
+        if optimizer_in_backward:
+            self.grads.on_complete = self._update_in_backward
         self.stream = StreamedStep(
             optimizer, self.store, self.params, chunk_bytes, SUPPORTED[type(optimizer)]
         )
@@ -147,10 +160,22 @@ class StateOffload:
         known = set(seen)
         return seen + [i for i in reversed(range(len(self.params))) if i not in known]
 
+    def _update_in_backward(self, idx: int) -> None:
+        """Note: [The optimizer step inside backward] in teraio.states.optimizer_stream."""
+        order = self.grads.arrival_order
+        pos = order.index(idx)
+        nxt = order[pos + 1] if pos + 1 < len(order) else None
+        opt = self.optimizer
+        self.stream.update_in_backward(idx, lambda: self._raw_step(opt), nxt, self.window_bytes)
+
     def step(self) -> None:
-        """The streamed step (the optimizer's ``step`` calls it through the stock hooks wrapper)."""
+        """The streamed step (the optimizer's ``step`` calls it through the stock hooks wrapper); with
+        ``optimizer_in_backward``, the commit of what backward updated."""
         if self.closed:
             raise StatesError("this StateOffload is closed: the optimizer's states were restored to memory")
+        if self.in_backward:
+            self.stream.commit_in_backward()
+            return
         self._check_params()
         self.grads.settle()
         opt = self.optimizer

@@ -25,6 +25,17 @@ Note: [A step commits all of its states or none]
     for bit. Parameters are resident and updated in place by the stock step, so they cannot be rolled
     back: when the failure came after a chunk's update, the offload says so and refuses
     ``state_dict()`` and ``step()`` until a checkpoint is loaded (``Consistency.PARAMETERS_AHEAD``).
+
+Note: [The optimizer step inside backward]
+    With ``optimizer_in_backward=True`` a parameter is updated as soon as its gradient is complete (the
+    hook after AccumulateGrad), by the same stock step narrowed to that parameter, and its gradient is
+    freed at once: the step's gradients never all exist together, none is written to disk, and only one
+    parameter's states are read and written at a time (at most ``window_bytes`` of writes in flight).
+    A parameter's value is not used by backward after its gradient is complete (every op that saved it
+    contributes to that gradient first), so the result is the same, bit for bit, as the update after
+    backward. ``opt.step()`` then commits what backward wrote (Note: [A step commits all of its states
+    or none]); a second backward before it (gradient accumulation) is refused in one line, and clipping
+    or a GradScaler cannot work, since the gradients are gone when backward returns.
 """
 
 from __future__ import annotations
@@ -94,6 +105,19 @@ class StepLog:
     updated_chunks: int = 0
 
 
+@dataclass
+class _InBackward:
+    """Note: [The optimizer step inside backward]: what the updates of one backward did so far."""
+
+    updated: set[int] = field(default_factory=set)
+    touched: list[Record] = field(default_factory=list)
+    loads: list[list[Record]] = field(default_factory=list)
+    snapshots: list[dict[int, dict[str, Any]]] = field(default_factory=list)
+    writing: list[Record] = field(default_factory=list)
+    writing_bytes: int = 0
+    log: StepLog = field(default_factory=StepLog)
+
+
 @contextmanager
 def narrowed(opt: torch.optim.Optimizer, params: set[int], by_id: dict[int, int]) -> Iterator[None]:
     """Every param group lists only the parameters in ``params`` (indices; ``by_id`` maps ``id(p)`` to
@@ -133,6 +157,8 @@ class StreamedStep:
         self.last: StepLog | None = None
         #: Test seam: called with the chunk's position before its stock step.
         self.before_chunk_update: Callable[[int], None] | None = None
+        # Note: [The optimizer step inside backward]: the step in progress inside backward.
+        self._ib: _InBackward | None = None
         self._group_of = {}
         for g in opt.param_groups:
             for p in g["params"]:
@@ -245,6 +271,78 @@ class StreamedStep:
             self._roll_back(touched, loads, snapshots, log, exc)
             raise
         self._commit(touched)
+
+    # -- Note: [The optimizer step inside backward] ------------------------------------------------
+    def update_in_backward(
+        self, idx: int, raw_step: Callable[[], Any], prefetch_next: int | None, window_bytes: int
+    ) -> None:
+        """Update ``params[idx]`` now (its gradient is complete), free its gradient, write its states."""
+        from teraio.states.errors import StatesError
+
+        self.check_usable()
+        ib = self._ib
+        if ib is None:
+            ib = self._ib = _InBackward()
+            self.store.reset_window_peak()
+        if idx in ib.updated:
+            exc = StatesError(
+                "optimizer_in_backward updates each parameter once its gradient is complete: call "
+                "opt.step() after every backward (no gradient accumulation), or set optimizer_in_backward=False"
+            )
+            self._fail_in_backward(exc)
+            raise exc
+        try:
+            recs = self.records_of(idx)
+            for r in recs:
+                ib.touched.append(r)
+                self.store.load(r)
+            ib.loads.append(recs)
+            ib.snapshots.append(self._snapshot([idx]))
+            with narrowed(self.opt, {idx}, self.by_id):
+                ib.log.updated_chunks += 1
+                raw_step()
+            ib.updated.add(idx)
+            ib.log.chunks.append([idx])
+            self.params[idx].grad = None  # used: freed now
+            for rec in self._reconcile(idx):
+                if rec not in ib.touched:
+                    ib.touched.append(rec)
+                other = 1 - slot_of(rec.saved_key) if rec.saved_key is not None else 0
+                self.store.write(rec, state_key(idx, rec.name, other))
+                ib.writing.append(rec)
+                ib.writing_bytes += rec.nbytes
+            ib.log.chunk_bytes.append(sum(r.nbytes for r in self.records_of(idx)))
+            if prefetch_next is not None:
+                for r in self.records_of(prefetch_next):
+                    self.store.prefetch(r)
+            while ib.writing and (ib.writing_bytes > window_bytes or self.store.write_done(ib.writing[0])):
+                rec = ib.writing.pop(0)
+                ib.writing_bytes -= rec.nbytes
+                self._finish_chunk([rec])
+        except BaseException as exc:
+            self._fail_in_backward(exc)
+            raise
+
+    def commit_in_backward(self) -> bool:
+        """``opt.step()`` after a backward that updated parameters: wait for the writes and commit (False:
+        no update ran since the last commit)."""
+        ib = self._ib
+        if ib is None:
+            return False
+        try:
+            self._finish_chunk(ib.writing)
+        except BaseException as exc:
+            self._fail_in_backward(exc)
+            raise
+        self._ib = None
+        self.last = ib.log
+        self._commit(ib.touched)
+        return True
+
+    def _fail_in_backward(self, exc: BaseException) -> None:
+        ib, self._ib = self._ib, None
+        if ib is not None:
+            self._roll_back(ib.touched, ib.loads, ib.snapshots, ib.log, exc)
 
     def _finish_chunk(self, recs: list[Record]) -> None:
         for rec in recs:

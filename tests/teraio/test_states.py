@@ -262,6 +262,7 @@ def test_states_option_is_checked_when_the_backend_is_built():
             "supports plain parameters, not _Subclass",
         ),
         ({"offload_gradients": "yes"}, "offload_gradients must be True or False"),
+        ({"optimizer_in_backward": True}, "needs states='offload'"),
     ]
     for options, message in cases:
         with pytest.raises(UserInputError, match=message) as info:
@@ -389,3 +390,65 @@ def test_a_users_loop_around_the_step_is_exact(tmp_path):
     for i in sa["state"]:
         assert all(torch.equal(sa["state"][i][k], sb["state"][i][k]) for k in sa["state"][i])
     assert got[4]["optimizer_state"] > 0 and got[4]["activation"] > 0
+
+
+# -- Note: [The optimizer step inside backward] --------------------------------------------------------
+def _in_backward_run(enabled: bool, offload_dir: str, steps: int = 4, micro_batches: int = 1):
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    be = teraio.backend(
+        inner="eager",
+        memory_budget="80%",
+        solver="greedy",
+        enabled=enabled,
+        states="offload",
+        optimizer=opt,
+        optimizer_in_backward=enabled,
+        states_chunk_bytes="32KiB",
+        offload_dirs=[offload_dir],
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    compiled = torch.compile(model, backend=be)
+    losses, grads_after_backward = [], []
+    try:
+        for step in range(steps):
+            for micro in range(micro_batches):
+                loss = compute_loss(compiled, w, step * micro_batches + micro)
+                loss.backward()
+            grads_after_backward.append(sum(p.grad is not None for p in model.parameters()))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        sd = opt.state_dict()
+        states = be.states.stats() if enabled else None
+    finally:
+        be.close()
+    return losses, [p.detach().clone() for p in model.parameters()], sd, grads_after_backward, states
+
+
+def test_the_optimizer_step_inside_backward_is_exact_and_keeps_no_gradient(tmp_path):
+    ref = _in_backward_run(False, str(tmp_path / "ref"))
+    got = _in_backward_run(True, str(tmp_path / "off"))
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], got[0])) and len(ref[0]) == len(got[0])
+    assert all(torch.equal(a, b) for a, b in zip(ref[1], got[1]))
+    sa, sb = ref[2]["state"], got[2]["state"]
+    assert sa.keys() == sb.keys() and sa
+    for i in sa:
+        assert all(torch.equal(sa[i][k], sb[i][k]) for k in sa[i]), i
+    assert all(n > 0 for n in ref[3]) and got[3] == [0] * len(got[3])  # every gradient freed in backward
+    states = got[4]
+    assert states["read_bytes"]["gradient"] == states["written_bytes"]["gradient"] == 0
+    total_state = sum(
+        v.numel() * v.element_size() for st in sb.values() for k, v in st.items() if k != "step"
+    )
+    # One parameter's states at a time, plus the writes in flight (two chunks of 32 KiB).
+    assert 0 < states["peak_resident_bytes"]["optimizer_state"] < total_state / 2, (states, total_state)
+
+
+def test_the_optimizer_step_inside_backward_refuses_accumulation(tmp_path):
+    with pytest.raises(StatesError, match="call opt.step\\(\\) after every backward") as info:
+        _in_backward_run(True, str(tmp_path / "off"), steps=1, micro_batches=2)
+    assert "\n" not in str(info.value)
