@@ -1,0 +1,673 @@
+"""Training a GPT whose training state does not fit in memory: ``states="offload"`` (issue 23).
+
+A GPT of about 2 billion parameters (hidden 2048, 40 layers: 8 GB of fp32 weights, 8 GB of gradients and
+16 GB of AdamW moments, 32 GB of training state on a 24 GiB machine) trains for a few steps with
+``teraio.backend(states="offload", optimizer=opt, offload_gradients=True)``: the moments and the
+gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. Parameters stay
+resident (the first slice of issue 23 does not move them), so the weights are the floor of the peak.
+
+One run, in this order, on the same directory:
+
+1. the disk: ``benchmarks.bench_io``'s raw O_DIRECT write and read of one file (``--io-size``), the
+   bandwidths the step's I/O lower bound is priced with;
+2. the reference: the first step's loss computed by a no-grad forward over the same initial weights,
+   layer by layer (each layer built from the same random stream as the model, used, and freed: one
+   layer's weights in memory at a time), and the step's compute alone (forward, backward and AdamW
+   update of one resident layer, timed and multiplied by the layer count, plus the embedding and head);
+3. the training, in a fresh child process (so its peak resident memory, ``VmHWM``, is its own): the
+   backend with ``inner="eager"`` (an Inductor compile of a 2B-parameter graph takes far too long on 2
+   cores), ``profile_steps=1`` and ``memory_budget=None`` (activations are not offloaded: at batch 1 and
+   128 tokens they are well under 1 GB; nothing is planned). The first step compiles and profiles and is
+   reported apart; the step time is the median of the steps after it.
+
+The I/O lower bound of a step is the bytes that must move (each gradient written once and read once by
+the step, each moment read once and written once) priced at the raw bandwidths: write bytes / raw write
+bandwidth + read bytes / raw read bandwidth (one device: a write and a read do not add bandwidth).
+
+    python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--json] [--out F.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+# Page-aligned torch allocations (O_DIRECT reads without a bounce copy); torch reads it at first use.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from teraio.models.gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
+from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+
+CONFIGS: dict[str, GPTConfig] = {
+    # 2.05e9 parameters: 32.8 GB of fp32 weights, gradients and AdamW moments.
+    "2b": GPTConfig(layers=40, hidden=2048, heads=16, seq=128, batch=1, vocab=8192),
+    # Seconds: the smoke test.
+    "tiny": GPTConfig(layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=256),
+}
+#: AdamW keeps two fp32 moments per parameter (``step`` is a resident scalar).
+ADAM_STATES = 2
+LR = 1e-4
+
+
+# -- sizes and the machine -------------------------------------------------------------------------
+def param_count(cfg: GPTConfig) -> int:
+    """Exact, from the model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(cfg).parameters())
+
+
+def sizes(cfg: GPTConfig) -> dict[str, int]:
+    """Bytes of the training state (fp32) by part."""
+    n = param_count(cfg)
+    weights = grads = 4 * n
+    states = ADAM_STATES * 4 * n
+    return {
+        "params": n,
+        "weight_bytes": weights,
+        "gradient_bytes": grads,
+        "optimizer_state_bytes": states,
+        "state_bytes": weights + grads + states,
+        # Two slots per moment while a step is written (Note: [A step commits all of its states or
+        # none] in teraio.states.optimizer_stream) and every gradient: the offload file's high mark.
+        "disk_bytes_needed": 2 * states + grads,
+    }
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[-1] == "kB":
+                out[key] = int(parts[0]) * 1024
+    return out
+
+
+def proc_status_bytes(field: str) -> int:
+    """``VmHWM``, ``VmRSS``... of this process, in bytes (0 if unreadable)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Start a new VmHWM window (``echo 5 > /proc/self/clear_refs``); False if the kernel refuses."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def machine_info() -> dict[str, Any]:
+    mi = meminfo()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "mem_total_bytes": mi.get("MemTotal", 0),
+        "swap_total_bytes": mi.get("SwapTotal", 0),
+        "loadavg": os.getloadavg(),  # other users of the shared cores
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "<unset>"),
+    }
+
+
+def f32_bits(x: torch.Tensor) -> int:
+    """The bits of a float32 scalar, for a bit-for-bit comparison across processes."""
+    return struct.unpack("<I", struct.pack("<f", float(x.item())))[0] if x.dtype == torch.float32 else -1
+
+
+def build_model(cfg: GPTConfig, seed: int = 0) -> GPT:
+    """The GPT with deterministic initial weights (as ``teraio.models.build_gpt``, for any config)."""
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return GPT(cfg)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+# -- the reference and the compute alone ----------------------------------------------------------
+@torch.no_grad()
+def reference_first_loss(cfg: GPTConfig, seed: int = 0) -> torch.Tensor:
+    """The loss of ``build_model(cfg, seed)`` on step 0's batch, computed one layer at a time: each module
+    is built from the same random stream ``GPT.__init__`` draws from, in the same order (embeddings,
+    blocks, final norm, head), used and freed, so only one block's weights are ever in memory."""
+    idx, targets = synthetic_batch(cfg, 0)
+    gen_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        pos = nn.Embedding(cfg.seq, cfg.hidden)
+        x = tok(idx) + pos(torch.arange(idx.shape[1]))
+        del tok, pos
+        for _ in range(cfg.layers):
+            block = Block(cfg)
+            x = block(x)
+            del block
+        ln_f = nn.LayerNorm(cfg.hidden)
+        head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        logits = head(ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def _median_time(fn: Any, reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _layer_s(cfg: GPTConfig, reps: int) -> tuple[float, float]:
+    """Forward and backward, and the AdamW update, of one resident block (medians of ``reps``)."""
+    block = Block(cfg)
+    opt = torch.optim.AdamW(block.parameters(), lr=LR)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, requires_grad=True)
+    grad_out = torch.randn(cfg.batch, cfg.seq, cfg.hidden)
+
+    def forward_backward() -> None:
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        block(x).backward(grad_out)
+
+    fwd_bwd_s = _median_time(forward_backward, reps)
+    return fwd_bwd_s, _median_time(opt.step, reps)  # the gradients of the last backward
+
+
+def _embedding_and_head_s(cfg: GPTConfig, reps: int) -> float:
+    """The same for the embeddings, the final norm, the head and the loss."""
+    b, s, h = cfg.batch, cfg.seq, cfg.hidden
+    idx, targets = synthetic_batch(cfg, 0)
+    ends = nn.ModuleDict(
+        {
+            "tok": nn.Embedding(cfg.vocab, h),
+            "pos": nn.Embedding(cfg.seq, h),
+            "ln_f": nn.LayerNorm(h),
+            "head": nn.Linear(h, cfg.vocab, bias=False),
+        }
+    )
+    opt = torch.optim.AdamW(ends.parameters(), lr=LR)
+    last = torch.randn(b, s, h, requires_grad=True)  # what the last block hands the final norm
+    grad_out = torch.randn(b, s, h)
+
+    def embedding_and_head() -> None:
+        (ends["tok"](idx) + ends["pos"](torch.arange(s))).backward(grad_out)
+        logits = ends["head"](ends["ln_f"](last))
+        F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        last.grad = None
+
+    return _median_time(embedding_and_head, reps)
+
+
+def compute_alone(cfg: GPTConfig, reps: int = 3, seed: int = 0) -> dict[str, float]:
+    """The step's compute without I/O: forward, backward and AdamW update of one resident block (median
+    of ``reps``), times the layer count, plus the same for the embeddings and the final norm and head."""
+    torch.manual_seed(seed)
+    fwd_bwd_s, update_s = _layer_s(cfg, reps)
+    ends_s = _embedding_and_head_s(cfg, reps)
+    return {
+        "layer_forward_backward_s": fwd_bwd_s,
+        "layer_update_s": update_s,
+        "layer_s": fwd_bwd_s + update_s,
+        "embedding_and_head_s": ends_s,
+        "compute_s": (fwd_bwd_s + update_s) * cfg.layers + ends_s,
+    }
+
+
+# -- the training child ------------------------------------------------------------------------------
+KINDS = ("activation", "parameter", "gradient", "optimizer_state")
+
+
+def _io_by_kind(be: Any) -> dict[str, dict[str, int]]:
+    """Cumulative bytes written and read per kind: activations from the backend's engine, gradients and
+    optimizer states from ``backend.states``; parameters do not move in this slice."""
+    st = be.stats()
+    ss = be.states.stats()
+    written = dict.fromkeys(KINDS, 0)
+    read = dict.fromkeys(KINDS, 0)
+    written["activation"] = int(st.get("offloaded_bytes", 0))
+    read["activation"] = int(st.get("prefetched_bytes", 0))
+    for k in ("gradient", "optimizer_state"):
+        written[k] = ss["written_bytes"][k]
+        read[k] = ss["read_bytes"][k]
+    return {"written": written, "read": read, "moved": dict(st["moved_bytes_by_kind"]), "phase": st["phase"]}
+
+
+def _delta(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {
+        what: {k: b[what][k] - a[what].get(k, 0) for k in b[what]} for what in ("written", "read", "moved")
+    }
+
+
+def _log(msg: str) -> None:
+    print(f"[bench_states {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def train_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """The training run (in a fresh process: :func:`main` ``--train-child``)."""
+    import teraio
+
+    cfg = GPTConfig(**spec["cfg"])
+    peaks: dict[str, int] = {}
+    can_reset = reset_peak_rss()
+    t0 = time.perf_counter()
+    model = build_model(cfg, spec["seed"])
+    model.train()
+    build_s = time.perf_counter() - t0
+    peaks["build"] = proc_status_bytes("VmHWM")
+    rss_after_build = proc_status_bytes("VmRSS")
+    _log(f"model built in {build_s:.1f} s, RSS {rss_after_build / 1e9:.2f} GB")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    be = teraio.backend(
+        inner="eager",
+        profile_steps=1,
+        measure_memory=False,
+        memory_budget=None,
+        states="offload",
+        optimizer=opt,
+        offload_gradients=True,
+        states_chunk_bytes=spec["chunk_bytes"],
+        offload_dirs=[spec["dir"]],
+        io_backend="posix",
+    )
+    compiled = torch.compile(model, backend=be)
+    # The resident memory when autograd accumulates the step's first gradient: a compiled backward is one
+    # autograd node, which returns every gradient at once, before any of them can be written.
+    first_grad_rss: list[int] = []
+
+    def on_grad(_: torch.Tensor) -> None:
+        if not first_grad_rss:
+            first_grad_rss.append(proc_status_bytes("VmRSS"))
+
+    for prm in model.parameters():
+        prm.register_post_accumulate_grad_hook(on_grad)
+    steps = []
+    before = _io_by_kind(be)
+    for step in range(spec["steps"]):
+        idx, targets = synthetic_batch(cfg, step)
+        if can_reset:
+            reset_peak_rss()
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        loss = compiled(idx, targets)
+        t1 = time.perf_counter()
+        rss_before_backward = proc_status_bytes("VmRSS")
+        first_grad_rss.clear()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        t3 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)  # drops the gradients' disk copies: no I/O
+        t4 = time.perf_counter()
+        cpu_s = time.process_time() - cpu0
+        hwm = proc_status_bytes("VmHWM")
+        after = _io_by_kind(be)
+        moved = _delta(before, after)
+        before = after
+        state_stats = be.states.stats()
+        steps.append(
+            {
+                "step": step,
+                "loss": float(loss.item()),
+                "loss_bits": f32_bits(loss.detach()),
+                "step_s": t4 - t0,
+                "forward_s": t1 - t0,
+                "backward_s": t2 - t1,
+                "optimizer_step_s": t3 - t2,
+                "zero_grad_s": t4 - t3,
+                "cpu_s": cpu_s,
+                "peak_rss_bytes": hwm,
+                "rss_after_bytes": proc_status_bytes("VmRSS"),
+                "rss_before_backward_bytes": rss_before_backward,
+                "rss_at_first_gradient_bytes": first_grad_rss[0] if first_grad_rss else 0,
+                "written_bytes": moved["written"],
+                "read_bytes": moved["read"],
+                "moved_bytes_by_kind": moved["moved"],
+                "step_peak_resident_state_bytes": state_stats["step_peak_resident_state_bytes"],
+                "chunks": len(be.states.last_step.chunks) if be.states.last_step else 0,
+                # Every graph runs its final compilation (not profiling): a running step.
+                "running": all(ph == "running" for ph in after["phase"]),
+            }
+        )
+        peaks[f"step{step}"] = hwm
+        del loss
+        _log(
+            f"step {step}: {t4 - t0:.1f} s (fwd {t1 - t0:.1f}, bwd {t2 - t1:.1f}, opt.step {t3 - t2:.1f}), "
+            f"peak RSS {hwm / 1e9:.2f} GB (RSS {rss_before_backward / 1e9:.2f} GB before backward, "
+            f"{(first_grad_rss or [0])[0] / 1e9:.2f} GB at its first gradient), wrote {sum(moved['written'].values()) / 1e9:.2f} GB, "
+            f"read {sum(moved['read'].values()) / 1e9:.2f} GB"
+        )
+    final = be.stats()
+    state_stats = be.states.stats()
+    engine = be.states.engine.stats()
+    # close() brings every optimizer state back into memory (the states would then be in memory as
+    # without teraio): with states larger than memory that cannot succeed, so the run ends by exiting,
+    # and the engines' exit hook removes the offload files (Note in teraio.runtime.space).
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    states_resident = weights + state_stats["written_bytes"]["optimizer_state"] // max(1, len(steps))
+    closes = states_resident < 0.8 * meminfo().get("MemAvailable", 0)
+    result = {
+        "steps": steps,
+        "build_s": build_s,
+        "rss_after_build_bytes": rss_after_build,
+        "peak_rss_bytes": max(peaks.values()),
+        "peak_rss_by_phase": peaks,
+        "peak_rss_window_reset": can_reset,
+        "backend_phase": final["phase"],
+        "running_steps": final["running_steps"],
+        "moved_bytes_by_kind_total": final["moved_bytes_by_kind"],
+        "states_stats": state_stats,
+        "io_path": engine.io_path,
+        "checksum": be.states.engine.config.checksum,
+        "closed_with": "close()" if closes else "exit",
+    }
+    if closes:
+        be.close()
+    return result
+
+
+def run_train_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run :func:`train_child` in a fresh interpreter; its result comes back through a private file."""
+    with tempfile.TemporaryDirectory(prefix="bench_states-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_states",
+            "--train-child",
+            str(spec_path),
+            str(out_path),
+        ]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, check=False)
+        if proc.returncode != 0:
+            how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
+            hint = " (SIGKILL: out of memory?)" if proc.returncode == -9 else ""
+            raise RuntimeError(f"the training process failed with {how}{hint}")
+        return json.loads(out_path.read_text())
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def leftovers(directory: Path) -> list[str]:
+    """teraio's own subdirectories left in ``directory`` (its offload files live in them)."""
+    if not directory.is_dir():
+        return []
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(("teraio-", ".teraio-new-")))
+
+
+def run(
+    config: str = "2b",
+    directory: str | os.PathLike[str] | None = None,
+    *,
+    steps: int = 4,
+    layers: int | None = None,
+    io_size: int = GIB,
+    io_repeats: int = 2,
+    compute_reps: int = 3,
+    chunk_bytes: str = "64MiB",
+    keep_free: int = 8 * GIB,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """The whole benchmark (see the module docstring); returns the report."""
+    from benchmarks import bench_io
+    from teraio.runtime.config import default_offload_dir
+
+    cfg = CONFIGS[config]
+    if layers is not None:
+        cfg = replace(cfg, layers=layers)
+    directory = Path(directory) if directory is not None else default_offload_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    size = sizes(cfg)
+    free = shutil.disk_usage(directory).free
+    if free - size["disk_bytes_needed"] - io_size < keep_free:
+        raise RuntimeError(
+            f"{directory} has {free / 1e9:.1f} GB free; the run needs {size['disk_bytes_needed'] / 1e9:.1f} GB "
+            f"for the states and gradients and must leave {keep_free / 1e9:.1f} GB free: use fewer --layers"
+        )
+    machine = machine_info()
+    t_start = time.perf_counter()
+    _log(
+        f"{config}: {size['params'] / 1e9:.3f}e9 parameters, training state {size['state_bytes'] / 1e9:.1f} GB, "
+        f"MemTotal {machine['mem_total_bytes'] / 1e9:.1f} GB; measuring the disk in {directory}"
+    )
+    _, disk = bench_io.run(directory, io_size, sizes=[io_size], repeats=io_repeats)
+    _log(f"raw write {disk['raw_write_gb_per_s']:.2f} GB/s, raw read {disk['raw_read_gb_per_s']:.2f} GB/s")
+    t0 = time.perf_counter()
+    ref_loss = reference_first_loss(cfg, seed)
+    reference_s = time.perf_counter() - t0
+    _log(f"reference loss {ref_loss.item():.6f} ({reference_s:.1f} s, layer by layer)")
+    compute = compute_alone(cfg, compute_reps, seed)
+    _log(f"compute alone {compute['compute_s']:.2f} s per step")
+    spec = {
+        "cfg": asdict(cfg),
+        "seed": seed,
+        "steps": steps,
+        "dir": str(directory),
+        "chunk_bytes": chunk_bytes,
+    }
+    try:
+        child = run_train_child(spec)
+    finally:
+        left = leftovers(directory)
+    rows = child["steps"]
+    # The running steps: after the first (compile and profile), every graph in its final compilation.
+    running = [r for r in rows[1:] if r["running"]] or rows[1:]
+    step_s = [r["step_s"] for r in running]
+    median_step = statistics.median(step_s)
+    # What must move per step: each gradient written once (after backward) and read once (by the step);
+    # each moment read once and written once.
+    must_write = size["gradient_bytes"] + size["optimizer_state_bytes"]
+    must_read = size["gradient_bytes"] + size["optimizer_state_bytes"]
+    wbw, rbw = disk["raw_write_gb_per_s"] * 1e9, disk["raw_read_gb_per_s"] * 1e9
+    io_lower_bound = must_write / wbw + must_read / rbw
+    # The same bytes at the engine's own figures from the same measurement (offload of an ordinary
+    # tensor, fetch into a fresh one): what teraio's I/O path gets, page faults and checksums included.
+    io_bound_engine = must_write / (disk["write_gb_per_s"] * 1e9) + must_read / (disk["read_gb_per_s"] * 1e9)
+    measured_written = statistics.median(sum(r["written_bytes"].values()) for r in running)
+    measured_read = statistics.median(sum(r["read_bytes"].values()) for r in running)
+    bound = max(compute["compute_s"], io_lower_bound)
+    return {
+        "config": config,
+        "gpt": asdict(cfg),
+        **size,
+        "mem_total_bytes": machine["mem_total_bytes"],
+        "state_exceeds_mem_total": size["state_bytes"] > machine["mem_total_bytes"],
+        "peak_rss_bytes": child["peak_rss_bytes"],
+        "peak_rss_vs_mem_total": child["peak_rss_bytes"] / machine["mem_total_bytes"],
+        "peak_rss_by_phase": child["peak_rss_by_phase"],
+        "rss_after_build_bytes": child["rss_after_build_bytes"],
+        "step_s": [r["step_s"] for r in rows],
+        "running_step_s": step_s,
+        "median_step_s": median_step,
+        "first_step_s": rows[0]["step_s"],
+        "compute_s": compute["compute_s"],
+        "compute": compute,
+        "io_lower_bound_s": io_lower_bound,
+        "io_bound_at_engine_rates_s": io_bound_engine,
+        "io_must_write_bytes": must_write,
+        "io_must_read_bytes": must_read,
+        "measured_written_bytes_per_step": measured_written,
+        "measured_read_bytes_per_step": measured_read,
+        "step_vs_io_lower_bound": median_step / io_lower_bound,
+        "step_vs_max_compute_io": median_step / bound,
+        "within_1_3x_of_max_compute_io": median_step <= 1.3 * bound,
+        "first_loss": rows[0]["loss"],
+        "reference_first_loss": float(ref_loss.item()),
+        "first_loss_bit_equal": rows[0]["loss_bits"] == f32_bits(ref_loss),
+        "losses": [r["loss"] for r in rows],
+        "losses_finite": all(math.isfinite(r["loss"]) for r in rows),
+        "per_step": rows,
+        "disk": {
+            k: disk[k]
+            for k in (
+                "dir",
+                "size_nbytes",
+                "raw_write_gb_per_s",
+                "raw_read_gb_per_s",
+                "raw_read_fresh_buffer_gb_per_s",
+                "write_gb_per_s",
+                "read_gb_per_s",
+                "io_path",
+                "fio",
+            )
+        },
+        "training": {k: v for k, v in child.items() if k not in ("steps", "peak_rss_by_phase")},
+        "reference_s": reference_s,
+        "leftovers": left,
+        "options": {
+            "inner": "eager",
+            "memory_budget": None,
+            "profile_steps": 1,
+            "offload_gradients": True,
+            "states_chunk_bytes": chunk_bytes,
+            "optimizer": f"AdamW(lr={LR})",
+            "steps": steps,
+        },
+        "machine": machine,
+        "loadavg_at_end": os.getloadavg(),
+        "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def _fmt_gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def print_table(r: dict[str, Any]) -> None:
+    print(
+        f"GPT {r['config']}: {r['params'] / 1e9:.3f}e9 parameters, {r['gpt']['layers']} layers x hidden "
+        f"{r['gpt']['hidden']}, batch {r['gpt']['batch']} x {r['gpt']['seq']} tokens"
+    )
+    print(
+        f"training state {_fmt_gb(r['state_bytes'])} (weights {_fmt_gb(r['weight_bytes'])}, gradients "
+        f"{_fmt_gb(r['gradient_bytes'])}, AdamW moments {_fmt_gb(r['optimizer_state_bytes'])}) vs MemTotal "
+        f"{_fmt_gb(r['mem_total_bytes'])}: exceeds memory: {r['state_exceeds_mem_total']}"
+    )
+    print(
+        f"peak RSS {_fmt_gb(r['peak_rss_bytes'])} ({r['peak_rss_vs_mem_total']:.0%} of MemTotal; "
+        f"{_fmt_gb(r['rss_after_build_bytes'])} after building the model)"
+    )
+    print(
+        "step  time_s  cpu_s  fwd_s  bwd_s  opt_s  peak_rss_GB  grad_w_GB  grad_r_GB  state_w_GB  state_r_GB  loss"
+    )
+    for s in r["per_step"]:
+        w, rd = s["written_bytes"], s["read_bytes"]
+        print(
+            f"{s['step']:>4}  {s['step_s']:6.1f}  {s['cpu_s']:5.1f}  {s['forward_s']:5.1f}  {s['backward_s']:5.1f}  "
+            f"{s['optimizer_step_s']:5.1f}  {s['peak_rss_bytes'] / 1e9:11.2f}  {w['gradient'] / 1e9:9.2f}  "
+            f"{rd['gradient'] / 1e9:9.2f}  {w['optimizer_state'] / 1e9:10.2f}  {rd['optimizer_state'] / 1e9:10.2f}"
+            f"  {s['loss']:.6f}"
+        )
+    print(
+        f"median step (steps 1..) {r['median_step_s']:.1f} s; compute alone {r['compute_s']:.1f} s; I/O lower "
+        f"bound {r['io_lower_bound_s']:.1f} s ({_fmt_gb(r['io_must_write_bytes'])} written at "
+        f"{r['disk']['raw_write_gb_per_s']:.2f} GB/s + {_fmt_gb(r['io_must_read_bytes'])} read at "
+        f"{r['disk']['raw_read_gb_per_s']:.2f} GB/s; {r['io_bound_at_engine_rates_s']:.1f} s at the engine's "
+        f"{r['disk']['write_gb_per_s']:.2f} and {r['disk']['read_gb_per_s']:.2f} GB/s)"
+    )
+    print(
+        f"step / I/O lower bound {r['step_vs_io_lower_bound']:.2f}; step / max(compute, I/O) "
+        f"{r['step_vs_max_compute_io']:.2f} (goal <= 1.3: {r['within_1_3x_of_max_compute_io']})"
+    )
+    print(
+        f"first loss {r['first_loss']!r} vs layer-by-layer reference {r['reference_first_loss']!r}: bit-equal "
+        f"{r['first_loss_bit_equal']}; files left in the directory: {r['leftovers'] or 'none'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from teraio.runtime import parse_nbytes
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--dir", default=None, help="where the offloaded state goes (default: teraio's per-user dir)"
+    )
+    p.add_argument("--config", default="2b", choices=sorted(CONFIGS))
+    p.add_argument("--layers", type=int, default=None, help="override the config's layer count")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps; the first compiles (default 4)")
+    p.add_argument("--io-size", default="1GiB", help="file size of the raw disk measurement")
+    p.add_argument("--chunk", default="64MiB", help="states_chunk_bytes")
+    p.add_argument("--keep-free", default="8GiB", help="refuse to start unless this much disk stays free")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--out", default=None, help="also write the JSON report here (replaced if it exists)")
+    p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.train_child is not None:
+        spec_path, out_path = args.train_child
+        result = train_child(json.loads(Path(spec_path).read_text()))
+        Path(out_path).write_text(json.dumps(result))
+        return 0
+    try:
+        if args.steps < 2:
+            raise ValueError("--steps must be at least 2 (the first compiles and profiles)")
+        if args.layers is not None and args.layers < 1:
+            raise ValueError("--layers must be at least 1")
+        io_size = parse_nbytes(args.io_size, what="--io-size")
+        keep_free = parse_nbytes(args.keep_free, what="--keep-free")
+        if args.out is not None:
+            check_output_file(args.out, overwrite=True, option="--out")
+    except (ValueError, OutputError) as exc:
+        print(f"bench_states: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = run(
+            args.config,
+            args.dir,
+            steps=args.steps,
+            layers=args.layers,
+            io_size=io_size,
+            chunk_bytes=args.chunk,
+            keep_free=keep_free,
+        )
+    except Exception as exc:  # one line, not a traceback
+        print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if args.out:
+        write_json(args.out, report, overwrite=True)
+    if args.json:
+        print(json.dumps(report, default=str))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
