@@ -1369,8 +1369,12 @@ class TeraioBackend:
             self._engine_id = register_engine(self.engine)
         return self._engine_id
 
-    def close(self) -> None:
-        """Stop the engine and remove its files (also done at interpreter exit)."""
+    def close(self, restore_states: bool = True) -> None:
+        """Stop the engine and remove its files (also done at interpreter exit). With ``states="offload"``,
+        ``restore_states`` says whether the optimizer's offloaded states (and gradients) come back into
+        memory first or are dropped (teraio.states.offload.StateOffload.close)."""
+        if getattr(self, "states", None) is not None:  # first: it may refuse, before anything is closed
+            self.states.close(restore=restore_states)
         self._close_probes()
         for r in self.runners:  # a kernel-memory step that ended and was never read, or never ended
             if r.profiler is not None:
@@ -1381,8 +1385,6 @@ class TeraioBackend:
             self._recorder = None
         self._measure = MeasureState.DONE
         process.unregister(self)
-        if getattr(self, "states", None) is not None:
-            self.states.close()
         if self.engine is not None:
             from teraio.ops import unregister_engine
 

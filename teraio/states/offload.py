@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
+from teraio.planner.budget import format_size
 from teraio.runtime import Engine, RuntimeConfig
 from teraio.states.errors import StatesError
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
-from teraio.states.store import Kind, Record, TensorStore
+from teraio.states.store import Kind, Record, Residency, TensorStore
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -259,18 +260,39 @@ class StateOffload:
         return {**sd, "state": state}
 
     # -- detach --------------------------------------------------------------------------------------
-    def close(self) -> None:
-        """Bring every gradient and state back into memory, restore the optimizer's own methods, and
-        close the engine if this object made it. The optimizer works as without teraio afterwards."""
+    def close(self, restore: bool = True) -> None:
+        """Restore the optimizer's own methods and close the engine if this object made it.
+
+        ``restore=True`` first brings every gradient and state back into memory (the optimizer then works
+        as without teraio); it raises ``StatesError`` before reading a byte when they would not fit in
+        the memory available now. ``restore=False`` drops them instead: the optimizer's state is emptied
+        and offloaded gradients become None (save a checkpoint first: ``optimizer.state_dict()`` reads
+        them from disk).
+        """
         if self.closed:
             return
         self.grads.settle()
-        for idx in list(self.grads.records):
-            rec = self.grads.current(idx)
-            if rec is not None:
+        grads = [rec for idx in list(self.grads.records) if (rec := self.grads.current(idx)) is not None]
+        if restore:
+            need = sum(r.nbytes for r in grads + self.stream.all_records() if r.residency is Residency.DISK)
+            device = self.params[0].device if self.params else torch.device("cpu")
+            available = available_memory_bytes(device)
+            if available is not None and need > available:
+                raise StatesError(
+                    f"closing would read {format_size(need)} of offloaded gradients and optimizer states back "
+                    f"into memory, more than the {format_size(available)} available: save a checkpoint "
+                    "(optimizer.state_dict() reads them from disk) and close with restore_states=False"
+                )
+            for rec in grads:
                 self.store.load(rec)
-        for rec in self.stream.all_records():
-            self.store.load(rec)
+            for rec in self.stream.all_records():
+                self.store.load(rec)
+        else:
+            for idx, p in enumerate(self.params):
+                rec = self.grads.current(idx)
+                if rec is not None and rec.residency is not Residency.MEMORY:
+                    p.grad = None
+            self.optimizer.state.clear()
         self.grads.remove_hooks()
         for h in self._hooks:
             h.remove()
@@ -287,6 +309,21 @@ class StateOffload:
         self.closed = True
         if self._own_engine:
             self.engine.close()
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory a restore may take now: the device's free memory on CUDA, else Linux's MemAvailable (None:
+    unknown, then nothing is refused)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _of(opt: torch.optim.Optimizer) -> StateOffload:

@@ -452,3 +452,41 @@ def test_the_optimizer_step_inside_backward_refuses_accumulation(tmp_path):
     with pytest.raises(StatesError, match="call opt.step\\(\\) after every backward") as info:
         _in_backward_run(True, str(tmp_path / "off"), steps=1, micro_batches=2)
     assert "\n" not in str(info.value)
+
+
+def _one_offloaded_step(tmp_path):
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    be = teraio.backend(
+        inner="eager", states="offload", optimizer=opt, offload_gradients=True, offload_dirs=[str(tmp_path)]
+    )
+    compiled = torch.compile(model, backend=be)
+    compute_loss(compiled, w, 0).backward()
+    opt.step()
+    compute_loss(compiled, w, 1).backward()  # gradients on disk again
+    return w, model, opt, be, compiled
+
+
+def test_close_refuses_to_restore_what_does_not_fit_and_can_drop_it(tmp_path, monkeypatch):
+    from teraio.states import offload
+
+    w, model, opt, be, compiled = _one_offloaded_step(tmp_path)
+    monkeypatch.setattr(offload, "available_memory_bytes", lambda device: 1024)
+    with pytest.raises(StatesError, match="more than the 1.00 KiB available") as info:
+        be.close()
+    assert "\n" not in str(info.value)
+    # Nothing was read or closed: the step still works and the states are still offloaded.
+    opt.step()
+    assert (
+        be.states.stats()["resident_bytes"]["optimizer_state"]
+        < be.states.stats()["peak_resident_bytes"]["optimizer_state"]
+    )
+    be.close(restore_states=False)
+    assert len(opt.state) == 0 and all(p.grad is None for p in model.parameters())
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    # The optimizer is a plain one again: a step from an empty state runs.
+    compute_loss(model, w, 2).backward()
+    opt.step()
+    assert len(opt.state) == len(list(model.parameters()))
