@@ -17,8 +17,9 @@ Note: [Gradients stay readable unless asked]
 Note: [Gradient writes are bounded during backward]
     Writes run in the background while backward goes on; each hook first frees the gradients whose
     writes finished, then, while more than ``window_bytes`` are still being written, waits for the
-    oldest. So the gradients resident during backward stay near the window plus the one being
-    accumulated, whatever the model's size. At the end of backward (a callback queued on autograd's
+    oldest. So the gradients resident during backward stay near the window plus those of the graph whose
+    backward just ran: a compiled graph's backward returns all of its gradients together (AOTAutograd),
+    before the first hook, so with the whole model in one graph that is every gradient for a moment. At the end of backward (a callback queued on autograd's
     engine) every write is waited for and every gradient freed.
 """
 
