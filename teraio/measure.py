@@ -147,6 +147,94 @@ def release_profiler(owner: object) -> None:
             _session_owner = None
 
 
+# Note: [A session never ends under another session's record functions]
+#     A torch RecordFunction keeps the profiler callbacks that were active when it started. When it ends,
+#     the profiler's exit callback looks up the session active on the thread *now* and, if there is one,
+#     writes the end time and thread id (8 bytes each) into the event the start callback allocated, in
+#     the event storage of the session active at the *start*. A session's stop frees that storage (torch
+#     2.13: ThreadLocalSubqueue::TorchOpStorage::materialize, inside _disable_profiler). So a record
+#     function that starts while session 1 records and ends while session 2 records, session 1 having
+#     stopped in between, writes into freed heap memory: whatever reused it is corrupted, and the process
+#     dies later, usually where kineto frees its trace (~ProfilerResult, ~MemoryTraceLogger, free(0x1): the
+#     1 is the thread id). valgrind shows the writes, and a script without teraio crashes in every run
+#     (benchmarks/results/gan_two_backends_crash_202611.md).
+#
+#     teraio's sessions that span calls (a step's measurement, a kernel-memory step) start in one
+#     compiled call and stop in a later one: the stop runs inside record functions that started while
+#     the session recorded, at least the "Torch-Compiled Region" Dynamo opens around every compiled frame
+#     and the autograd Function AOTAutograd's graph runs in. That stop is harmless; starting another
+#     session before those end is not (two backends: one's measurement stops in a forward, the other's
+#     starts in the same forward). So a stop inside a Dynamo-compiled frame leaves a barrier: the
+#     outermost compiled frame running then (its identity and code), and no session may start on that
+#     thread while that frame runs (ProfilerBusyError: the measurement is tried again at a later call, as
+#     when the profiler is busy). A start outside every compiled frame is always allowed, and the barrier
+#     goes once its frame is seen gone (at a start, or a backward: StepTracker). A new frame of the same
+#     code at the same address looks like the old one: the barrier then holds until the next backward, a
+#     delay, never a risk. A session started and stopped inside one call (``start(local=True)``: the
+#     census, ``measure_memory``) ends before any record function that was open at its start, so it
+#     neither leaves nor heeds a barrier.
+#
+#     Not covered, since teraio cannot see it: a record_function the loop itself opens while a teraio
+#     session records and keeps open past that session's end and the next one's start.
+_barriers: dict[int, tuple[int, Any]] = {}  # thread id -> (id, code) of the frame a session stopped in
+
+
+def _compiled_frames(frame: Any) -> list[Any]:
+    """The frames running Dynamo-compiled code from ``frame`` outwards, innermost first (empty where
+    Dynamo's map of its code objects is not available)."""
+    try:
+        from torch._dynamo.utils import orig_code_map
+    except ImportError:  # pragma: no cover - a torch without that map: no barrier
+        return []
+    out = []
+    while frame is not None:
+        if frame.f_code in orig_code_map:
+            out.append(frame)
+        frame = frame.f_back
+    return out
+
+
+def _running(thread_id: int, key: tuple[int, Any]) -> bool:
+    """Whether the frame ``key`` identifies is (or looks like it is) on that thread's stack."""
+    frame = sys._getframe() if thread_id == threading.get_ident() else sys._current_frames().get(thread_id)
+    while frame is not None:
+        if id(frame) == key[0] and frame.f_code is key[1]:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def settle_profiler_barriers() -> None:
+    """Forget the barriers whose frame returned (Note: [A session never ends under another session's
+    record functions]). Cheap; from any ordinary context."""
+    with _SESSION_LOCK:
+        for tid, key in list(_barriers.items()):
+            if not _running(tid, key):
+                del _barriers[tid]
+
+
+def _leave_barrier() -> None:
+    """After a session spanning calls stopped: bar new sessions while the compiled frame it stopped in runs."""
+    frames = _compiled_frames(sys._getframe())
+    if frames:
+        outermost = frames[-1]
+        with _SESSION_LOCK:
+            _barriers[threading.get_ident()] = (id(outermost), outermost.f_code)
+
+
+def _barred_here() -> bool:
+    """Whether a session starting now on this thread could outlive record functions of a stopped one."""
+    tid = threading.get_ident()
+    with _SESSION_LOCK:
+        key = _barriers.get(tid)
+        if key is None:
+            return False
+        if _running(tid, key):
+            return True
+        del _barriers[tid]
+        return False
+
+
 # The profiler's C++ side writes these to stderr on every session; they say nothing to a user.
 _NOISE = re.compile(
     r"(USDT:.*profiler_(start|stop))|(Memory block of unknown size was allocated before the profiling)"
@@ -214,18 +302,31 @@ class MemoryRecorder:
         self._t0 = 0.0
         self._wall_s: float | None = None
         self._marked: MemoryMeasurement | None = None  # CUDA: read at mark_end
+        self._local = False  # start(local=True): stopped within the call that started it
 
-    def start(self) -> None:
+    def start(self, *, local: bool = False) -> None:
         """Start measuring.
 
+        ``local``: the caller stops this recorder before it returns (a region inside one call, such as
+        one graph run), so the session ends before every record function open now (Note: [A session never
+        ends under another session's record functions]); otherwise it may span calls.
+
         Raises:
-            ProfilerBusyError: another measurement holds the process's profiler session.
+            ProfilerBusyError: another measurement holds the process's profiler session, or a session
+                stopped inside the compiled call that is still running here.
         """
+        dev = None if self.timeline else _accelerator(self.device)
+        if dev is None and not local and _barred_here():
+            raise ProfilerBusyError(
+                "a torch profiler session ended inside the compiled call still running here; measure at a "
+                "later call"
+            )
         if not claim_profiler(self):
             raise ProfilerBusyError(
                 "another teraio memory measurement is running; measure one step at a time"
             )
-        self._dev = None if self.timeline else _accelerator(self.device)
+        self._local = local
+        self._dev = dev
         self._marked = None
         if self._dev is not None:
             d = torch.device(self.device)
@@ -287,6 +388,8 @@ class MemoryRecorder:
         try:
             self._prof.__exit__(None, None, None)
         finally:
+            if not self._local:
+                _leave_barrier()
             if self._quiet is not None:
                 self._quiet.__exit__(None, None, None)
                 self._quiet = None
@@ -302,11 +405,12 @@ class MemoryRecorder:
 # Note: [A profiler session's results die before the next session starts]
 #     torch.profiler.profile keeps bound methods of itself in a dict (its schedule's action map), so a
 #     finished session is only freed by the cyclic garbage collector, at whatever allocation triggers it:
-#     often while a later session records. Destroying kineto's trace of an old session while another
-#     session runs corrupts the heap (SIGSEGV or SIGABRT in ~MemoryTraceLogger or ~ProfilerResult, seen in
-#     core dumps of loops with two backends measuring in turn, about one run in two). The results are
-#     therefore dropped by hand as soon as their events have been read, while no session is active; the
-#     event tree keeps what it needs on its own.
+#     often while a later session records. The core dumps of loops with two backends measuring in turn
+#     died there (SIGSEGV or SIGABRT in ~MemoryTraceLogger or ~ProfilerResult), which is why the results
+#     are dropped by hand as soon as their events have been read; the event tree keeps what it needs on
+#     its own. That destruction was where the corruption was found, not its cause: record functions
+#     ending under another session wrote into freed memory earlier (Note: [A session never ends under
+#     another session's record functions]).
 def _release_session(prof: torch.profiler.profile) -> None:
     inner = prof.profiler
     if inner is not None:
@@ -318,7 +422,7 @@ def _release_session(prof: torch.profiler.profile) -> None:
 def measure_memory(fn: Callable[[], T], device: str = "cpu") -> tuple[T, MemoryMeasurement]:
     """Run ``fn()`` once and measure the bytes it allocates: peak and what stays alive at the end."""
     rec = MemoryRecorder(device)
-    rec.start()
+    rec.start(local=True)
     try:
         result = fn()
     except BaseException:

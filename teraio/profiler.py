@@ -114,7 +114,7 @@ class TimingInterpreter(fx.Interpreter):
 
         rec = MemoryRecorder("cpu")
         try:
-            rec.start()
+            rec.start(local=True)  # stopped below, before this graph run returns
         except ProfilerBusyError:
             rec = None
         try:

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from teraio.measure import settle_profiler_barriers
+
 
 class CallKind(Enum):
     FWD = "fwd"
@@ -170,6 +172,9 @@ class StepTracker:
 
     def _backward_ran(self, inv: Invocation) -> None:
         self.settle()
+        # A backward runs outside the forwards' compiled frames: profiler barriers left in them go
+        # (Note: [A session never ends under another session's record functions] in teraio.measure).
+        settle_profiler_barriers()
         ended = False
         with self._lock:
             step = self._current
