@@ -207,12 +207,11 @@ def _gan(backend_g: TeraioBackend, backend_d: TeraioBackend, steps: int) -> Trac
     return trace
 
 
-# Out of the default run until its fix has more runs behind it: this test crashed in torch's profiler
-# teardown, or a loss differed in its last bits between identical runs, because a profiler session started
-# inside the compiled call another had stopped in, and torch then wrote into freed memory (Note: [A session
-# never ends under another session's record functions] in teraio.measure;
-# benchmarks/results/gan_two_backends_crash_202611.md).
-@pytest.mark.expensive
+# This test crashed in torch's profiler teardown, or a loss differed in its last bits between identical
+# runs, because a profiler session started inside the compiled call another had stopped in, and torch then
+# wrote into freed memory (Note: [A session never ends under another session's record functions] in
+# teraio.measure; benchmarks/results/gan_two_backends_crash_202611.md: 0 of 30 runs wrong with the fix,
+# 8 of 30 without).
 @pytest.mark.parametrize("inner", INNERS)
 def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> None:
     """Exact; the discriminator's steps are measured within its budget and prediction; the generator's
