@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_checksum
 
 
+@pytest.mark.expensive  # a minute of CPU: run by hand
 def test_bench_checksum_tiny(capsys, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the per-user default offload dir
     assert bench_checksum.main(["--model", "tiny", "--steps", "1", "--json"]) == 0

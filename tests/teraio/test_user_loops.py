@@ -211,8 +211,8 @@ def _gan(backend_g: TeraioBackend, backend_d: TeraioBackend, steps: int) -> Trac
 # runs, because a profiler session started inside the compiled call another had stopped in, and torch then
 # wrote into freed memory (Note: [A session never ends under another session's record functions] in
 # teraio.measure; benchmarks/results/gan_two_backends_crash_202611.md: 0 of 30 runs wrong with the fix,
-# 8 of 30 without).
-@pytest.mark.parametrize("inner", INNERS)
+# 8 of 30 without). Its Inductor variant takes 40 s of CPU: run by hand (`pytest -m expensive`).
+@pytest.mark.parametrize("inner", INNERS_EXPENSIVE_INDUCTOR)
 def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> None:
     """Exact; the discriminator's steps are measured within its budget and prediction; the generator's
     steps, inside which the discriminator's graphs run, are never paired with memory that is not theirs;
