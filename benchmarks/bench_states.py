@@ -52,6 +52,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks.bench_whatif import _median_s  # noqa: E402
 from teraio.models.gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
 
@@ -182,16 +183,6 @@ def reference_first_loss(cfg: GPTConfig, seed: int = 0) -> torch.Tensor:
         torch.random.set_rng_state(gen_state)
 
 
-def _median_time(fn: Any, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def _layer_s(cfg: GPTConfig, reps: int) -> tuple[float, float]:
     """Forward and backward, and the AdamW update, of one resident block (medians of ``reps``)."""
     block = Block(cfg)
@@ -204,8 +195,8 @@ def _layer_s(cfg: GPTConfig, reps: int) -> tuple[float, float]:
         x.grad = None
         block(x).backward(grad_out)
 
-    fwd_bwd_s = _median_time(forward_backward, reps)
-    return fwd_bwd_s, _median_time(opt.step, reps)  # the gradients of the last backward
+    fwd_bwd_s = _median_s(forward_backward, reps, warm=1)
+    return fwd_bwd_s, _median_s(opt.step, reps, warm=1)  # the gradients of the last backward
 
 
 def _embedding_and_head_s(cfg: GPTConfig, reps: int) -> float:
@@ -232,7 +223,7 @@ def _embedding_and_head_s(cfg: GPTConfig, reps: int) -> float:
         opt.zero_grad(set_to_none=True)
         last.grad = None
 
-    return _median_time(embedding_and_head, reps)
+    return _median_s(embedding_and_head, reps, warm=1)
 
 
 def compute_alone(cfg: GPTConfig, reps: int = 3, seed: int = 0) -> dict[str, float]:

@@ -280,6 +280,23 @@ def test_enabled_false_offloads_nothing():
         be.close()
 
 
+def _states_backend(enabled: bool, opt: torch.optim.Optimizer, offload_dir: str, **options):
+    """The backend of the loops below: FX-only, greedy plans, the optimizer's states on disk in small
+    chunks; ``options`` add or override."""
+    return teraio.backend(
+        **{
+            "inner": "eager",
+            "solver": "greedy",
+            "enabled": enabled,
+            "states": "offload",
+            "optimizer": opt,
+            "states_chunk_bytes": "32KiB",
+            "offload_dirs": [offload_dir],
+            **options,
+        }
+    )
+
+
 # -- other models, with the activations planned too ----------------------------------------------------
 def _model_run(name: str, opt_name: str, enabled: bool, offload_dir: str, steps: int = 4):
     from .models import hf_gpt2, hf_llama
@@ -291,17 +308,7 @@ def _model_run(name: str, opt_name: str, enabled: bool, offload_dir: str, steps:
         "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
         "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
     }[opt_name](model.parameters())
-    be = teraio.backend(
-        memory_budget="85%",
-        inner="eager",
-        solver="greedy",
-        enabled=enabled,
-        states="offload",
-        optimizer=opt,
-        offload_gradients=True,
-        states_chunk_bytes="32KiB",
-        offload_dirs=[offload_dir],
-    )
+    be = _states_backend(enabled, opt, offload_dir, memory_budget="85%", offload_gradients=True)
     compiled = torch.compile(model, backend=be)
     losses = []
     try:
@@ -354,16 +361,7 @@ def _users_loop(enabled: bool, offload_dir: str):
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-3
     )
-    be = teraio.backend(
-        inner="eager",
-        memory_budget="80%",
-        solver="greedy",
-        enabled=enabled,
-        states="offload",
-        optimizer=opt,
-        states_chunk_bytes="32KiB",
-        offload_dirs=[offload_dir],
-    )
+    be = _states_backend(enabled, opt, offload_dir, memory_budget="80%")
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
     scaler = torch.amp.GradScaler("cpu")
     compiled = torch.compile(model, backend=be)
@@ -406,17 +404,7 @@ def _in_backward_run(enabled: bool, offload_dir: str, steps: int = 4, micro_batc
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    be = teraio.backend(
-        inner="eager",
-        memory_budget="80%",
-        solver="greedy",
-        enabled=enabled,
-        states="offload",
-        optimizer=opt,
-        optimizer_in_backward=enabled,
-        states_chunk_bytes="32KiB",
-        offload_dirs=[offload_dir],
-    )
+    be = _states_backend(enabled, opt, offload_dir, memory_budget="80%", optimizer_in_backward=enabled)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     compiled = torch.compile(model, backend=be)
     losses, grads_after_backward = [], []
