@@ -24,6 +24,12 @@ StatesOption = Literal["keep", "offload"]
 CALIBRATE = "calibrate"
 
 
+def _is_module(value: object) -> bool:
+    import torch
+
+    return isinstance(value, torch.nn.Module)
+
+
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
     choices = get_args(allowed)
     if value not in choices:
@@ -71,6 +77,13 @@ class BackendConfig:
     #: With states="offload", each parameter updated inside backward once its gradient is complete, the
     #: gradient freed at once; opt.step() commits (teraio.states.optimizer_stream).
     optimizer_in_backward: bool = False
+    #: With states="offload", the optimizer's parameters on disk too between the graph calls that compute
+    #: with them (teraio.states.params); needs ``model`` (its state_dict and load_state_dict read and write
+    #: them). Code outside the compiled graphs must not read them directly.
+    offload_parameters: bool = False
+    model: Any = field(default=None, repr=False)  # the torch.nn.Module the optimizer trains
+    #: With offload_parameters, parameters smaller than this stay resident (norms, biases).
+    states_min_param_bytes: int | str = "64KiB"
 
     def recorded(self) -> dict[str, Any]:
         """The options as written into the run directory: no runtime_options (test seams), the optimizer
@@ -78,9 +91,10 @@ class BackendConfig:
         out = {
             f.name: getattr(self, f.name)
             for f in fields(self)
-            if f.name not in ("runtime_options", "optimizer")
+            if f.name not in ("runtime_options", "optimizer", "model")
         }
         out["optimizer"] = None if self.optimizer is None else type(self.optimizer).__name__
+        out["model"] = None if self.model is None else type(self.model).__name__
         return out
 
     def offload_dirs_for(self, info: RankInfo) -> list[str] | None:
@@ -165,7 +179,7 @@ class BackendConfig:
             raise UserInputError(str(exc)) from None
         if chunk_nbytes <= 0:
             raise UserInputError(f"states_chunk_bytes must be positive, not {self.states_chunk_bytes!r}")
-        for name in ("offload_gradients", "optimizer_in_backward"):
+        for name in ("offload_gradients", "optimizer_in_backward", "offload_parameters"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserInputError(f"{name} must be True or False, not {value!r}")
@@ -176,6 +190,21 @@ class BackendConfig:
                 "optimizer_in_backward=True frees each gradient once it is used, so there is none to offload: "
                 "drop offload_gradients=True"
             )
+        if self.offload_parameters and self.optimizer_in_backward:
+            raise UserInputError(
+                "offload_parameters=True does not work with optimizer_in_backward=True yet: drop one of them"
+            )
+        if self.offload_parameters and not _is_module(self.model):
+            raise UserInputError(
+                "offload_parameters=True needs the model: teraio.backend(states='offload', optimizer=opt, "
+                "offload_parameters=True, model=model)"
+            )
+        try:
+            min_param = nbytes_of(self.states_min_param_bytes, "states_min_param_bytes")
+        except SizeError as exc:
+            raise UserInputError(str(exc)) from None
+        if min_param < 0:
+            raise UserInputError(f"states_min_param_bytes must be >= 0, not {self.states_min_param_bytes!r}")
         if self.states == "offload" and self.optimizer is None:
             raise UserInputError(
                 "states='offload' needs the optimizer: teraio.backend(states='offload', optimizer=opt)"

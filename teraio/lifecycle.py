@@ -125,6 +125,9 @@ class GraphRunner:
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
         self._call_params: frozenset[int] | None = None  # inputs of the first call that are parameters
+        self._param_idxs: tuple[int, ...] | None = (
+            None  # inputs that are offloaded parameters (teraio.states)
+        )
         # Note: [A graph Dynamo replaced keeps its shape] in teraio.shapes: which Dynamo frame the graph
         # was traced from, its inputs' sources, the shapes it was compiled for, and what it computes.
         self.frame = frame_of(gm)
@@ -402,8 +405,16 @@ class GraphRunner:
                 i for i, kind in enumerate(classify_inputs(list(args))) if kind == "param"
             )
             self.parameter_ids = frozenset(args[i].untyped_storage().data_ptr() for i in self._call_params)
+        resident = self._resident_params(args)  # Note: [When a parameter is resident] in teraio.states.params
         if self.phase is Phase.INFERENCE or not torch.is_grad_enabled():
-            return self._compiled(*args)
+            if not resident:
+                return self._compiled(*args)
+            residency = self.backend.states.residency
+            residency.acquire(resident)
+            try:
+                return self._compiled(*args)
+            finally:
+                residency.release(resident)
         if self.phase is Phase.PROFILING:
             self._before_profiled_forward()
         self.backend._advance(self)
@@ -427,13 +438,43 @@ class GraphRunner:
         if never_backpropagated and self.rewrite is not None:
             compiled = self._without_plan()
             self.unplanned_calls += 1
-        out = compiled(*args)
+        if resident:
+            out = self._call_with_parameters(compiled, args, resident, first_of_step=len(step.calls) == 0)
+        else:
+            out = compiled(*args)
         inv = tracker.end_forward(self, out, site)
         self.invocations += 1
         if self.phase is Phase.PROFILING and self.profiler is not None and inv is not None:
             if self.profiler.memory_step_running:
                 self._memory_invocation = inv
             self.profiler.bind_last_forward(inv.id, abandoned=inv.end is InvocationEnd.ABANDONED)
+        return out
+
+    def _resident_params(self, args: tuple[Any, ...]) -> tuple[int, ...]:
+        """This graph's inputs that are offloaded parameters (by index in the optimizer), found once."""
+        states = self.backend.states
+        if states is None or states.residency is None:
+            return ()
+        if self._param_idxs is None:
+            self._param_idxs = states.residency.indices(args)
+        return self._param_idxs
+
+    def _call_with_parameters(
+        self, compiled: Callable[..., Any], args: tuple[Any, ...], idxs: tuple[int, ...], first_of_step: bool
+    ) -> Any:
+        """Note: [When a parameter is resident] in teraio.states.params: fetched for the forward, freed
+        after it, fetched again for the backward."""
+        from teraio.steps import backward_node
+
+        residency = self.backend.states.residency
+        residency.around_forward(idxs, first_of_step)
+        try:
+            out = compiled(*args)
+            node = backward_node(out)
+            if node is not None:
+                residency.hook_backward(node, idxs)
+        finally:
+            residency.release(idxs)
         return out
 
     def _finish_kernel_memory(self) -> None:

@@ -1,8 +1,10 @@
-"""Gradients and optimizer states offloaded to disk, the optimizer step streamed (issue 23, first slice).
+"""Gradients, optimizer states and (with ``offload_parameters=True``) parameters offloaded to disk, the
+optimizer step streamed.
 
 ``teraio.backend(states="offload", optimizer=opt)`` attaches a :class:`StateOffload` to a stock optimizer;
-:func:`attach_states` is what the backend calls. Parameters stay resident in this slice, and the planner
-does not see these tensors in its budget yet.
+:func:`attach_states` is what the backend calls. The planner does not see these tensors in its budget
+yet: the memory they hold during a step is measured as memory outside the graphs (Note: [Memory outside
+the graphs is measured and planned for] in teraio.lifecycle).
 """
 
 from __future__ import annotations
@@ -52,13 +54,16 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
         chunk_bytes=parse_nbytes(cfg.states_chunk_bytes),
         offload_gradients=cfg.offload_gradients,
         optimizer_in_backward=cfg.optimizer_in_backward,
+        model=cfg.model,
+        offload_parameters=cfg.offload_parameters,
+        min_param_bytes=parse_nbytes(cfg.states_min_param_bytes),
     )
 
 
 def moved_bytes_by_kind(io_stats: dict[str, Any], states: StateOffload | None) -> dict[str, int]:
     """Bytes moved (written + read) per step kind since the start: activations from the backend's own
     engine (``io_stats``: its ``offloaded_bytes`` and ``prefetched_bytes``), gradients and optimizer
-    states from ``states``; parameters do not move in this slice."""
+    states and parameters from ``states``."""
     out = dict.fromkeys(KINDS, 0)
     out["activation"] = int(io_stats.get("offloaded_bytes", 0)) + int(io_stats.get("prefetched_bytes", 0))
     if states is not None:

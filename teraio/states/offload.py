@@ -20,9 +20,13 @@ from teraio.runtime import Engine, RuntimeConfig
 from teraio.states.errors import StatesError
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
+from teraio.states.params import ParamResidency
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 DEFAULT_CHUNK_BYTES = 64 << 20
+#: Parameters smaller than this stay resident with offload_parameters=True (norms, biases: Note: [When a
+#: parameter is resident] in teraio.states.params).
+DEFAULT_MIN_PARAM_BYTES = 64 << 10
 
 
 def _adam_states(group: dict[str, Any]) -> int:
@@ -100,8 +104,20 @@ class StateOffload:
         grad_window_bytes: int | None = None,
         offload_gradients: bool = False,
         optimizer_in_backward: bool = False,
+        model: torch.nn.Module | None = None,
+        offload_parameters: bool = False,
+        min_param_bytes: int = DEFAULT_MIN_PARAM_BYTES,
     ) -> None:
         check_optimizer(optimizer)
+        if offload_parameters and model is None:
+            raise StatesError(
+                "offload_parameters=True needs the model too (model=...): its state_dict and load_state_dict "
+                "must read and write the offloaded parameters"
+            )
+        if offload_parameters and optimizer_in_backward:
+            raise StatesError(
+                "offload_parameters=True does not work with optimizer_in_backward=True yet: drop one of them"
+            )
         if getattr(optimizer, "_teraio_states", None) is not None:
             raise StatesError("this optimizer already has a StateOffload attached: close that one first")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -126,6 +142,13 @@ class StateOffload:
         self.stream = StreamedStep(
             optimizer, self.store, self.params, chunk_bytes, SUPPORTED[type(optimizer)]
         )
+        #: Note: [When a parameter is resident] in teraio.states.params (None: parameters stay in memory).
+        self.residency: ParamResidency | None = None
+        if offload_parameters:
+            assert model is not None
+            self.residency = ParamResidency(self.store, self.params, min_param_bytes)
+            self.residency.attach_module(model)
+            self.stream.residency = self.residency
         self.closed = False
         self._raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
         self._had_step = "step" in vars(optimizer)
@@ -191,6 +214,14 @@ class StateOffload:
             self.grads.zero_grad(set_to_none)
 
     # -- reading what is on disk -------------------------------------------------------------------
+    def parameters_materialized(self) -> Any:
+        """A context manager: every offloaded parameter in memory inside it, changes written after
+        (Note: [Reading an offloaded parameter] in teraio.states.params); a no-op without
+        ``offload_parameters``."""
+        import contextlib
+
+        return contextlib.nullcontext() if self.residency is None else self.residency.materialized()
+
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``param.grad``'s values (read back if offloaded), or None without a gradient."""
         idx = self._index(param)
@@ -273,16 +304,25 @@ class StateOffload:
             return
         self.grads.settle()
         grads = [rec for idx in list(self.grads.records) if (rec := self.grads.current(idx)) is not None]
-        if restore:
-            need = sum(r.nbytes for r in grads + self.stream.all_records() if r.residency is Residency.DISK)
+        params = list(self.residency.records.values()) if self.residency is not None else []
+        if restore or params:
+            # Parameters come back whatever restore says: the model needs them.
+            on_disk = (grads + self.stream.all_records()) if restore else []
+            need = sum(r.nbytes for r in on_disk + params if r.residency is Residency.DISK)
             device = self.params[0].device if self.params else torch.device("cpu")
             available = available_memory_bytes(device)
             if available is not None and need > available:
                 raise StatesError(
-                    f"closing would read {format_size(need)} of offloaded gradients and optimizer states back "
-                    f"into memory, more than the {format_size(available)} available: save a checkpoint "
-                    "(optimizer.state_dict() reads them from disk) and close with restore_states=False"
+                    f"closing would read {format_size(need)} of offloaded parameters, gradients and optimizer "
+                    f"states back into memory, more than the {format_size(available)} available: save a "
+                    "checkpoint (model.state_dict() and optimizer.state_dict() read them from disk) and close "
+                    "with restore_states=False"
+                    + (" (parameters come back even then: the model needs them)" if params else "")
                 )
+        if self.residency is not None:
+            self.residency.close()
+            self.stream.residency = self.residency = None
+        if restore:
             for rec in grads:
                 self.store.load(rec)
             for rec in self.stream.all_records():

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from teraio.states.params import ParamResidency, param_key
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 
@@ -105,6 +106,8 @@ class StepLog:
     chunks: list[list[int]] = field(default_factory=list)
     chunk_bytes: list[int] = field(default_factory=list)
     updated_chunks: int = 0
+    #: Updated chunks with a resident parameter (updated in place, no copy on disk to go back to).
+    updated_resident_chunks: int = 0
 
 
 @dataclass
@@ -161,6 +164,8 @@ class StreamedStep:
         self.before_chunk_update: Callable[[int], None] | None = None
         # Note: [The optimizer step inside backward]: the step in progress inside backward.
         self._ib: _InBackward | None = None
+        #: Note: [When a parameter is resident] in teraio.states.params (None: parameters stay resident).
+        self.residency: ParamResidency | None = None
         self._group_of = {}
         for g in opt.param_groups:
             for p in g["params"]:
@@ -201,11 +206,15 @@ class StreamedStep:
     def _step_nbytes(self, idx: int, grad_rec: Record | None) -> int:
         p = self.params[idx]
         grad_nbytes = grad_rec.nbytes if grad_rec is not None else p.numel() * p.element_size()
+        param_nbytes = self._param_record(idx) is not None and p.numel() * p.element_size()
         recs = self.records_of(idx)
         if recs:
-            return grad_nbytes + sum(r.nbytes for r in recs)
+            return param_nbytes + grad_nbytes + sum(r.nbytes for r in recs)
         group = self._group_of.get(id(p), {})
-        return grad_nbytes + self.states_per_param(group) * p.numel() * p.element_size()
+        return param_nbytes + grad_nbytes + self.states_per_param(group) * p.numel() * p.element_size()
+
+    def _param_record(self, idx: int) -> Record | None:
+        return None if self.residency is None else self.residency.records.get(idx)
 
     # -- the step ----------------------------------------------------------------------------------
     def check_usable(self) -> None:
@@ -227,6 +236,8 @@ class StreamedStep:
         absent); ``raw_step()`` runs the stock step on the narrowed param groups."""
         self.check_usable()
         live = [i for i in order if self.params[i].grad is not None]
+        if self.residency is not None:  # a failed step goes back to what is on disk: it must be there
+            self.residency.sync(live)
         chunks = cut_chunks(live, lambda i: self._step_nbytes(i, grad_record(i)), self.chunk_bytes)
         log = self.last = StepLog([c.param_idxs for c in chunks], [c.nbytes for c in chunks])
         self.store.reset_window_peak()
@@ -234,6 +245,7 @@ class StreamedStep:
         for c in chunks:
             recs = [r for i in c.param_idxs for r in self.records_of(i)]
             recs += [g for i in c.param_idxs if (g := grad_record(i)) is not None]
+            recs += [r for i in c.param_idxs if (r := self._param_record(i)) is not None]
             loads.append(recs)
         touched: list[Record] = []  # state records whose memory or staged slot this step changed
         snapshots: list[dict[int, dict[str, Any]]] = []
@@ -254,8 +266,16 @@ class StreamedStep:
                     self.before_chunk_update(pos)
                 with narrowed(self.opt, set(c.param_idxs), self.by_id):
                     log.updated_chunks += 1
+                    if any(self._param_record(i) is None for i in c.param_idxs):
+                        log.updated_resident_chunks += 1
                     raw_step()
                 for i in c.param_idxs:
+                    if (prec := self._param_record(i)) is not None:  # updated in place: to its other slot
+                        touched.append(prec)
+                        self.store.mark_changed(prec)
+                        other = 1 - slot_of(prec.saved_key) if prec.saved_key is not None else 0
+                        self.store.write(prec, param_key(i, other))
+                        written[pos].append(prec)
                     for rec in self._reconcile(i):
                         if rec not in touched:
                             touched.append(rec)
@@ -268,7 +288,9 @@ class StreamedStep:
                 if pos >= 1:
                     self._finish_chunk(written[pos - 1])
             if chunks:
-                self._finish_chunk(written[-1])
+                # Note: [When a parameter is resident]: the last chunk's parameters (the first layers)
+                # stay for the next forward.
+                self._finish_chunk(written[-1], keep_parameters=True)
         except BaseException as exc:
             self._roll_back(touched, loads, snapshots, log, exc)
             raise
@@ -302,6 +324,7 @@ class StreamedStep:
             ib.snapshots.append(self._snapshot([idx]))
             with narrowed(self.opt, {idx}, self.by_id):
                 ib.log.updated_chunks += 1
+                ib.log.updated_resident_chunks += 1  # parameters stay resident with this mode
                 raw_step()
             ib.updated.add(idx)
             ib.log.chunks.append([idx])
@@ -346,11 +369,12 @@ class StreamedStep:
         if ib is not None:
             self._roll_back(ib.touched, ib.loads, ib.snapshots, ib.log, exc)
 
-    def _finish_chunk(self, recs: list[Record]) -> None:
+    def _finish_chunk(self, recs: list[Record], keep_parameters: bool = False) -> None:
         for rec in recs:
             self.store.finish_write(rec)
         for rec in recs:
-            self.store.evict(rec)
+            if not (keep_parameters and rec.kind is Kind.PARAMETER):
+                self.store.evict(rec)
 
     def _commit(self, touched: list[Record]) -> None:
         """Note: [A step commits all of its states or none]: every write finished; switch the slots."""
@@ -359,6 +383,10 @@ class StreamedStep:
             if rec.staged_key is not None:
                 rec.saved_key, rec.staged_key = rec.staged_key, None
         self.committed_steps += 1
+        if self.residency is not None:
+            for rec in touched:
+                if rec.kind is Kind.PARAMETER:
+                    self.residency.saved(self.by_id[id(rec.tensor)])
         for previous, new in old:
             if previous is not None and previous != new:
                 self.store.drop_key(previous)
@@ -392,7 +420,9 @@ class StreamedStep:
         """Note: [A step commits all of its states or none]: back to the last committed step."""
         for recs in loads:  # reads in flight or done: their memory goes (gradients keep their disk copy)
             for r in recs:
-                if r.kind is Kind.GRADIENT:
+                if r.kind is Kind.PARAMETER and r in touched:
+                    continue  # discarded below: its committed slot holds the value before the step
+                if r.kind in (Kind.GRADIENT, Kind.PARAMETER):
                     if r.residency is Residency.READING:
                         self.store.drain_read(r)
                     elif r.residency is Residency.SAVED:
@@ -426,7 +456,7 @@ class StreamedStep:
                     if rec is not None and rec.tensor is not v:
                         self.store.forget(rec)
                         rec.tensor = v
-        if log.updated_chunks:
+        if log.updated_resident_chunks:
             self.consistency = Consistency.PARAMETERS_AHEAD
             self.failure = (
                 f"optimizer step {self.committed_steps + 1} failed ({type(exc).__name__}: {exc}) after "

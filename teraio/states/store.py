@@ -34,6 +34,7 @@ from teraio.runtime import Engine, Handle
 class Kind(Enum):
     """What a record holds; the values are the keys of ``moved_bytes_by_kind``."""
 
+    PARAMETER = "parameter"
     GRADIENT = "gradient"
     OPTIMIZER_STATE = "optimizer_state"
 
@@ -63,6 +64,10 @@ class Record:
     #: The key a write in flight, or a write not committed yet, goes to.
     staged_key: str | None = None
     handle: Handle | None = None
+    #: Evicted and loaded through its own storage object (resized to zero bytes and back) instead of a
+    #: new one: a parameter, whose storage autograd's saved tensors share (Note: [A parameter keeps its
+    #: storage object] in teraio.states.params).
+    in_place: bool = False
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -80,10 +85,32 @@ def _point_at_empty(t: torch.Tensor) -> None:
     fresh.resize_(0)
 
 
+def _free_in_place(t: torch.Tensor) -> None:
+    """Note: [A parameter keeps its storage object] in teraio.states.params: every alias of ``t``'s
+    storage (autograd's saved tensors) loses its bytes with it."""
+    t.untyped_storage().resize_(0)
+
+
+def _fill_in_place(t: torch.Tensor, src: torch.Tensor) -> None:
+    """``t``'s own storage object gets its bytes back with ``src``'s values; its version counter does not
+    move (autograd checks it on the tensors a forward saved, and the values are the ones it saved)."""
+    storage = t.untyped_storage()
+    storage.resize_(tensor_nbytes(t))
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
+        t.copy_(src)
+
+
 def _point_at(t: torch.Tensor, src: torch.Tensor) -> None:
     """``t`` takes ``src``'s storage and layout (no copy)."""
     with torch.no_grad():
         t.set_(src.untyped_storage(), src.storage_offset(), src.shape, src.stride())
+
+
+def _free(rec: Record) -> None:
+    if rec.in_place:
+        _free_in_place(rec.tensor)
+    else:
+        _point_at_empty(rec.tensor)
 
 
 @dataclass
@@ -192,7 +219,10 @@ class TensorStore:
         except BaseException:
             self._set(rec, Residency.DISK)
             raise
-        _point_at(rec.tensor, fetched)
+        if rec.in_place:
+            _fill_in_place(rec.tensor, fetched)
+        else:
+            _point_at(rec.tensor, fetched)
         del fetched
         self.counts.read[rec.kind] += rec.nbytes
         self._set(rec, Residency.SAVED)
@@ -223,7 +253,7 @@ class TensorStore:
             return
         if rec.residency is not Residency.SAVED:
             raise AssertionError(f"evicting a record in state {rec.residency.value}: its bytes would be lost")
-        _point_at_empty(rec.tensor)
+        _free(rec)
         self._set(rec, Residency.DISK)
 
     def discard(self, rec: Record) -> None:
@@ -238,7 +268,7 @@ class TensorStore:
             rec.staged_key = None
             rec.handle = None
         if rec.residency is not Residency.DISK:
-            _point_at_empty(rec.tensor)
+            _free(rec)
             self._set(rec, Residency.DISK)
 
     def make_resident_zeros(self, rec: Record) -> None:

@@ -30,6 +30,7 @@ class Run:
     zero_grad_io_bytes: list[int] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     grad_norms: list[torch.Tensor] = field(default_factory=list)  # clip_grad_norm_'s, per step
+    val_losses: list[torch.Tensor] = field(default_factory=list)
     state_stats: dict[str, Any] = field(default_factory=dict)
     #: Per step: the peak resident optimizer-state bytes of the streamed step and its chunks' bytes.
     step_peaks: list[tuple[int, list[int]]] = field(default_factory=list)
@@ -55,6 +56,10 @@ def train(
     save_after: int | None = None,
     offload_gradients: bool = True,
     clip_norm: float | None = None,
+    offload_parameters: bool = False,
+    per_block: bool = False,
+    validate: bool = False,
+    inner: str = "eager",
 ) -> Run:
     """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
     state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint."""
@@ -64,18 +69,21 @@ def train(
     opt = OPTIMIZERS[opt_name](model.parameters())
     if offload:
         be = teraio.backend(
-            inner="eager",
+            inner=inner,
             profile_steps=1,
             measure_memory=False,
             states="offload",
             optimizer=opt,
             states_chunk_bytes=CHUNK_BYTES,
             offload_gradients=offload_gradients,
+            offload_parameters=offload_parameters,
+            model=model if offload_parameters else None,
+            states_min_param_bytes=0,
             offload_dirs=[offload_dir],
             io_backend="posix",
         )
     else:
-        be = teraio.backend(inner="eager", profile_steps=1, measure_memory=False, enabled=False)
+        be = teraio.backend(inner=inner, profile_steps=1, measure_memory=False, enabled=False)
     run = Run()
     if checkpoint_in is not None:
         ckpt = torch.load(checkpoint_in, weights_only=True)
@@ -87,7 +95,12 @@ def train(
                 "resident_bytes": st["resident_bytes"]["optimizer_state"],
                 "written_bytes": st["written_bytes"]["optimizer_state"],
             }
-    compiled = torch.compile(model, backend=be)
+    if per_block:  # each block compiled on its own (torchtitan's order): one graph called once per block
+        for block in model.blocks:
+            block.compile(backend=be)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=be)
     for step in range(first_step, steps):
         before = engine_io_bytes(be.states) if offload else 0
         opt.zero_grad(set_to_none=True)
@@ -98,6 +111,9 @@ def train(
             loss = compute_loss(compiled, w, step * micro_batches + micro)
             loss.backward()
             total = loss.detach().clone() if total is None else total + loss.detach()
+        if validate:  # a validation forward between backward and the step, as loops do
+            with torch.no_grad():
+                run.val_losses.append(compute_loss(compiled, w, 1000 + step).detach().clone())
         if clip_norm is not None:
             run.grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
         opt.step()
@@ -110,7 +126,8 @@ def train(
     for n, p in model.named_parameters():
         g = be.states.gradient(p) if offload else p.grad
         run.grads[n] = g.clone()
-    run.params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # state_dict: offloaded parameters are not read directly (Note: [Reading an offloaded parameter]).
+    run.params = {n: t.detach().clone() for n, t in model.state_dict().items()}
     sd = opt.state_dict()
     run.opt_state = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
     run.stats = be.stats()
@@ -138,6 +155,15 @@ def assert_same_run(a: Run, b: Run) -> None:
 
 if __name__ == "__main__":  # finish an AdamW run from a checkpoint in a fresh process
     checkpoint, out, offload_dir = sys.argv[1:4]
+    params_too = sys.argv[4:5] == ["--offload-parameters"]
     torch.use_deterministic_algorithms(True)
-    finished = train("adamw", True, offload_dir, first_step=3, checkpoint_in=checkpoint)
+    finished = train(
+        "adamw",
+        True,
+        offload_dir,
+        first_step=3,
+        checkpoint_in=checkpoint,
+        offload_parameters=params_too,
+        per_block=params_too,
+    )
     torch.save(finished.__dict__, out)

@@ -1,0 +1,266 @@
+"""Parameters on disk between their uses: fetched for each graph call that computes with them, freed after
+it, updated and written by the streamed optimizer step (``offload_parameters=True``).
+
+Note: [A parameter keeps its storage object]
+    A parameter is held by the model, the optimizer, and, between a forward and its backward, by autograd
+    as a saved tensor that shares its storage (AOTAutograd saves the weights a backward needs). So neither
+    the object nor its storage object changes: while its bytes are on disk the storage is resized to zero
+    bytes, and it is resized back and filled before a graph computes with it (FSDP2 frees unsharded
+    parameters the same way). The fill keeps the version counter where it was, since autograd checks it on
+    the tensors the forward saved, and the values are the ones saved. Gradients and optimizer states,
+    whose storage nobody else shares, swap storage objects instead (teraio.states.store).
+
+Note: [When a parameter is resident]
+    A parameter is fetched (waiting for its read) just before a compiled graph that takes it as an input
+    runs, forward or backward, and freed when no running graph needs it any more. While graph call k of a
+    step runs forward, the parameters of call k+1 of the previous step's order are read ahead; while the
+    backward of a call runs, those of the call whose backward comes next (the one before it in forward
+    order). Between steps the streamed step holds them (Note: [The step streams in backward order] in
+    teraio.states.optimizer_stream): it updates and writes each chunk, commits them with the optimizer's
+    states, and keeps the last chunk (the first layers) resident for the next forward. Parameters under
+    ``min_nbytes`` (norms, biases) stay resident. A value changed outside the step (``load_state_dict``,
+    an edit under ``no_grad``) is seen by its version counter when it is freed and written first.
+
+Note: [Reading an offloaded parameter]
+    Code outside the compiled graphs must not read an offloaded parameter's tensor directly: its storage
+    is empty between uses (on CPU a read dereferences a null pointer). ``model.state_dict()`` returns
+    copies read back from disk (hooks on every module), ``model.load_state_dict()`` fetches each module's
+    parameters before it copies into them and frees them after, and :meth:`ParamResidency.materialized`
+    brings all of them back for code that must (an EMA, a norm for logging).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from teraio.states.errors import StatesError
+from teraio.states.store import Kind, Record, Residency, TensorStore
+
+
+def param_key(idx: int, slot: int) -> str:
+    """The engine key of parameter ``idx``'s bytes in ``slot`` (two slots: Note: [A step commits all of
+    its states or none] in teraio.states.optimizer_stream)."""
+    return f"param/{idx}/{slot}"
+
+
+def _owns_its_storage(p: torch.Tensor) -> bool:
+    """A dense parameter whose storage holds exactly its elements: freeing that storage frees nothing
+    another tensor uses."""
+    return (
+        p.layout is torch.strided
+        and p.is_contiguous()
+        and p.storage_offset() == 0
+        and p.untyped_storage().nbytes() == p.numel() * p.element_size()
+    )
+
+
+class ParamResidency:
+    """Which parameters are in memory, with their records in ``store`` (see the module's notes).
+
+    Args:
+        store: the states' store (one engine, one byte count per kind).
+        params: the optimizer's parameters, by index.
+        min_nbytes: parameters smaller than this stay resident.
+    """
+
+    def __init__(self, store: TensorStore, params: list[torch.nn.Parameter], min_nbytes: int) -> None:
+        self.store = store
+        self.params = params
+        #: Offloaded parameters: those a compiled graph took as inputs (Note: [When a parameter is
+        #: resident]); the others (used only by eager code, say) stay in memory.
+        self.records: dict[int, Record] = {}
+        #: Parameters that may be offloaded, by ``id``: large enough, and owning their storage.
+        self.index_of: dict[int, int] = {
+            id(p): i
+            for i, p in enumerate(params)
+            if p.numel() * p.element_size() >= max(min_nbytes, 1) and _owns_its_storage(p)
+        }
+        self.uses: dict[int, int] = {}
+        #: The value's version when its bytes on disk were last made equal to memory (Note: [When a
+        #: parameter is resident]: a change outside the step is written before the memory goes).
+        self._version: dict[int, int] = {}
+        #: Per step, the offloaded parameters of each graph call in forward order; the previous step's
+        #: order decides the reads ahead of this step's.
+        self._order: list[tuple[int, ...]] = []
+        self._last_order: list[tuple[int, ...]] = []
+        self._hooks: list[Any] = []
+
+    # -- which graph inputs --------------------------------------------------------------------------
+    def indices(self, args: Any) -> tuple[int, ...]:
+        """The parameters among a graph's inputs, in input order, offloaded from now on (call once per
+        graph, at its first call)."""
+        out = []
+        for a in args:
+            i = self.index_of.get(id(a))
+            if i is not None and i not in out:
+                out.append(i)
+                if i not in self.records:
+                    rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param")
+                    rec.in_place = True
+                    self.records[i] = rec
+                    self.uses[i] = 0
+        return tuple(out)
+
+    # -- fetch and free ------------------------------------------------------------------------------
+    def acquire(self, idxs: tuple[int, ...]) -> None:
+        """Bring these parameters into memory (waiting for their reads) and hold them until released."""
+        for i in idxs:
+            self.uses[i] += 1
+        for i in idxs:
+            rec = self.records[i]
+            if rec.residency in (Residency.DISK, Residency.READING):
+                self.store.load(rec)
+                self._version[i] = rec.tensor._version
+
+    def release(self, idxs: tuple[int, ...]) -> None:
+        """Drop one hold on each; a parameter no call holds any more leaves memory (written first when it
+        has no copy on disk, or its value changed since)."""
+        for i in idxs:
+            self.uses[i] -= 1
+            if self.uses[i] == 0:
+                self._free(i)
+
+    def prefetch(self, idxs: tuple[int, ...]) -> None:
+        for i in idxs:
+            self.store.prefetch(self.records[i])
+
+    def _free(self, i: int) -> None:
+        rec = self.records[i]
+        if rec.residency is Residency.SAVED and self._version.get(i) != rec.tensor._version:
+            self.store.mark_changed(rec)  # changed outside the step (load_state_dict, an edit)
+        if rec.residency is Residency.MEMORY:
+            self.write_now(i)
+        if rec.residency is Residency.SAVED:
+            self.store.evict(rec)
+
+    def write_now(self, i: int) -> None:
+        """Write parameter ``i``'s value to its other slot, wait, and make that slot its copy on disk."""
+        rec = self.records[i]
+        old = rec.saved_key
+        slot = 1 - int(old.rsplit("/", 1)[1]) if old is not None else 0
+        self.store.write(rec, param_key(i, slot))
+        rec.saved_key = self.store.finish_write(rec)
+        rec.staged_key = None
+        self._version[i] = rec.tensor._version
+        if old is not None and old != rec.saved_key:
+            self.store.drop_key(old)
+
+    def sync(self, idxs: list[int]) -> None:
+        """Each of these offloaded parameters has its current value on disk (before a step, which goes
+        back to the values on disk when it fails)."""
+        for i in idxs:
+            rec = self.records.get(i)
+            if rec is None:
+                continue
+            if rec.residency is Residency.SAVED and self._version.get(i) != rec.tensor._version:
+                self.store.mark_changed(rec)
+            if rec.residency is Residency.MEMORY:
+                self.write_now(i)
+
+    def saved(self, i: int) -> None:
+        """The streamed step committed parameter ``i``'s bytes: memory and disk agree from now."""
+        self._version[i] = self.records[i].tensor._version
+
+    # -- graph calls ---------------------------------------------------------------------------------
+    def around_forward(self, idxs: tuple[int, ...], first_of_step: bool) -> None:
+        """Before a graph call's forward: read ahead the next call's parameters, fetch this call's."""
+        if first_of_step:
+            self._last_order, self._order = self._order or self._last_order, []
+        pos = len(self._order)
+        self._order.append(idxs)
+        if pos + 1 < len(self._last_order):
+            self.prefetch(self._last_order[pos + 1])
+        self.acquire(idxs)
+
+    def hook_backward(self, node: Any, idxs: tuple[int, ...]) -> None:
+        """Fetch this call's parameters before its backward node runs and free them after it."""
+        pos = len(self._order) - 1
+        order = self._order
+
+        def before(grad_outputs: Any) -> None:
+            if 0 < pos <= len(order) - 1:
+                self.prefetch(order[pos - 1])  # the call whose backward comes next
+            self.acquire(idxs)
+
+        def after(grad_inputs: Any, grad_outputs: Any) -> None:
+            self.release(idxs)
+
+        node.register_prehook(before)
+        node.register_hook(after)
+
+    # -- everything at once --------------------------------------------------------------------------
+    @contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Every offloaded parameter in memory inside the block (changes made there are written after)."""
+        idxs = tuple(self.records)
+        self.acquire(idxs)
+        try:
+            yield
+        finally:
+            self.release(idxs)
+
+    def attach_module(self, model: torch.nn.Module) -> None:
+        """``model.state_dict()`` returns copies of offloaded parameters; ``model.load_state_dict()``
+        fetches each module's own parameters before it copies into them (Note: [Reading an offloaded
+        parameter])."""
+        in_model = {id(p) for p in model.parameters()}
+        missing = [i for i in self.index_of.values() if id(self.params[i]) not in in_model]
+        if missing:
+            raise StatesError(
+                f"offload_parameters: {len(missing)} of the optimizer's parameters are not the model's "
+                "(pass the model the optimizer trains as model=)"
+            )
+        for module in model.modules():
+            own = tuple(
+                self.index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.index_of
+            )
+            if not own:
+                continue
+            self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(module, own)))
+            self._hooks.append(
+                module.register_load_state_dict_pre_hook(
+                    lambda *a, own=own, **k: self.acquire(self._ours(own))
+                )
+            )
+            self._hooks.append(
+                module.register_load_state_dict_post_hook(
+                    lambda *a, own=own, **k: self.release(self._ours(own))
+                )
+            )
+
+    def _ours(self, idxs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i for i in idxs if i in self.records)
+
+    def _state_dict_hook(self, module: torch.nn.Module, own: tuple[int, ...]) -> Any:
+        by_tensor = {id(self.params[i]): i for i in own}
+
+        def hook(mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            for name, p in mod.named_parameters(recurse=False):
+                i = by_tensor.get(id(p))
+                key = prefix + name
+                if i is not None and i in self.records and key in state_dict:
+                    state_dict[key] = self.store.read_copy(self.records[i]).detach()
+
+        return hook
+
+    def close(self) -> None:
+        """Every parameter back in memory for good, hooks removed, disk copies dropped."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        for rec in self.records.values():
+            self.store.load(rec)
+            self.store.drop_key(rec.saved_key)
+            self.store.drop_key(rec.staged_key)
+            rec.saved_key = rec.staged_key = None
+            self.store.forget(rec)
+        self.records.clear()
+        self.index_of.clear()
+
+    def offloaded_nbytes(self) -> int:
+        """Bytes of the parameters that are not in memory now."""
+        return sum(r.nbytes for r in self.records.values() if r.residency is Residency.DISK)

@@ -1,0 +1,254 @@
+"""states="offload" with offload_parameters=True: parameters on disk between the graph calls that compute
+with them (teraio.states.params), updated by the streamed step, committed with the optimizer's states.
+
+Every comparison is bit for bit against the same loop with ``enabled=False``, never with a tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import teraio
+from teraio.errors import UserInputError
+from teraio.runtime.errors import RuntimeIOError
+from teraio.runtime.testing import FaultInjector
+from teraio.states.optimizer_stream import Consistency
+from teraio.workload import builtin_workload, compute_loss
+
+from .states_loop import assert_same_run, train
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(old)
+
+
+def _param_nbytes(run) -> int:
+    return sum(t.numel() * t.element_size() for t in run.params.values())
+
+
+@pytest.mark.parametrize(
+    ("opt_name", "per_block"),
+    [("adamw", True), ("adamw", False), ("sgd", True)],
+    ids=["adamw-blocks", "adamw-whole", "sgd-blocks"],
+)
+def test_parameters_on_disk_train_bit_identical(opt_name, per_block, tmp_path):
+    """With a validation forward under no_grad between backward and the step, as loops do."""
+    ref = train(opt_name, False, str(tmp_path / "ref"), per_block=per_block, validate=True)
+    got = train(
+        opt_name, True, str(tmp_path / "off"), offload_parameters=True, per_block=per_block, validate=True
+    )
+    assert_same_run(ref, got)
+    assert len(got.val_losses) == len(ref.val_losses) == 5
+    for a, b in zip(ref.val_losses, got.val_losses):
+        assert torch.equal(a, b)
+    moved = got.state_stats["moved_bytes_by_kind"]
+    assert moved["parameter"] > 0 and moved["optimizer_state"] > 0
+    assert got.stats["moved_bytes_by_kind"]["parameter"] == moved["parameter"]
+    peak = got.state_stats["peak_resident_bytes"]["parameter"]
+    if per_block:
+        # One block's weights at a time (and its neighbour read ahead), the last chunk of the step kept:
+        # well under the model's; the embedding and head run eagerly and are never offloaded.
+        assert 0 < peak < _param_nbytes(got) / 2, (peak, _param_nbytes(got))
+
+
+def test_parameters_on_disk_with_inductor(tmp_path):
+    ref = train("adamw", False, str(tmp_path / "ref"), per_block=True, steps=3, inner="inductor")
+    got = train(
+        "adamw",
+        True,
+        str(tmp_path / "off"),
+        offload_parameters=True,
+        per_block=True,
+        steps=3,
+        inner="inductor",
+    )
+    assert_same_run(ref, got)
+    assert got.state_stats["moved_bytes_by_kind"]["parameter"] > 0
+
+
+def test_gradient_accumulation_into_offloaded_parameters_and_gradients(tmp_path):
+    ref = train("adamw", False, str(tmp_path / "ref"), micro_batches=4, steps=3, per_block=True)
+    got = train(
+        "adamw",
+        True,
+        str(tmp_path / "off"),
+        micro_batches=4,
+        steps=3,
+        per_block=True,
+        offload_parameters=True,
+    )
+    assert_same_run(ref, got)
+
+
+def test_checkpoint_of_offloaded_parameters_finishes_in_a_fresh_process(tmp_path):
+    """model.state_dict() reads the offloaded parameters back (copies); a fresh process loads them."""
+    ref = train("adamw", False, str(tmp_path / "ref"), per_block=True)
+    ckpt = tmp_path / "ckpt.pt"
+    train(
+        "adamw",
+        True,
+        str(tmp_path / "off"),
+        per_block=True,
+        offload_parameters=True,
+        save_after=3,
+        checkpoint_out=str(ckpt),
+    )
+    out = tmp_path / "finished.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.teraio.states_loop",
+            str(ckpt),
+            str(out),
+            str(tmp_path / "fresh"),
+            "--offload-parameters",
+        ],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=300,
+    )
+    finished = torch.load(out, weights_only=False)
+    assert [torch.equal(a, b) for a, b in zip(finished["losses"], ref.losses[3:])] == [True, True]
+    for n in ref.params:
+        assert torch.equal(finished["params"][n], ref.params[n]), f"parameter {n}"
+    assert finished["state_stats"]["moved_bytes_by_kind"]["parameter"] > 0
+
+
+def _backend_loop(tmp_path, injector=None, per_block=True):
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    be = teraio.backend(
+        inner="eager",
+        profile_steps=1,
+        measure_memory=False,
+        states="offload",
+        optimizer=opt,
+        offload_parameters=True,
+        model=model,
+        states_min_param_bytes=0,
+        states_chunk_bytes="64KiB",
+        offload_dirs=[str(tmp_path)],
+        io_backend="posix",
+        runtime_options={"fault_injector": injector} if injector is not None else {},
+    )
+    if not per_block:
+        return w, torch.compile(model, backend=be), opt, be
+    for block in model.blocks:
+        block.compile(backend=be)
+    return w, model, opt, be
+
+
+def _step(w, model, opt, step):
+    opt.zero_grad(set_to_none=True)
+    compute_loss(model, w, step).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("fault", ["write_fails", "error_in_a_chunk"])
+def test_a_failed_step_rolls_the_offloaded_parameters_back(tmp_path, fault):
+    """Note: [A step commits all of its states or none]: offloaded parameters go back to their committed
+    slot with the states, so the step can simply be run again (no PARAMETERS_AHEAD). The whole model is
+    one graph, so every parameter is offloaded (a parameter only eager code uses stays resident, is
+    updated in place, and a failure after its update leaves PARAMETERS_AHEAD as without
+    offload_parameters)."""
+    w = builtin_workload("tiny")
+    ref_model = copy.deepcopy(w.model)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    ref_compiled = torch.compile(ref_model, backend="eager")
+    for step in range(4):
+        _step(w, ref_compiled, ref_opt, step)
+
+    injector = FaultInjector()
+    w, model, opt, be = _backend_loop(tmp_path / "off", injector, per_block=False)
+    states = be.states
+    try:
+        for step in range(3):
+            _step(w, model, opt, step)
+        opt.zero_grad(set_to_none=True)
+        compute_loss(model, w, 3).backward()
+        if fault == "write_fails":
+            injector.fail("write", after_nbytes=200 << 10)
+            expected: type[BaseException] = RuntimeIOError
+        else:
+
+            def boom(chunk_pos: int) -> None:
+                if chunk_pos == 3:
+                    raise RuntimeError("an error in the optimizer's code")
+
+            states.stream.before_chunk_update = boom
+            expected = RuntimeError
+        with pytest.raises(expected):
+            opt.step()
+        injector.clear()
+        states.stream.before_chunk_update = None
+        assert states.last_step.updated_chunks >= 2, "the failure must come after some updates"
+        assert states.consistency is Consistency.COMMITTED and states.committed_steps == 3
+        opt.step()  # the same step again, from the committed parameters and states
+        final = model._orig_mod.state_dict()
+        for n, q in ref_model.state_dict().items():
+            assert torch.equal(final[n], q), f"parameter {n} after the step run again"
+        sd = opt.state_dict()
+        for i, st in ref_opt.state_dict()["state"].items():
+            for k, v in st.items():
+                assert torch.equal(sd["state"][i][k], v), f"{k} of parameter {i}"
+    finally:
+        be.close()
+
+
+def test_loading_a_checkpoint_mid_run_and_closing(tmp_path):
+    """load_state_dict fetches each module's parameters before copying into them and writes them after;
+    close() brings every parameter back into memory, readable directly."""
+    w, model, opt, be = _backend_loop(tmp_path / "off")
+    ref_model = copy.deepcopy(model)
+    try:
+        for step in range(2):
+            _step(w, model, opt, step)
+        offloaded = be.states.residency.offloaded_nbytes()
+        assert offloaded > 0
+        model.load_state_dict(ref_model.state_dict())  # back to the initial weights, mid-run
+        assert be.states.residency.offloaded_nbytes() == offloaded  # written and freed again
+        got = model.state_dict()
+        for n, q in ref_model.state_dict().items():
+            assert torch.equal(got[n], q), n
+        with be.states.parameters_materialized():
+            norm = sum(p.detach().square().sum() for p in model.parameters())
+        assert torch.equal(norm, sum(p.detach().square().sum() for p in ref_model.parameters()))
+    finally:
+        be.close()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)  # resident again and readable
+
+
+def test_offload_parameters_options_are_checked_at_construction():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(UserInputError, match="needs the model"):
+        teraio.backend(states="offload", optimizer=opt, offload_parameters=True)
+    with pytest.raises(UserInputError, match="needs states='offload'"):
+        teraio.backend(offload_parameters=True, model=model)
+    with pytest.raises(UserInputError, match="optimizer_in_backward"):
+        teraio.backend(
+            states="offload", optimizer=opt, offload_parameters=True, model=model, optimizer_in_backward=True
+        )
+    with pytest.raises(UserInputError, match="states_min_param_bytes"):
+        teraio.backend(
+            states="offload", optimizer=opt, offload_parameters=True, model=model, states_min_param_bytes="x"
+        )
