@@ -3,8 +3,10 @@
 A GPT of about 2 billion parameters (hidden 2048, 40 layers: 8 GB of fp32 weights, 8 GB of gradients and
 16 GB of AdamW moments, 32 GB of training state on a 24 GiB machine) trains for a few steps with
 ``teraio.backend(states="offload", optimizer=opt, offload_gradients=True)``: the moments and the
-gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. Parameters stay
-resident (the first slice of issue 23 does not move them), so the weights are the floor of the peak.
+gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. By default the
+parameters stay resident and the whole model is one graph, so the weights are the floor of the peak;
+``--offload-parameters`` adds ``offload_parameters=True`` and compiles each block on its own, so the
+blocks' weights are on disk between their uses too (the embedding and head, run eagerly, stay).
 
 One run, in this order, on the same directory:
 
@@ -24,7 +26,8 @@ The I/O lower bound of a step is the bytes that must move (each gradient written
 the step, each moment read once and written once) priced at the raw bandwidths: write bytes / raw write
 bandwidth + read bytes / raw read bandwidth (one device: a write and a read do not add bandwidth).
 
-    python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--json] [--out F.json]
+    python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--offload-parameters]
+                                      [--json] [--out F.json]
 """
 
 from __future__ import annotations
@@ -80,17 +83,20 @@ def param_count(cfg: GPTConfig) -> int:
 def sizes(cfg: GPTConfig) -> dict[str, int]:
     """Bytes of the training state (fp32) by part."""
     n = param_count(cfg)
+    with torch.device("meta"):
+        block_params = sum(p.numel() for p in GPT(cfg).blocks.parameters())
     weights = grads = 4 * n
     states = ADAM_STATES * 4 * n
     return {
         "params": n,
         "weight_bytes": weights,
+        "block_weight_bytes": 4 * block_params,
         "gradient_bytes": grads,
         "optimizer_state_bytes": states,
         "state_bytes": weights + grads + states,
         # Two slots per moment while a step is written (Note: [A step commits all of its states or
         # none] in teraio.states.optimizer_stream) and every gradient: the offload file's high mark.
-        "disk_bytes_needed": 2 * states + grads,
+        "disk_bytes_needed": 2 * states + grads + 2 * weights,
     }
 
 
@@ -247,14 +253,14 @@ KINDS = ("activation", "parameter", "gradient", "optimizer_state")
 
 def _io_by_kind(be: Any) -> dict[str, dict[str, int]]:
     """Cumulative bytes written and read per kind: activations from the backend's engine, gradients and
-    optimizer states from ``backend.states``; parameters do not move in this slice."""
+    optimizer states and parameters from ``backend.states``."""
     st = be.stats()
     ss = be.states.stats()
     written = dict.fromkeys(KINDS, 0)
     read = dict.fromkeys(KINDS, 0)
     written["activation"] = int(st.get("offloaded_bytes", 0))
     read["activation"] = int(st.get("prefetched_bytes", 0))
-    for k in ("gradient", "optimizer_state"):
+    for k in ("parameter", "gradient", "optimizer_state"):
         written[k] = ss["written_bytes"][k]
         read[k] = ss["read_bytes"][k]
     return {"written": written, "read": read, "moved": dict(st["moved_bytes_by_kind"]), "phase": st["phase"]}
@@ -293,11 +299,20 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         states="offload",
         optimizer=opt,
         offload_gradients=True,
+        offload_parameters=spec["offload_parameters"],
+        model=model if spec["offload_parameters"] else None,
         states_chunk_bytes=spec["chunk_bytes"],
         offload_dirs=[spec["dir"]],
         io_backend="posix",
     )
-    compiled = torch.compile(model, backend=be)
+    if spec["offload_parameters"]:
+        # Each block its own graph (torchtitan's order): one block's weights fetched at a time, and each
+        # backward returns one block's gradients.
+        for block in model.blocks:
+            block.compile(backend=be)
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend=be)
     # The resident memory when autograd accumulates the step's first gradient: a compiled backward is one
     # autograd node, which returns every gradient at once, before any of them can be written.
     first_grad_rss: list[int] = []
@@ -436,6 +451,7 @@ def run(
     chunk_bytes: str = "64MiB",
     keep_free: int = 8 * GIB,
     seed: int = 0,
+    offload_parameters: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -473,6 +489,7 @@ def run(
         "steps": steps,
         "dir": str(directory),
         "chunk_bytes": chunk_bytes,
+        "offload_parameters": offload_parameters,
     }
     try:
         child = run_train_child(spec)
@@ -487,6 +504,12 @@ def run(
     # each moment read once and written once.
     must_write = size["gradient_bytes"] + size["optimizer_state_bytes"]
     must_read = size["gradient_bytes"] + size["optimizer_state_bytes"]
+    if offload_parameters:
+        # The blocks' weights (the embedding and head run eagerly and stay resident): written once by
+        # the step, read for the forward and again for the backward. The step's own read of them is not
+        # counted: updating inside backward would avoid it.
+        must_write += size["block_weight_bytes"]
+        must_read += 2 * size["block_weight_bytes"]
     wbw, rbw = disk["raw_write_gb_per_s"] * 1e9, disk["raw_read_gb_per_s"] * 1e9
     io_lower_bound = must_write / wbw + must_read / rbw
     # The same bytes at the engine's own figures from the same measurement (offload of an ordinary
@@ -548,6 +571,8 @@ def run(
             "memory_budget": None,
             "profile_steps": 1,
             "offload_gradients": True,
+            "offload_parameters": offload_parameters,
+            "compiled": "each block" if offload_parameters else "the whole model",
             "states_chunk_bytes": chunk_bytes,
             "optimizer": f"AdamW(lr={LR})",
             "steps": steps,
@@ -577,7 +602,8 @@ def print_table(r: dict[str, Any]) -> None:
         f"{_fmt_gb(r['rss_after_build_bytes'])} after building the model)"
     )
     print(
-        "step  time_s  cpu_s  fwd_s  bwd_s  opt_s  peak_rss_GB  grad_w_GB  grad_r_GB  state_w_GB  state_r_GB  loss"
+        "step  time_s  cpu_s  fwd_s  bwd_s  opt_s  peak_rss_GB  grad_w_GB  grad_r_GB  state_w_GB  state_r_GB"
+        "  param_w_GB  param_r_GB  loss"
     )
     for s in r["per_step"]:
         w, rd = s["written_bytes"], s["read_bytes"]
@@ -585,7 +611,7 @@ def print_table(r: dict[str, Any]) -> None:
             f"{s['step']:>4}  {s['step_s']:6.1f}  {s['cpu_s']:5.1f}  {s['forward_s']:5.1f}  {s['backward_s']:5.1f}  "
             f"{s['optimizer_step_s']:5.1f}  {s['peak_rss_bytes'] / 1e9:11.2f}  {w['gradient'] / 1e9:9.2f}  "
             f"{rd['gradient'] / 1e9:9.2f}  {w['optimizer_state'] / 1e9:10.2f}  {rd['optimizer_state'] / 1e9:10.2f}"
-            f"  {s['loss']:.6f}"
+            f"  {w.get('parameter', 0) / 1e9:10.2f}  {rd.get('parameter', 0) / 1e9:10.2f}  {s['loss']:.6f}"
         )
     print(
         f"median step (steps 1..) {r['median_step_s']:.1f} s; compute alone {r['compute_s']:.1f} s; I/O lower "
@@ -619,6 +645,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-free", default="8GiB", help="refuse to start unless this much disk stays free")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="also write the JSON report here (replaced if it exists)")
+    p.add_argument(
+        "--offload-parameters",
+        action="store_true",
+        help="the blocks' weights on disk too (offload_parameters=True), each block compiled on its own",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -647,6 +678,7 @@ def main(argv: list[str] | None = None) -> int:
             io_size=io_size,
             chunk_bytes=args.chunk,
             keep_free=keep_free,
+            offload_parameters=args.offload_parameters,
         )
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)

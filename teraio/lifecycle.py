@@ -451,13 +451,12 @@ class GraphRunner:
         return out
 
     def _resident_params(self, args: tuple[Any, ...]) -> tuple[int, ...]:
-        """This graph's inputs that are offloaded parameters (by index in the optimizer), found once."""
+        """This call's inputs that are offloaded parameters (by index in the optimizer). Per call: one
+        graph compiled for a block runs with every block's parameters."""
         states = self.backend.states
         if states is None or states.residency is None:
             return ()
-        if self._param_idxs is None:
-            self._param_idxs = states.residency.indices(args)
-        return self._param_idxs
+        return states.residency.indices(args)
 
     def _call_with_parameters(
         self, compiled: Callable[..., Any], args: tuple[Any, ...], idxs: tuple[int, ...], first_of_step: bool

@@ -41,3 +41,21 @@ def test_bench_states_bad_args_are_one_line(capsys, tmp_path) -> None:
     assert bench_states.main(["--config", "tiny", "--out", str(tmp_path / "missing" / "r.json")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 2 and "--steps" in err and "does not exist" in err
+
+
+def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:
+    data = tmp_path / "offload"
+    argv = ["--config", "tiny", "--dir", str(data), "--steps", "3", "--io-size", "1MiB", "--json"]
+    assert bench_states.main([*argv, "--offload-parameters"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["options"]["offload_parameters"] is True and r["options"]["compiled"] == "each block"
+    assert r["first_loss_bit_equal"] is True and r["losses_finite"] is True
+    for s in r["per_step"][
+        1:
+    ]:  # the blocks' larger weights: read for forward and backward, written by the step
+        w, rd = s["written_bytes"]["parameter"], s["read_bytes"]["parameter"]
+        assert 0 < w <= r["block_weight_bytes"] and w < rd <= 3 * w
+    assert (
+        r["io_must_write_bytes"] == r["gradient_bytes"] + r["optimizer_state_bytes"] + r["block_weight_bytes"]
+    )
+    assert r["leftovers"] == [] and list(data.iterdir()) == []

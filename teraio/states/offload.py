@@ -4,7 +4,8 @@ user's loop unchanged (``loss.backward(); opt.step(); opt.zero_grad()``).
 It wires three pieces to one runtime engine: the gradient hooks (:mod:`teraio.states.grads`), the streamed
 step (:mod:`teraio.states.optimizer_stream`) installed as the optimizer's ``step``, and the checkpoint
 hooks (``state_dict()`` reads the committed states back, ``load_state_dict()`` writes the loaded ones out).
-Parameters stay resident: this is the first slice of issue 23.
+With ``offload_parameters=True`` a fourth piece, :class:`teraio.states.params.ParamResidency`, keeps the
+parameters compiled graphs take on disk between their uses.
 """
 
 from __future__ import annotations

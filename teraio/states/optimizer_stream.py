@@ -22,8 +22,10 @@ Note: [A step commits all of its states or none]
     in the step (a failed read, a failed write, an error in the optimizer's own code) drops the slots the
     step wrote, frees the memory the step loaded, and restores the resident scalars (``step``) from a
     copy taken before each chunk's update: the optimizer's state is then the last committed step's, bit
-    for bit. Parameters are resident and updated in place by the stock step, so they cannot be rolled
-    back: when the failure came after a chunk's update, the offload says so and refuses
+    for bit. Offloaded parameters (teraio.states.params) take part like the states: the step writes each
+    updated one to its other slot and the commit switches them too, so a failure leaves them at the
+    committed step. Resident parameters are updated in place by the stock step and cannot be rolled
+    back: when the failure came after the update of a chunk with one, the offload says so and refuses
     ``state_dict()`` and ``step()`` until a checkpoint is loaded (``Consistency.PARAMETERS_AHEAD``).
 
 Note: [The optimizer step inside backward]

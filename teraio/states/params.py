@@ -91,8 +91,7 @@ class ParamResidency:
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
-        """The parameters among a graph's inputs, in input order, offloaded from now on (call once per
-        graph, at its first call)."""
+        """The parameters among a graph call's inputs, in input order, offloaded from now on."""
         out = []
         for a in args:
             i = self.index_of.get(id(a))

@@ -17,6 +17,7 @@ import torch
 
 import teraio
 from teraio.errors import UserInputError
+from teraio.models.gpt import GPT, GPTConfig, synthetic_batch
 from teraio.runtime.errors import RuntimeIOError
 from teraio.runtime.testing import FaultInjector
 from teraio.states.optimizer_stream import Consistency
@@ -33,10 +34,6 @@ def _deterministic():
     torch.use_deterministic_algorithms(True)
     yield
     torch.use_deterministic_algorithms(old)
-
-
-def _param_nbytes(run) -> int:
-    return sum(t.numel() * t.element_size() for t in run.params.values())
 
 
 @pytest.mark.parametrize(
@@ -57,11 +54,7 @@ def test_parameters_on_disk_train_bit_identical(opt_name, per_block, tmp_path):
     moved = got.state_stats["moved_bytes_by_kind"]
     assert moved["parameter"] > 0 and moved["optimizer_state"] > 0
     assert got.stats["moved_bytes_by_kind"]["parameter"] == moved["parameter"]
-    peak = got.state_stats["peak_resident_bytes"]["parameter"]
-    if per_block:
-        # One block's weights at a time (and its neighbour read ahead), the last chunk of the step kept:
-        # well under the model's; the embedding and head run eagerly and are never offloaded.
-        assert 0 < peak < _param_nbytes(got) / 2, (peak, _param_nbytes(got))
+    assert got.state_stats["peak_resident_bytes"]["parameter"] > 0
 
 
 def test_parameters_on_disk_with_inductor(tmp_path):
@@ -77,6 +70,67 @@ def test_parameters_on_disk_with_inductor(tmp_path):
     )
     assert_same_run(ref, got)
     assert got.state_stats["moved_bytes_by_kind"]["parameter"] > 0
+
+
+def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
+    """Six blocks, each compiled on its own: while a block computes, forward or backward, the only blocks
+    whose weights are in memory are itself and the one read ahead (the next in forward, the previous in
+    backward); the embedding and head, which run eagerly, are never offloaded."""
+    torch._dynamo.reset()
+    cfg = GPTConfig(layers=6, hidden=64, heads=4, seq=32, batch=2, vocab=256)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    be = teraio.backend(
+        inner="eager",
+        profile_steps=1,
+        measure_memory=False,
+        states="offload",
+        optimizer=opt,
+        offload_parameters=True,
+        model=model,
+        states_min_param_bytes=0,
+        states_chunk_bytes="64KiB",
+        offload_dirs=[str(tmp_path)],
+        io_backend="posix",
+    )
+    for block in model.blocks:
+        block.compile(backend=be)
+    residency = be.states.residency
+    block_of = {
+        residency.index_of[id(p)]: b for b, block in enumerate(model.blocks) for p in block.parameters()
+    }
+    seen: list[tuple[str, int, set[int]]] = []
+
+    def resident_blocks() -> set[int]:
+        return {block_of[i] for i, r in residency.records.items() if r.residency.value != "disk"}
+
+    real_forward, real_acquire = residency.around_forward, residency.acquire
+
+    def around_forward(idxs, first_of_step):
+        real_forward(idxs, first_of_step)
+        seen.append(("forward", block_of[idxs[0]], resident_blocks()))
+
+    def acquire(idxs):
+        real_acquire(idxs)
+        if torch._C._current_graph_task_id() != -1:  # inside backward
+            seen.append(("backward", block_of[idxs[0]], resident_blocks()))
+
+    residency.around_forward, residency.acquire = around_forward, acquire
+    try:
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(*synthetic_batch(cfg, step)).backward()
+            opt.step()
+        offloaded = {id(residency.params[i]) for i in residency.records}
+        assert offloaded == {id(p) for block in model.blocks for p in block.parameters()}
+    finally:
+        be.close()
+    last_step = seen[-12:]  # 6 forwards, 6 backwards
+    assert [k for k, _, _ in last_step] == ["forward"] * 6 + ["backward"] * 6
+    for kind, b, resident in last_step:
+        ahead = {b + 1} if kind == "forward" else {b - 1}
+        assert resident <= {b} | ahead, (kind, b, resident)
 
 
 def test_gradient_accumulation_into_offloaded_parameters_and_gradients(tmp_path):
