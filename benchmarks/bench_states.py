@@ -22,12 +22,18 @@ One run, in this order, on the same directory:
    128 tokens they are well under 1 GB; nothing is planned). The first step compiles and profiles and is
    reported apart; the step time is the median of the steps after it.
 
+``--optimizer-in-backward`` updates each parameter inside backward (``optimizer_in_backward=True``): no
+gradient is offloaded, and with ``--offload-parameters`` a block's weights are updated while its backward
+holds them, so the step reads none.
+
 The I/O lower bound of a step is the bytes that must move (each gradient written once and read once by
-the step, each moment read once and written once) priced at the raw bandwidths: write bytes / raw write
-bandwidth + read bytes / raw read bandwidth (one device: a write and a read do not add bandwidth).
+the step unless updated inside backward, each moment read once and written once, with
+``--offload-parameters`` each block weight written once and read twice, for the forward and the
+backward) priced at the raw bandwidths: write bytes / raw write bandwidth + read bytes / raw read
+bandwidth (one device: a write and a read do not add bandwidth).
 
     python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--offload-parameters]
-                                      [--json] [--out F.json]
+                                      [--optimizer-in-backward] [--json] [--out F.json]
 """
 
 from __future__ import annotations
@@ -298,7 +304,9 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         memory_budget=None,
         states="offload",
         optimizer=opt,
-        offload_gradients=True,
+        # Updated inside backward, a gradient is freed at once: there is none to offload.
+        offload_gradients=not spec["optimizer_in_backward"],
+        optimizer_in_backward=spec["optimizer_in_backward"],
         offload_parameters=spec["offload_parameters"],
         model=model if spec["offload_parameters"] else None,
         states_chunk_bytes=spec["chunk_bytes"],
@@ -452,6 +460,7 @@ def run(
     keep_free: int = 8 * GIB,
     seed: int = 0,
     offload_parameters: bool = False,
+    optimizer_in_backward: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -490,6 +499,7 @@ def run(
         "dir": str(directory),
         "chunk_bytes": chunk_bytes,
         "offload_parameters": offload_parameters,
+        "optimizer_in_backward": optimizer_in_backward,
     }
     try:
         child = run_train_child(spec)
@@ -500,10 +510,12 @@ def run(
     running = [r for r in rows[1:] if r["running"]] or rows[1:]
     step_s = [r["step_s"] for r in running]
     median_step = statistics.median(step_s)
-    # What must move per step: each gradient written once (after backward) and read once (by the step);
+    # What must move per step: each gradient written once (after backward) and read once (by the step),
+    # none when the update runs inside backward;
     # each moment read once and written once.
-    must_write = size["gradient_bytes"] + size["optimizer_state_bytes"]
-    must_read = size["gradient_bytes"] + size["optimizer_state_bytes"]
+    grads_moved = 0 if optimizer_in_backward else size["gradient_bytes"]
+    must_write = grads_moved + size["optimizer_state_bytes"]
+    must_read = grads_moved + size["optimizer_state_bytes"]
     if offload_parameters:
         # The blocks' weights (the embedding and head run eagerly and stay resident): written once by
         # the step, read for the forward and again for the backward. The step's own read of them is not
@@ -570,7 +582,8 @@ def run(
             "inner": "eager",
             "memory_budget": None,
             "profile_steps": 1,
-            "offload_gradients": True,
+            "offload_gradients": not optimizer_in_backward,
+            "optimizer_in_backward": optimizer_in_backward,
             "offload_parameters": offload_parameters,
             "compiled": "each block" if offload_parameters else "the whole model",
             "states_chunk_bytes": chunk_bytes,
@@ -650,6 +663,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the blocks' weights on disk too (offload_parameters=True), each block compiled on its own",
     )
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="update each parameter inside backward (optimizer_in_backward=True): no gradient is offloaded",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -679,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_bytes=args.chunk,
             keep_free=keep_free,
             offload_parameters=args.offload_parameters,
+            optimizer_in_backward=args.optimizer_in_backward,
         )
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -190,10 +190,6 @@ class BackendConfig:
                 "optimizer_in_backward=True frees each gradient once it is used, so there is none to offload: "
                 "drop offload_gradients=True"
             )
-        if self.offload_parameters and self.optimizer_in_backward:
-            raise UserInputError(
-                "offload_parameters=True does not work with optimizer_in_backward=True yet: drop one of them"
-            )
         if self.offload_parameters and not _is_module(self.model):
             raise UserInputError(
                 "offload_parameters=True needs the model: teraio.backend(states='offload', optimizer=opt, "

@@ -122,6 +122,7 @@ class GraphRunner:
         self.saved_call_plans = 0  # run_dir: plan_call<j>.json written for j < this
         self.rewrite: RewriteResult | None = None
         self.invocations = 0
+        self.abandoned_forwards = 0  # forwards whose autograd graph was freed without a backward
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
         self._call_params: frozenset[int] | None = None  # inputs of the first call that are parameters
@@ -533,11 +534,15 @@ class GraphRunner:
             # calibrate the op times too.
             prof.probe_next = prof.probe.next_variant if probing else 0
             prof.calibrate_next = probing or prof.steps_calibrated < calibration
-        if self.invocations >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
+        if self.abandoned_forwards >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
             # Called with grad enabled again and again, never backpropagated (a validation loss in
-            # train mode): profiling would never finish, and interpreting every call is slow.
+            # train mode): profiling would never finish, and interpreting every call is slow. Counted by
+            # forwards whose autograd graph was freed without a backward, not by calls: a block compiled
+            # on its own runs once per block before the step's first backward.
             log.info(
-                "%s: %d forwards and no backward; running it without a plan", self.name, self.invocations
+                "%s: %d forwards and no backward; running it without a plan",
+                self.name,
+                self.abandoned_forwards,
             )
             prof.discard_pending()
             self.phase = Phase.PLANNING
@@ -1006,6 +1011,8 @@ class TeraioBackend:
         if inv.site is not None:
             inv.graph.sites.ended(inv.site, inv.end is InvocationEnd.ABANDONED)
         runner = inv.graph
+        if inv.end is InvocationEnd.ABANDONED:
+            runner.abandoned_forwards += 1
         if (
             inv.end is InvocationEnd.BACKWARD
             and runner.phase is Phase.PROFILING

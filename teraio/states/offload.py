@@ -115,10 +115,7 @@ class StateOffload:
                 "offload_parameters=True needs the model too (model=...): its state_dict and load_state_dict "
                 "must read and write the offloaded parameters"
             )
-        if offload_parameters and optimizer_in_backward:
-            raise StatesError(
-                "offload_parameters=True does not work with optimizer_in_backward=True yet: drop one of them"
-            )
+
         if getattr(optimizer, "_teraio_states", None) is not None:
             raise StatesError("this optimizer already has a StateOffload attached: close that one first")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
@@ -150,6 +147,7 @@ class StateOffload:
             self.residency = ParamResidency(self.store, self.params, min_param_bytes)
             self.residency.attach_module(model)
             self.stream.residency = self.residency
+            self.residency.hold_for_update = optimizer_in_backward
         self.closed = False
         self._raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
         self._had_step = "step" in vars(optimizer)

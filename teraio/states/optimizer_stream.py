@@ -322,11 +322,16 @@ class StreamedStep:
             for r in recs:
                 ib.touched.append(r)
                 self.store.load(r)
+            prec = self._param_record(idx)
+            if prec is not None:  # held since its backward (ParamResidency.hook_backward): no read
+                ib.touched.append(prec)
+                self.store.load(prec)
             ib.loads.append(recs)
             ib.snapshots.append(self._snapshot([idx]))
             with narrowed(self.opt, {idx}, self.by_id):
                 ib.log.updated_chunks += 1
-                ib.log.updated_resident_chunks += 1  # parameters stay resident with this mode
+                if prec is None:
+                    ib.log.updated_resident_chunks += 1
                 raw_step()
             ib.updated.add(idx)
             ib.log.chunks.append([idx])
@@ -338,6 +343,14 @@ class StreamedStep:
                 self.store.write(rec, state_key(idx, rec.name, other))
                 ib.writing.append(rec)
                 ib.writing_bytes += rec.nbytes
+            if prec is not None:
+                self.store.mark_changed(prec)
+                other = 1 - slot_of(prec.saved_key) if prec.saved_key is not None else 0
+                self.store.write(prec, param_key(idx, other))
+                ib.writing.append(prec)
+                ib.writing_bytes += prec.nbytes
+                assert self.residency is not None
+                self.residency.updated_in_backward(idx)
             ib.log.chunk_bytes.append(sum(r.nbytes for r in self.records_of(idx)))
             if prefetch_next is not None:
                 for r in self.records_of(prefetch_next):
@@ -364,19 +377,28 @@ class StreamedStep:
         self._ib = None
         self.last = ib.log
         self._commit(ib.touched)
+        if self.residency is not None:
+            self.residency.release_held_for_update()  # parameters that got no gradient
         return True
 
     def _fail_in_backward(self, exc: BaseException) -> None:
         ib, self._ib = self._ib, None
         if ib is not None:
             self._roll_back(ib.touched, ib.loads, ib.snapshots, ib.log, exc)
+        if self.residency is not None:
+            self.residency.release_held_for_update()
 
     def _finish_chunk(self, recs: list[Record], keep_parameters: bool = False) -> None:
         for rec in recs:
             self.store.finish_write(rec)
         for rec in recs:
-            if not (keep_parameters and rec.kind is Kind.PARAMETER):
-                self.store.evict(rec)
+            if rec.kind is Kind.PARAMETER and (keep_parameters or self._held(rec)):
+                continue
+            self.store.evict(rec)
+
+    def _held(self, rec: Record) -> bool:
+        """A graph running now computes with this parameter (it is freed when that graph releases it)."""
+        return self.residency is not None and self.residency.uses.get(self.by_id[id(rec.tensor)], 0) > 0
 
     def _commit(self, touched: list[Record]) -> None:
         """Note: [A step commits all of its states or none]: every write finished; switch the slots."""

@@ -88,6 +88,10 @@ class ParamResidency:
         self._order: list[tuple[int, ...]] = []
         self._last_order: list[tuple[int, ...]] = []
         self._hooks: list[Any] = []
+        #: Note: [The optimizer step inside backward] in teraio.states.optimizer_stream: a backward keeps
+        #: its parameters until each is updated (no read for the update), then the update releases it.
+        self.hold_for_update = False
+        self._held: set[int] = set()
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -160,6 +164,17 @@ class ParamResidency:
             if rec.residency is Residency.MEMORY:
                 self.write_now(i)
 
+    def updated_in_backward(self, i: int) -> None:
+        """Parameter ``i`` was updated inside backward and its write started: drop the backward's hold."""
+        if i in self._held:
+            self._held.discard(i)
+            self.release((i,))
+
+    def release_held_for_update(self) -> None:
+        """Drop the holds of parameters whose update never came (no gradient), or whose step failed."""
+        held, self._held = tuple(self._held), set()
+        self.release(held)
+
     def saved(self, i: int) -> None:
         """The streamed step committed parameter ``i``'s bytes: memory and disk agree from now."""
         self._version[i] = self.records[i].tensor._version
@@ -186,7 +201,14 @@ class ParamResidency:
             self.acquire(idxs)
 
         def after(grad_inputs: Any, grad_outputs: Any) -> None:
-            self.release(idxs)
+            if not self.hold_for_update:
+                self.release(idxs)
+                return
+            for i in idxs:  # one hold per parameter until its update (a repeated input holds once)
+                if i in self._held:
+                    self.release((i,))
+                else:
+                    self._held.add(i)
 
         node.register_prehook(before)
         node.register_hook(after)

@@ -58,6 +58,8 @@ def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, option
     # states="offload" needs the optimizer when the backend is built (DDP keeps the model's parameters).
     opt_first = torch.optim.AdamW(model.parameters(), lr=1e-3) if options.get("states") else None
     states = {"states": "offload", "optimizer": opt_first} if opt_first is not None else {}
+    if options.get("offload_parameters"):  # read after close(), which brings them back
+        states.update(offload_parameters=True, model=model, states_min_param_bytes=0)
     backend = teraio.backend(
         **states,
         memory_budget=options.get("budget", "85%"),

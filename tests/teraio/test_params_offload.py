@@ -122,6 +122,10 @@ def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
             opt.zero_grad(set_to_none=True)
             model(*synthetic_batch(cfg, step)).backward()
             opt.step()
+        # Six forwards of one graph before the step's first backward are not "a forward never
+        # backpropagated": the block graph was profiled.
+        (runner,) = be.runners
+        assert runner.profile is not None and runner.abandoned_forwards == 0
         offloaded = {id(residency.params[i]) for i in residency.records}
         assert offloaded == {id(p) for block in model.blocks for p in block.parameters()}
     finally:
@@ -131,6 +135,61 @@ def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
     for kind, b, resident in last_step:
         ahead = {b + 1} if kind == "forward" else {b - 1}
         assert resident <= {b} | ahead, (kind, b, resident)
+
+
+def _in_backward(tmp_path, enabled: bool, steps: int = 3):
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = dict(
+        states="offload",
+        optimizer=opt,
+        optimizer_in_backward=True,
+        offload_parameters=True,
+        model=model,
+        states_min_param_bytes=0,
+        offload_dirs=[str(tmp_path)],
+        io_backend="posix",
+    )
+    be = teraio.backend(inner="eager", profile_steps=1, measure_memory=False, enabled=enabled, **options)
+    for block in model.blocks:
+        block.compile(backend=be)
+    losses, reads = [], []
+    try:
+        for step in range(steps):
+            before = be.states.stats()["read_bytes"]["parameter"] if enabled else 0
+            loss = compute_loss(model, w, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            if enabled:
+                reads.append(be.states.stats()["read_bytes"]["parameter"] - before)
+        params = {n: t.clone() for n, t in model.state_dict().items()}
+        sd = opt.state_dict()
+        stats = be.states.stats() if enabled else None
+        offloaded = be.states.residency.offloaded_nbytes() if enabled else 0
+    finally:
+        be.close()
+    return losses, params, sd, stats, reads, offloaded
+
+
+def test_parameters_updated_inside_backward_are_exact_and_read_twice_a_step(tmp_path):
+    """optimizer_in_backward with offload_parameters: each block's parameters, fetched for its backward,
+    are updated there and written, never read again by the step; no gradient touches the disk."""
+    ref_losses, ref_params, ref_sd, _, _, _ = _in_backward(tmp_path / "ref", False)
+    losses, params, sd, stats, reads, offloaded = _in_backward(tmp_path / "off", True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses)) and len(losses) == 3
+    for n in ref_params:
+        assert torch.equal(params[n], ref_params[n]), n
+    for i, st in ref_sd["state"].items():
+        for k, v in st.items():
+            assert torch.equal(sd["state"][i][k], v), (i, k)
+    assert stats["read_bytes"]["gradient"] == stats["written_bytes"]["gradient"] == 0
+    # After the first step (which writes every parameter once at its first release): once for the
+    # forward, once for the backward, and the update reads nothing.
+    assert offloaded > 0 and all(r == 2 * offloaded for r in reads[1:]), (reads, offloaded)
 
 
 def test_gradient_accumulation_into_offloaded_parameters_and_gradients(tmp_path):
@@ -298,10 +357,6 @@ def test_offload_parameters_options_are_checked_at_construction():
         teraio.backend(states="offload", optimizer=opt, offload_parameters=True)
     with pytest.raises(UserInputError, match="needs states='offload'"):
         teraio.backend(offload_parameters=True, model=model)
-    with pytest.raises(UserInputError, match="optimizer_in_backward"):
-        teraio.backend(
-            states="offload", optimizer=opt, offload_parameters=True, model=model, optimizer_in_backward=True
-        )
     with pytest.raises(UserInputError, match="states_min_param_bytes"):
         teraio.backend(
             states="offload", optimizer=opt, offload_parameters=True, model=model, states_min_param_bytes="x"
