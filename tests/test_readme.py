@@ -268,6 +268,10 @@ def run_document(document: str, work: Path) -> tuple[dict[str, Outcome], set[int
 
 _RESULTS: dict[str, tuple[dict[str, Outcome], set[int], set[str]]] = {}
 
+# Every test here on one pytest-xdist worker (the Makefile runs --dist loadgroup): the documents run once
+# per process, and split across two workers `make demo` ran twice (4 more minutes of CI).
+pytestmark = pytest.mark.xdist_group("documents")
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):
