@@ -273,9 +273,11 @@ _RESULTS: dict[str, tuple[dict[str, Outcome], set[int], set[str]]] = {}
 pytestmark = pytest.mark.xdist_group("documents")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results(tmp_path_factory: pytest.TempPathFactory):
-    """Runs each document once, lazily, and keeps the outcomes for the per-block tests."""
+    """Runs each document once per process, lazily, and keeps the outcomes for the per-block tests.
+    Session-scoped: a module fixture is torn down whenever the worker runs another module's test in
+    between, and then ran every document again (`make demo` twice in one CI run)."""
 
     def get(document: str) -> tuple[dict[str, Outcome], set[int], set[str]]:
         if document not in _RESULTS:
@@ -283,8 +285,7 @@ def results(tmp_path_factory: pytest.TempPathFactory):
             _RESULTS[document] = run_document(document, work)
         return _RESULTS[document]
 
-    yield get
-    _RESULTS.clear()
+    return get
 
 
 @pytest.mark.slow  # a document's blocks run together on its first block: 10-40 s of CPU each

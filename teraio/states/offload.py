@@ -148,6 +148,8 @@ class StateOffload:
             self.residency.attach_module(model)
             self.stream.residency = self.residency
             self.residency.hold_for_update = optimizer_in_backward
+            if optimizer_in_backward:
+                self.residency.on_backward_start = self._read_states_ahead
         self.closed = False
         self._raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
         self._had_step = "step" in vars(optimizer)
@@ -190,6 +192,14 @@ class StateOffload:
         nxt = order[pos + 1] if pos + 1 < len(order) else None
         opt = self.optimizer
         self.stream.update_in_backward(idx, lambda: self._raw_step(opt), nxt, self.window_bytes)
+
+    def _read_states_ahead(self, idxs: tuple[int, ...]) -> None:
+        """A block's backward starts: read its parameters' optimizer states now, so that the updates
+        inside that backward find them in memory (Note: [The optimizer step inside backward] in
+        teraio.states.optimizer_stream)."""
+        for i in idxs:
+            for rec in self.stream.records_of(i):
+                self.store.prefetch(rec)
 
     def step(self) -> None:
         """The streamed step (the optimizer's ``step`` calls it through the stock hooks wrapper); with

@@ -32,7 +32,10 @@ Note: [The optimizer step inside backward]
     With ``optimizer_in_backward=True`` a parameter is updated as soon as its gradient is complete (the
     hook after AccumulateGrad), by the same stock step narrowed to that parameter, and its gradient is
     freed at once: no gradient is written to disk or kept until the step, and only one parameter's
-    states are read and written at a time (at most ``window_bytes`` of writes in flight). A compiled
+    states are updated at a time (at most ``window_bytes`` of writes in flight). With offloaded
+    parameters (teraio.states.params) the states of a block's parameters are read when the block's
+    backward starts, behind its compute, and each parameter is updated while that backward still holds
+    it. A compiled
     graph's backward still returns all of its gradients together (AOTAutograd), so they are freed one
     graph at a time: one block's with each block compiled on its own, the whole model's with one graph.
     A parameter's value is not used by backward after its gradient is complete (every op that saved it

@@ -31,7 +31,7 @@ Note: [Reading an offloaded parameter]
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,6 +92,9 @@ class ParamResidency:
         #: its parameters until each is updated (no read for the update), then the update releases it.
         self.hold_for_update = False
         self._held: set[int] = set()
+        #: Called with a graph call's parameters when its backward starts (the in-backward update reads
+        #: their optimizer states ahead, while the backward computes).
+        self.on_backward_start: Callable[[tuple[int, ...]], None] | None = None
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -199,6 +202,8 @@ class ParamResidency:
             if 0 < pos <= len(order) - 1:
                 self.prefetch(order[pos - 1])  # the call whose backward comes next
             self.acquire(idxs)
+            if self.on_backward_start is not None:
+                self.on_backward_start(idxs)
 
         def after(grad_inputs: Any, grad_outputs: Any) -> None:
             if not self.hold_for_update:
