@@ -37,11 +37,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # Two pytest workers (pytest-xdist): Inductor compiles are mostly single-threaded Python, so the suite
-# takes about 60% of its serial time on 2 cores. TEST_WORKERS=0 runs it in one process. loadgroup keeps
-# the tests of one xdist_group on one worker (tests/test_readme.py: each document runs once).
+# takes about 60% of its serial time on 2 cores. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: lint $(KVIKIO_STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The documents whose code blocks are tested, in the order their blocks run.
@@ -268,21 +270,28 @@ def run_document(document: str, work: Path) -> tuple[dict[str, Outcome], set[int
 
 _RESULTS: dict[str, tuple[dict[str, Outcome], set[int], set[str]]] = {}
 
-# Every test here on one pytest-xdist worker (the Makefile runs --dist loadgroup): the documents run once
-# per process, and split across two workers `make demo` ran twice (4 more minutes of CI).
-pytestmark = pytest.mark.xdist_group("documents")
-
 
 @pytest.fixture(scope="session")
-def results(tmp_path_factory: pytest.TempPathFactory):
-    """Runs each document once per process, lazily, and keeps the outcomes for the per-block tests.
-    Session-scoped: a module fixture is torn down whenever the worker runs another module's test in
-    between, and then ran every document again (`make demo` twice in one CI run)."""
+def results(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """Runs each document once per test run, lazily, and keeps the outcomes for the per-block tests.
+
+    Once per run, not per process: under pytest-xdist the first worker that needs a document runs it
+    under a file lock and leaves the outcomes in the run's shared temporary directory; the other reads
+    them (split across two workers, `make demo` ran twice and CI took 26 minutes). Session-scoped: a
+    module fixture is torn down whenever a worker runs another module's test in between."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # the parent is this run's, common to workers
 
     def get(document: str) -> tuple[dict[str, Outcome], set[int], set[str]]:
         if document not in _RESULTS:
-            work = tmp_path_factory.mktemp(re.sub(r"\W", "_", document))
-            _RESULTS[document] = run_document(document, work)
+            key = re.sub(r"\W", "_", document)
+            done = shared / f"document-{key}.pickle"
+            with FileLock(str(done) + ".lock"):
+                if done.is_file():
+                    _RESULTS[document] = pickle.loads(done.read_bytes())
+                else:
+                    _RESULTS[document] = run_document(document, tmp_path_factory.mktemp(key))
+                    done.write_bytes(pickle.dumps(_RESULTS[document]))
         return _RESULTS[document]
 
     return get
