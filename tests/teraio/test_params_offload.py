@@ -28,14 +28,6 @@ from .states_loop import assert_same_run, train
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(old)
-
-
 @pytest.mark.parametrize(
     ("opt_name", "per_block"),
     [("adamw", True), ("adamw", False), ("sgd", True)],
@@ -137,24 +129,38 @@ def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
         assert resident <= {b} | ahead, (kind, b, resident)
 
 
-def _in_backward(tmp_path, enabled: bool, steps: int = 3):
+def _backend_loop(tmp_path, injector=None, per_block=True, **options):
+    """The tiny GPT, AdamW, and a backend with its parameters and optimizer states on disk (``options``
+    adds to or overrides the backend's options); each block compiled on its own unless ``per_block`` is
+    False."""
     torch._dynamo.reset()
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    options = dict(
+    be = teraio.backend(
+        inner="eager",
+        profile_steps=1,
+        measure_memory=False,
         states="offload",
         optimizer=opt,
-        optimizer_in_backward=True,
         offload_parameters=True,
         model=model,
         states_min_param_bytes=0,
+        states_chunk_bytes="64KiB",
         offload_dirs=[str(tmp_path)],
         io_backend="posix",
+        runtime_options={"fault_injector": injector} if injector is not None else {},
+        **options,
     )
-    be = teraio.backend(inner="eager", profile_steps=1, measure_memory=False, enabled=enabled, **options)
+    if not per_block:
+        return w, torch.compile(model, backend=be), opt, be
     for block in model.blocks:
         block.compile(backend=be)
+    return w, model, opt, be
+
+
+def _in_backward(tmp_path, enabled: bool, steps: int = 3):
+    w, model, opt, be = _backend_loop(tmp_path, enabled=enabled, optimizer_in_backward=True)
     losses, reads = [], []
     try:
         for step in range(steps):
@@ -241,32 +247,6 @@ def test_checkpoint_of_offloaded_parameters_finishes_in_a_fresh_process(tmp_path
     for n in ref.params:
         assert torch.equal(finished["params"][n], ref.params[n]), f"parameter {n}"
     assert finished["state_stats"]["moved_bytes_by_kind"]["parameter"] > 0
-
-
-def _backend_loop(tmp_path, injector=None, per_block=True):
-    torch._dynamo.reset()
-    w = builtin_workload("tiny")
-    model = copy.deepcopy(w.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    be = teraio.backend(
-        inner="eager",
-        profile_steps=1,
-        measure_memory=False,
-        states="offload",
-        optimizer=opt,
-        offload_parameters=True,
-        model=model,
-        states_min_param_bytes=0,
-        states_chunk_bytes="64KiB",
-        offload_dirs=[str(tmp_path)],
-        io_backend="posix",
-        runtime_options={"fault_injector": injector} if injector is not None else {},
-    )
-    if not per_block:
-        return w, torch.compile(model, backend=be), opt, be
-    for block in model.blocks:
-        block.compile(backend=be)
-    return w, model, opt, be
 
 
 def _step(w, model, opt, step):
