@@ -37,10 +37,11 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # Two pytest workers (pytest-xdist): Inductor compiles are mostly single-threaded Python, so the suite
-# takes about 60% of its serial time on 2 cores. TEST_WORKERS=0 runs it in one process.
+# takes about 60% of its serial time on 2 cores. TEST_WORKERS=0 runs it in one process. --maxschedchunk 1:
+# Note: [The longest tests start first] in tests/conftest.py.
 TEST_WORKERS ?= 2
 test: lint $(KVIKIO_STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --maxschedchunk 1 --durations=15
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,6 +27,12 @@ def main() -> None:
     parser.add_argument("--offload-dir", default=None, help="may say {local_rank}; default: teraio's own")
     parser.add_argument("--run-dir", default=None, help="each rank writes RUN_DIR/rank<r>/")
     parser.add_argument(
+        "--inner",
+        choices=["inductor", "eager"],
+        default="inductor",
+        help="the compiler teraio hands the planned graphs to (eager: the FX path, compiles in seconds)",
+    )
+    parser.add_argument(
         "--disabled", action="store_true", help="enabled=False: the same run without teraio's plan"
     )
     parser.add_argument(
@@ -52,6 +58,7 @@ def main() -> None:
         memory_budget=args.budget,
         offload_dirs=[args.offload_dir] if args.offload_dir else None,
         run_dir=args.run_dir,
+        inner=args.inner,
         enabled=not args.disabled,
         states=args.states,
         optimizer=opt,

@@ -62,6 +62,13 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
     ),
     (r"\bteraio profile ", "teraio profile --inner eager ", "shell", "an Inductor compile takes 20-40 s"),
     (
+        r"(examples/train_fsdp\.py .*)$",
+        r"\1 --inner eager",
+        "shell",
+        "two ranks compiling every block with Inductor take a minute; the DDP example beside it runs on "
+        "Inductor, and tests/teraio/test_distributed.py runs FSDP2 per block",
+    ),
+    (
         r"\bteraio estimate (hf:\S+)",
         r"teraio estimate \1 --layers 1 --seq 128 --time-limit 5",
         "shell",

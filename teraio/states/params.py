@@ -21,8 +21,21 @@ Note: [When a parameter is resident]
     ``min_nbytes`` (norms, biases) stay resident. A value changed outside the step (``load_state_dict``,
     an edit under ``no_grad``) is seen by its version counter when it is freed and written first.
 
+Note: [A parameter eager code uses stays resident]
+    A parameter a compiled graph takes may also be used by a module that runs eagerly: weights tied
+    between a compiled block and an eager head, a module torch.compile left outside its graphs after a
+    break. Eager code reads the tensor's storage directly, and its autograd keeps it for a backward no
+    teraio hook sees, so such a parameter must stay in memory. Every module owning an offloadable
+    parameter gets a forward pre-hook that does nothing while Dynamo traces it (it is not part of any
+    graph) and, when the module runs eagerly, brings its offloaded parameters back into memory for good:
+    their disk copies are dropped, they leave the residency (the streamed step then treats them as
+    resident parameters), and no graph adopts them again; a log line names them. A parameter whose
+    update is written but not committed yet (an in-backward step before ``opt.step()``) is held in
+    memory until the commit and leaves then.
+
 Note: [Reading an offloaded parameter]
-    Code outside the compiled graphs must not read an offloaded parameter's tensor directly: its storage
+    Code outside the compiled graphs must not read an offloaded parameter's tensor directly (modules
+    are covered: Note: [A parameter eager code uses stays resident]): its storage
     is empty between uses (on CPU a read dereferences a null pointer). ``model.state_dict()`` returns
     copies read back from disk (hooks on every module), ``model.load_state_dict()`` fetches each module's
     parameters before it copies into them and frees them after, and :meth:`ParamResidency.materialized`
@@ -31,6 +44,7 @@ Note: [Reading an offloaded parameter]
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -39,6 +53,8 @@ import torch
 
 from teraio.states.errors import StatesError
 from teraio.states.store import Kind, Record, Residency, TensorStore
+
+log = logging.getLogger("teraio")
 
 
 def param_key(idx: int, slot: int) -> str:
@@ -95,6 +111,8 @@ class ParamResidency:
         #: Called with a graph call's parameters when its backward starts (the in-backward update reads
         #: their optimizer states ahead, while the backward computes).
         self.on_backward_start: Callable[[tuple[int, ...]], None] | None = None
+        #: Note: [A parameter eager code uses stays resident]: held until their commit, then resident.
+        self._leaving: set[int] = set()
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -114,6 +132,7 @@ class ParamResidency:
     # -- fetch and free ------------------------------------------------------------------------------
     def acquire(self, idxs: tuple[int, ...]) -> None:
         """Bring these parameters into memory (waiting for their reads) and hold them until released."""
+        idxs = self._ours(idxs)
         for i in idxs:
             self.uses[i] += 1
         for i in idxs:
@@ -125,13 +144,13 @@ class ParamResidency:
     def release(self, idxs: tuple[int, ...]) -> None:
         """Drop one hold on each; a parameter no call holds any more leaves memory (written first when it
         has no copy on disk, or its value changed since)."""
-        for i in idxs:
+        for i in self._ours(idxs):
             self.uses[i] -= 1
             if self.uses[i] == 0:
                 self._free(i)
 
     def prefetch(self, idxs: tuple[int, ...]) -> None:
-        for i in idxs:
+        for i in self._ours(idxs):
             self.store.prefetch(self.records[i])
 
     def _free(self, i: int) -> None:
@@ -181,6 +200,10 @@ class ParamResidency:
     def saved(self, i: int) -> None:
         """The streamed step committed parameter ``i``'s bytes: memory and disk agree from now."""
         self._version[i] = self.records[i].tensor._version
+        if i in self._leaving:  # Note: [A parameter eager code uses stays resident]
+            self._leaving.discard(i)
+            self.uses[i] -= 1
+            self._stay_resident(i)
 
     # -- graph calls ---------------------------------------------------------------------------------
     def around_forward(self, idxs: tuple[int, ...], first_of_step: bool) -> None:
@@ -248,6 +271,9 @@ class ParamResidency:
                 continue
             self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(module, own)))
             self._hooks.append(
+                module.register_forward_pre_hook(lambda mod, args, own=own: self._eager_use(mod, own))
+            )
+            self._hooks.append(
                 module.register_load_state_dict_pre_hook(
                     lambda *a, own=own, **k: self.acquire(self._ours(own))
                 )
@@ -260,6 +286,38 @@ class ParamResidency:
 
     def _ours(self, idxs: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(i for i in idxs if i in self.records)
+
+    # -- eager code ----------------------------------------------------------------------------------
+    def _eager_use(self, module: torch.nn.Module, own: tuple[int, ...]) -> None:
+        """A module's forward pre-hook: Note: [A parameter eager code uses stays resident]."""
+        if torch.compiler.is_compiling():
+            return  # traced into a graph: the graph call fetches its parameters
+        for i in own:
+            self.index_of.pop(id(self.params[i]), None)  # no graph adopts it from now on
+            if i in self.records and i not in self._leaving:
+                log.info(
+                    "a parameter of %s (%s, %s bytes) is used by eager code: it stays in memory from now on",
+                    type(module).__name__,
+                    tuple(self.params[i].shape),
+                    self.records[i].nbytes,
+                )
+                self._stay_resident(i)
+
+    def _stay_resident(self, i: int) -> None:
+        """Parameter ``i`` back in memory for good: its disk copies dropped, its record forgotten (the
+        streamed step then treats it as resident); held until its commit when a written update awaits it."""
+        rec = self.records[i]
+        if rec.staged_key is not None:  # an update inside backward, committed by opt.step()
+            self.acquire((i,))
+            self._leaving.add(i)
+            return
+        self.store.load(rec)
+        self.store.drop_key(rec.saved_key)
+        rec.saved_key = None
+        self.store.forget(rec)
+        del self.records[i]
+        self.uses.pop(i, None)
+        self._version.pop(i, None)
 
     def _state_dict_hook(self, module: torch.nn.Module, own: tuple[int, ...]) -> Any:
         by_tensor = {id(self.params[i]): i for i in own}

@@ -73,19 +73,7 @@ def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    be = teraio.backend(
-        inner="eager",
-        profile_steps=1,
-        measure_memory=False,
-        states="offload",
-        optimizer=opt,
-        offload_parameters=True,
-        model=model,
-        states_min_param_bytes=0,
-        states_chunk_bytes="64KiB",
-        offload_dirs=[str(tmp_path)],
-        io_backend="posix",
-    )
+    be = _offload_backend(tmp_path, model, opt)
     for block in model.blocks:
         block.compile(backend=be)
     residency = be.states.residency
@@ -129,6 +117,23 @@ def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
         assert resident <= {b} | ahead, (kind, b, resident)
 
 
+def _offload_backend(tmp_path, model, opt, **options) -> teraio.TeraioBackend:
+    """A backend with ``model``'s parameters and ``opt``'s states on disk (``options`` add to or
+    override its options)."""
+    defaults = {
+        "inner": "eager",
+        "profile_steps": 1,
+        "measure_memory": False,
+        "states_min_param_bytes": 0,
+        "states_chunk_bytes": "64KiB",
+        "offload_dirs": [str(tmp_path)],
+        "io_backend": "posix",
+    }
+    return teraio.backend(
+        states="offload", optimizer=opt, offload_parameters=True, model=model, **{**defaults, **options}
+    )
+
+
 def _backend_loop(tmp_path, injector=None, per_block=True, **options):
     """The tiny GPT, AdamW, and a backend with its parameters and optimizer states on disk (``options``
     adds to or overrides the backend's options); each block compiled on its own unless ``per_block`` is
@@ -137,21 +142,9 @@ def _backend_loop(tmp_path, injector=None, per_block=True, **options):
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    be = teraio.backend(
-        inner="eager",
-        profile_steps=1,
-        measure_memory=False,
-        states="offload",
-        optimizer=opt,
-        offload_parameters=True,
-        model=model,
-        states_min_param_bytes=0,
-        states_chunk_bytes="64KiB",
-        offload_dirs=[str(tmp_path)],
-        io_backend="posix",
-        runtime_options={"fault_injector": injector} if injector is not None else {},
-        **options,
-    )
+    if injector is not None:
+        options["runtime_options"] = {"fault_injector": injector}
+    be = _offload_backend(tmp_path, model, opt, **options)
     if not per_block:
         return w, torch.compile(model, backend=be), opt, be
     for block in model.blocks:
@@ -341,3 +334,58 @@ def test_offload_parameters_options_are_checked_at_construction():
         teraio.backend(
             states="offload", optimizer=opt, offload_parameters=True, model=model, states_min_param_bytes="x"
         )
+
+
+class _TiedHead(torch.nn.Module):
+    """Blocks compiled one by one and an eager head whose weight is the first block's (tied)."""
+
+    def __init__(self, width: int = 64, blocks: int = 3) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(blocks)
+        )
+        self.head = torch.nn.Linear(width, width, bias=False)
+        self.head.weight = self.blocks[0][0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def _tied_run(tmp_path, enabled: bool, steps: int = 4):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _TiedHead()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    be = _offload_backend(tmp_path, model, opt, enabled=enabled)
+    for block in model.blocks:
+        block.compile(backend=be)
+    losses = []
+    try:
+        for step in range(steps):
+            loss = model(torch.randn(8, 64, generator=torch.Generator().manual_seed(step)))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        offloaded = set(be.states.residency.records) if enabled else set()
+        moved = be.states.stats()["moved_bytes_by_kind"]["parameter"] if enabled else 0
+        params = {n: t.clone() for n, t in model.state_dict().items()}
+    finally:
+        be.close()
+    return losses, params, offloaded, moved
+
+
+def test_a_parameter_eager_code_also_uses_stays_resident(tmp_path):
+    """Note: [A parameter eager code uses stays resident]: the head runs eagerly with the first block's
+    weight; that weight leaves the disk at the head's first call and the run stays bit-exact (without
+    the hook, the head reads an empty storage)."""
+    ref_losses, ref_params, _, _ = _tied_run(tmp_path / "ref", False)
+    losses, params, offloaded, moved = _tied_run(tmp_path / "off", True)
+    assert len(losses) == 4 and all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for n in ref_params:
+        assert torch.equal(params[n], ref_params[n]), n
+    # The optimizer's parameters in order: block 0's weight (tied to the head) and bias, block 1's, ...
+    assert 0 not in offloaded and {1, 2, 3, 4, 5} <= offloaded, offloaded
+    assert moved > 0
