@@ -63,6 +63,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.bench_whatif import _median_s  # noqa: E402
 from teraio.models.gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
+from teraio.planner.model_states import io_lower_bound_s  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -523,10 +524,12 @@ def run(
         must_write += size["block_weight_bytes"]
         must_read += 2 * size["block_weight_bytes"]
     wbw, rbw = disk["raw_write_gb_per_s"] * 1e9, disk["raw_read_gb_per_s"] * 1e9
-    io_lower_bound = must_write / wbw + must_read / rbw
+    io_lower_bound = io_lower_bound_s(must_write, must_read, wbw, rbw)
     # The same bytes at the engine's own figures from the same measurement (offload of an ordinary
     # tensor, fetch into a fresh one): what teraio's I/O path gets, page faults and checksums included.
-    io_bound_engine = must_write / (disk["write_gb_per_s"] * 1e9) + must_read / (disk["read_gb_per_s"] * 1e9)
+    io_bound_engine = io_lower_bound_s(
+        must_write, must_read, disk["write_gb_per_s"] * 1e9, disk["read_gb_per_s"] * 1e9
+    )
     measured_written = statistics.median(sum(r["written_bytes"].values()) for r in running)
     measured_read = statistics.median(sum(r["read_bytes"].values()) for r in running)
     bound = max(compute["compute_s"], io_lower_bound)

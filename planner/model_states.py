@@ -299,3 +299,12 @@ def streamed_traffic(states: ModelStates, kinds: tuple[str, ...] | None = None) 
         else:  # "grad": written by backward, read by the step; "optimizer_state": read and written by it
             out[kind] = Traffic(read_nbytes=share, write_nbytes=share)
     return out
+
+
+def io_lower_bound_s(
+    written_bytes: float, read_bytes: float, write_bw_bytes_per_s: float, read_bw_bytes_per_s: float
+) -> float:
+    """The I/O lower bound of a step: the bytes that must be written and read over the disk's bandwidth
+    in each direction. Writes and reads are taken to share the drive, so their times add: the bound
+    holds for a drive that cannot write and read at full speed at once."""
+    return written_bytes / write_bw_bytes_per_s + read_bytes / read_bw_bytes_per_s

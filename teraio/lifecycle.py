@@ -61,7 +61,7 @@ from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_p
 from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
-from teraio.states import attach_states, moved_bytes_by_kind
+from teraio.states import attach_states, io_bytes_by_kind, moved_bytes_by_kind
 from teraio.step_stats import Measurement, StepStats
 from teraio.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 
@@ -1238,7 +1238,7 @@ class TeraioBackend:
                 cpu_s_per_step_with_io=self.transfer_price.per_step_s,
                 cpu_s_per_byte=self.transfer_price.per_byte_s,
             )
-        if self._run is not None and self.cfg.hardware == CALIBRATE and hw != self._saved_hardware:
+        if self._run is not None and hw != self._saved_hardware:
             self._run.save_hardware(hw.to_dict())  # what the plans were made with
             self._saved_hardware = hw
         tiers = set(self.cfg.tiers)
@@ -1507,6 +1507,7 @@ class TeraioBackend:
                     "step_s": self.step_times_s[-1],
                     **io,
                     "moved_bytes_by_kind": moved_bytes_by_kind(io, self.states),
+                    **io_bytes_by_kind(io, self.states),
                 }
             )
 
@@ -1600,6 +1601,7 @@ class TeraioBackend:
             "per_graph": graphs,
             **self._io_stats(),
             "moved_bytes_by_kind": moved_bytes_by_kind(self._io_stats(), self.states),
+            **io_bytes_by_kind(self._io_stats(), self.states),
         }
 
     def _parameter_links(self) -> list[frozenset[int]]:

@@ -70,20 +70,64 @@ def _run_dir_summary(path: str) -> dict:
                 graphs.append(
                     {"graph": f"{plan_file.parent.name} call {call_file.stem[9:]}", **plan_summary(call)}
                 )
-        last = None
+        last = per_step = None
         stats = rank_dir / "stats.jsonl"
         if stats.is_file():
             lines = stats.read_text().splitlines()
             last = json.loads(lines[-1]) if lines else None
+            per_step = _last_step_io(
+                [json.loads(ln) for ln in lines[-2:]], _load_hardware(rank_dir / "hardware.json")
+            )
         config = rank_dir / "config.json"
         out["ranks"][rank_dir.name[4:] if ranks else "0"] = {
             "graphs": graphs,
             "last_step": last,
+            "step_io": per_step,
             "run_id": load_json(config).get("run_id") if config.is_file() else None,
         }
     if not any(r["graphs"] or r["last_step"] for r in out["ranks"].values()):
         raise UserInputError(
             f"'{path}' is a directory but holds no teraio run (no graph*/plan.json, no stats.jsonl)"
+        )
+    return out
+
+
+def _load_hardware(path) -> object | None:
+    """The hardware model a run planned with (None: the run wrote none, or it cannot be read)."""
+    from teraio.planner.hardware import HardwareError, HardwareModel
+
+    if not path.is_file():
+        return None
+    try:
+        return HardwareModel.load(path)
+    except (HardwareError, OSError, ValueError):
+        return None
+
+
+def _last_step_io(lines: list[dict], hardware) -> dict | None:
+    """Bytes written and read by kind in the last step (the difference of the last two ``stats.jsonl``
+    lines, which are cumulative and written as each step's backward ends: one step's I/O, the optimizer
+    step before it included), and the step's I/O lower bound: those bytes over the disk's bandwidth in
+    ``hardware.json`` (writes and reads share the disk, so their times add). None: fewer than two
+    consecutive steps, or a run older than these keys."""
+    if len(lines) < 2 or lines[1].get("step") != lines[0].get("step", -2) + 1:
+        return None
+    keys = ("written_bytes_by_kind", "read_bytes_by_kind")
+    if not all(isinstance(ln.get(k), dict) for ln in lines for k in keys):
+        return None
+    out: dict = {"step": lines[1]["step"]}
+    for k in keys:
+        out[k] = {kind: int(n) - int(lines[0][k].get(kind, 0)) for kind, n in lines[1][k].items()}
+    out["io_lower_bound_s"] = None
+    if hardware is not None:
+        from teraio.planner.model_states import io_lower_bound_s
+
+        ssd = hardware.tier("ssd")
+        out["io_lower_bound_s"] = io_lower_bound_s(
+            sum(out["written_bytes_by_kind"].values()),
+            sum(out["read_bytes_by_kind"].values()),
+            ssd.total_write_bw_bytes_per_s,
+            ssd.total_read_bw_bytes_per_s,
         )
     return out
 
@@ -125,6 +169,18 @@ def _show_run_dir(args: argparse.Namespace) -> int:
                     f"rank {rank}: moved so far (written + read) by kind: "
                     + ", ".join(f"{kind} {format_bytes(n)}" for kind, n in by_kind.items())
                 )
+        io = r.get("step_io")
+        if io:
+            w, rd = io["written_bytes_by_kind"], io["read_bytes_by_kind"]
+            con.print(
+                f"rank {rank}: step {io['step']} wrote / read by kind: "
+                + ", ".join(f"{kind} {format_bytes(w[kind])} / {format_bytes(rd.get(kind, 0))}" for kind in w)
+                + (
+                    f"; I/O lower bound {io['io_lower_bound_s']:.4f} s at the run's disk bandwidth"
+                    if io["io_lower_bound_s"] is not None
+                    else "; no hardware.json in the run (it is written when a plan is made): no I/O bound"
+                )
+            )
     return 0
 
 

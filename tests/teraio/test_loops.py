@@ -42,8 +42,11 @@ def test_fx_matrix(case_name: str, pattern: str, tmp_path) -> None:
 
 # Every one with dropout; hf-bert (minutes of compiles, the same code paths as hf-gpt2) runs by hand.
 INDUCTOR_MATRIX = [
-    "gpt",
-    pytest.param("hf-gpt2", marks=pytest.mark.expensive),  # a minute of CPU; gpt and convnet stay in CI
+    # 100 s of CPU in CI, so by hand: in CI, tests/teraio/test_inductor.py's shared runs check the tiny
+    # GPT on Inductor (exact, Inductor's kernels) and test_cli_demo's documented-keys test its measured
+    # peak against a budget (teraio at checkpointing's peak); convnet stays in this matrix.
+    pytest.param("gpt", marks=pytest.mark.expensive),
+    pytest.param("hf-gpt2", marks=pytest.mark.expensive),  # a minute of CPU
     pytest.param("hf-bert", marks=pytest.mark.expensive),
     "convnet",
 ]

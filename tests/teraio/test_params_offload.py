@@ -7,6 +7,7 @@ Every comparison is bit for bit against the same loop with ``enabled=False``, ne
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -389,3 +390,42 @@ def test_a_parameter_eager_code_also_uses_stays_resident(tmp_path):
     # The optimizer's parameters in order: block 0's weight (tied to the head) and bias, block 1's, ...
     assert 0 not in offloaded and {1, 2, 3, 4, 5} <= offloaded, offloaded
     assert moved > 0
+
+
+def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, capsys):
+    """``teraio show RUN_DIR``: the last step's bytes written and read by kind (the difference of the
+    last two stats lines) and its I/O lower bound at the bandwidth of the run's hardware.json; each step
+    writes every offloaded parameter and optimizer state once."""
+    from teraio.cli import main
+    from teraio.planner.hardware import HardwareModel
+    from teraio.planner.model_states import io_lower_bound_s
+
+    w, model, opt, be = _backend_loop(
+        tmp_path / "off", per_block=False, run_dir=str(tmp_path / "run"), memory_budget="90%"
+    )
+    try:
+        for step in range(4):
+            compute_loss(model, w, step).backward()
+            opt.step()
+            opt.zero_grad()
+        param_bytes = sum(r.nbytes for r in be.states.residency.records.values())
+        state_bytes = sum(r.nbytes for r in be.states.stream.all_records())
+    finally:
+        be.close()
+    assert main(["show", str(tmp_path / "run"), "--json"]) == 0
+    (rank,) = json.loads(capsys.readouterr().out)["ranks"].values()
+    io = rank["step_io"]
+    assert io["step"] == 3
+    written, read = io["written_bytes_by_kind"], io["read_bytes_by_kind"]
+    assert written["parameter"] == param_bytes > 0 and written["optimizer_state"] == state_bytes > 0
+    assert read["parameter"] > 0 and read["optimizer_state"] == state_bytes
+    ssd = HardwareModel.load(tmp_path / "run" / "hardware.json").tier("ssd")
+    assert io["io_lower_bound_s"] == io_lower_bound_s(
+        sum(written.values()),
+        sum(read.values()),
+        ssd.total_write_bw_bytes_per_s,
+        ssd.total_read_bw_bytes_per_s,
+    )
+    assert main(["show", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "step 3 wrote / read by kind" in out and "I/O lower bound" in out
