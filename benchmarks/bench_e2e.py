@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from teraio.planner.hardware import HardwareError, HardwareModel
 from teraio.planner.safe_io import OutputError, atomic_writer, check_output_file
 
 # Page-aligned torch allocations (O_DIRECT reads without a bounce copy); torch reads it at first use.
@@ -48,6 +49,7 @@ def run(
     inner: str = "eager",
     time_limit: float = 30.0,
     offload_dir: str | None = None,
+    hardware: str = "calibrate",
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Rows per method (peak, step time, overhead, bytes moved, predicted figures) and the raw result."""
     from teraio.demo import DemoConfig, run_demo
@@ -61,6 +63,7 @@ def run(
             inner=inner,
             time_limit=time_limit,
             offload_dir=offload_dir,
+            hardware=hardware,
         )
     )
     return pd.DataFrame(result["rows"]), result
@@ -75,21 +78,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner", default="eager", choices=["eager", "inductor"])
     p.add_argument("--time-limit", type=float, default=30.0)
     p.add_argument("--offload-dir", default=None)
+    p.add_argument(
+        "--hardware",
+        default="calibrate",
+        help="HardwareModel JSON for teraio's plans, or 'calibrate' (default): time the offload directory "
+        "and, on short steps, price transfers under the model's compute, as teraio demo does",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="write the rows as CSV (replaced if it exists)")
     args = p.parse_args(argv)
-    if args.out is not None:
-        # Checked now: the run takes minutes and must not be lost to a bad path at the end.
-        try:
+    # Checked now: the run takes minutes and must not be lost to a bad path at the end.
+    try:
+        if args.out is not None:
             check_output_file(args.out, overwrite=True, option="--out")
-        except OutputError as exc:
-            print(f"bench_e2e: {exc}", file=sys.stderr)
-            return 2
+        if args.hardware != "calibrate":
+            HardwareModel.load(args.hardware)
+    except OutputError as exc:
+        print(f"bench_e2e: {exc}", file=sys.stderr)
+        return 2
+    except HardwareError as exc:
+        print(f"bench_e2e: --hardware: {exc}", file=sys.stderr)
+        return 2
     info = machine_info()
     if not args.json:
         print(json.dumps(info), file=sys.stderr)
     df, result = run(
-        args.model, args.budget, args.solver, args.steps, args.inner, args.time_limit, args.offload_dir
+        args.model,
+        args.budget,
+        args.solver,
+        args.steps,
+        args.inner,
+        args.time_limit,
+        args.offload_dir,
+        args.hardware,
     )
     if args.out:
         # The safe writer: a fresh temp file renamed over the target, so a planted link is not followed.

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import bench_e2e
+from teraio.planner.hardware import HardwareModel
 
 
 def test_bench_e2e_tiny(capsys, tmp_path) -> None:
@@ -18,6 +19,10 @@ def test_bench_e2e_tiny(capsys, tmp_path) -> None:
     victim = tmp_path / "victim.txt"
     victim.write_text("precious\n")
     (shared / "rows.csv").symlink_to(victim)
+    # The built-in hardware model: calibrating the directory and pricing transfers under the model's
+    # compute (test_cli_demo's documented-keys test runs them) took 60 s more under a loaded CI.
+    hardware = tmp_path / "hw.json"
+    HardwareModel().save(hardware)
     argv = [
         "--model",
         "tiny",
@@ -25,6 +30,8 @@ def test_bench_e2e_tiny(capsys, tmp_path) -> None:
         "2",
         "--solver",
         "greedy",
+        "--hardware",
+        str(hardware),
         "--json",
         "--out",
         str(shared / "rows.csv"),
@@ -52,3 +59,12 @@ def test_bench_e2e_bad_out_is_one_line_before_the_run(capsys, tmp_path, monkeypa
     assert bench_e2e.main(["--model", "tiny", "--out", str(tmp_path / "missing" / "rows.csv")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist" in err
+
+
+def test_bench_e2e_bad_hardware_is_one_line_before_the_run(capsys, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(
+        bench_e2e, "run", lambda *a, **kw: pytest.fail("the run started before --hardware was checked")
+    )
+    assert bench_e2e.main(["--model", "tiny", "--hardware", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--hardware" in err and "does not exist" in err

@@ -6,11 +6,19 @@ import json
 from pathlib import Path
 
 from teraio.cli import main
+from teraio.planner.hardware import HardwareModel
 
 TINY = ["demo", "--model", "tiny", "--steps", "2", "--solver", "greedy"]
-# The FX path where Inductor is not what a test is about (its compiles take most of a demo run): the
-# documented-keys test and the README's `make demo` block run the demo on Inductor.
-TINY_FX = [*TINY, "--inner", "eager"]
+
+
+# The FX path and the built-in hardware model where a test is about neither Inductor nor calibration
+# (compiles, and timing the directory and pricing transfers under the model's compute, took most of a
+# demo run: 65 s under a loaded CI): the documented-keys test and the README's `make demo` block run the
+# demo on Inductor with the calibration.
+def tiny_fx(tmp_path: Path) -> list[str]:
+    hardware = tmp_path / "hw.json"
+    HardwareModel().save(hardware)
+    return [*TINY, "--inner", "eager", "--hardware", str(hardware)]
 
 
 def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
@@ -54,7 +62,9 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     assert list(offload_dir.iterdir()) == [], "the runtime left files in --offload-dir"
 
 
-def test_teraio_at_checkpoint_below_teraio_floor_plans_for_the_floor(capsys, monkeypatch, caplog) -> None:
+def test_teraio_at_checkpoint_below_teraio_floor_plans_for_the_floor(
+    capsys, monkeypatch, caplog, tmp_path: Path
+) -> None:
     # On the demo config checkpointing measured 234.3 MiB and teraio's floor was 236.0 MiB: the row
     # must run at the floor and say so, not end the demo with a budget error.
     import teraio.demo as demo
@@ -69,7 +79,7 @@ def test_teraio_at_checkpoint_below_teraio_floor_plans_for_the_floor(capsys, mon
 
     monkeypatch.setattr(demo, "_warm_up", checkpoint_far_below_the_floor)
     methods = "no-offload,checkpoint,teraio@checkpoint"
-    assert main([*TINY_FX, "--json", "--methods", methods]) == 0
+    assert main([*tiny_fx(tmp_path), "--json", "--methods", methods]) == 0
     rows = {r["method"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     at = rows["teraio@checkpoint"]
     assert at["budget_raised_from_bytes"] == rows["checkpoint"]["peak_bytes"] < at["budget_bytes"]
@@ -83,8 +93,8 @@ def test_demo_refuses_teraio_at_checkpoint_without_checkpoint_first(capsys) -> N
     assert len(err.splitlines()) == 1 and "needs checkpoint before it" in err
 
 
-def test_demo_table_names_every_method_and_figure(capsys) -> None:
-    assert main([*TINY_FX, "--methods", "no-offload,teraio"]) == 0
+def test_demo_table_names_every_method_and_figure(capsys, tmp_path: Path) -> None:
+    assert main([*tiny_fx(tmp_path), "--methods", "no-offload,teraio"]) == 0
     out = capsys.readouterr().out
     for word in ("no-offload", "teraio", "peak", "step s", "fwd+bwd s", "overhead", "predicted peak"):
         assert word in out, word
