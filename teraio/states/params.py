@@ -23,8 +23,9 @@ Note: [When a parameter is resident]
 
 Note: [A parameter eager code uses stays resident]
     A parameter a compiled graph takes may also be used by a module that runs eagerly: weights tied
-    between a compiled block and an eager head, a module torch.compile left outside its graphs after a
-    break. Eager code reads the tensor's storage directly, and its autograd keeps it for a backward no
+    between a compiled block and an eager head, a submodule the loop also calls on its own. (A graph
+    break inside a module's forward does not make Dynamo run that module eagerly: checked on torch
+    2.13, its parameters stayed offloaded.) Eager code reads the tensor's storage directly, and its autograd keeps it for a backward no
     teraio hook sees, so such a parameter must stay in memory. Every module owning an offloadable
     parameter gets a forward pre-hook that does nothing while Dynamo traces it (it is not part of any
     graph) and, when the module runs eagerly, brings its offloaded parameters back into memory for good:
