@@ -61,7 +61,7 @@ from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_p
 from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
-from teraio.states import attach_states, io_bytes_by_kind, moved_bytes_by_kind
+from teraio.states import attach_states, io_bytes_by_kind
 from teraio.step_stats import Measurement, StepStats
 from teraio.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 
@@ -1506,7 +1506,6 @@ class TeraioBackend:
                     "step": step.index,
                     "step_s": self.step_times_s[-1],
                     **io,
-                    "moved_bytes_by_kind": moved_bytes_by_kind(io, self.states),
                     **io_bytes_by_kind(io, self.states),
                 }
             )
@@ -1591,6 +1590,7 @@ class TeraioBackend:
                 "moved_bytes_per_step": 0,
             }
         planned = self._forward_plans(calls)
+        io = self._io_stats()
         return {
             "steps": self.tracker.completed_steps,
             "graphs": len(self.runners),
@@ -1599,9 +1599,8 @@ class TeraioBackend:
             "phase": [r.phase.value for r in self.runners],
             "models": summaries,
             "per_graph": graphs,
-            **self._io_stats(),
-            "moved_bytes_by_kind": moved_bytes_by_kind(self._io_stats(), self.states),
-            **io_bytes_by_kind(self._io_stats(), self.states),
+            **io,
+            **io_bytes_by_kind(io, self.states),
         }
 
     def _parameter_links(self) -> list[frozenset[int]]:

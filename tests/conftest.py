@@ -25,9 +25,9 @@ os.environ["TERAIO_CHECK_OWN_PLANS"] = "1"
 #     everything else. So the collection is reordered: each document's first block first, then the
 #     modules with Inductor compiles, subprocess jobs and big solves, then the rest in file order, and the
 #     documents' other tests (which read the first one's outcomes) last. The Makefile passes
-#     `--maxschedchunk 1` so that xdist hands tests out a few at a time instead of in quarters of the
-#     collection, which would pin a long module to one worker. Modules stay contiguous (their fixtures
-#     are built once per worker, as before); the order is the same on every worker, as xdist requires.
+#     `--maxschedchunk 1` so that xdist hands tests out two at a time instead of in chunks of an eighth of
+#     the collection, which pinned long stretches of file order to one worker. A module's tests stay
+#     contiguous in the order; the order is the same on every worker, as xdist requires.
 HEAVY_MODULES = (
     "tests/teraio/test_inductor.py",
     "tests/teraio/test_loops.py",

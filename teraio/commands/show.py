@@ -13,10 +13,15 @@ import argparse
 import json
 import re
 from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from teraio.commands.plan import bound_text, console, load_profile_arg, plan_summary, recompute_text
 from teraio.errors import UserInputError
 from teraio.units import format_bytes
+
+if TYPE_CHECKING:
+    from teraio.planner.hardware import HardwareModel
 
 _LAYER_RE = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -48,7 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _run_dir_summary(path: str) -> dict:
     """Per rank, per graph: the plan's figures, and the last ``stats.jsonl`` line of the rank's run."""
-    from pathlib import Path
 
     from teraio.planner.plan import Plan
     from teraio.planner.safe_io import load_json
@@ -92,7 +96,7 @@ def _run_dir_summary(path: str) -> dict:
     return out
 
 
-def _load_hardware(path) -> object | None:
+def _load_hardware(path: Path) -> HardwareModel | None:
     """The hardware model a run planned with (None: the run wrote none, or it cannot be read)."""
     from teraio.planner.hardware import HardwareError, HardwareModel
 
@@ -104,7 +108,7 @@ def _load_hardware(path) -> object | None:
         return None
 
 
-def _last_step_io(lines: list[dict], hardware) -> dict | None:
+def _last_step_io(lines: list[dict], hardware: HardwareModel | None) -> dict | None:
     """Bytes written and read by kind in the last step (the difference of the last two ``stats.jsonl``
     lines, which are cumulative and written as each step's backward ends: one step's I/O, the optimizer
     step before it included), and the step's I/O lower bound: those bytes over the disk's bandwidth in

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from teraio.config import BackendConfig
     from teraio.states.offload import StateOffload
 
-__all__ = ["StateOffload", "StatesError", "attach_states", "io_bytes_by_kind", "moved_bytes_by_kind"]
+__all__ = ["StateOffload", "StatesError", "attach_states", "io_bytes_by_kind"]
 
 #: The kinds of ``moved_bytes_by_kind``, in the order the backend reports them.
 KINDS = ("activation", "parameter", "gradient", "optimizer_state")
@@ -61,9 +61,9 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
 
 
 def io_bytes_by_kind(io_stats: dict[str, Any], states: StateOffload | None) -> dict[str, dict[str, int]]:
-    """Bytes written and bytes read per kind since the start, under the keys ``stats()`` and
-    ``stats.jsonl`` give them (``written_bytes_by_kind``, ``read_bytes_by_kind``):
-    activations from the backend's own engine (``io_stats``: its ``offloaded_bytes`` and
+    """Bytes per kind since the start, under the keys ``stats()`` and ``stats.jsonl`` give them:
+    ``written_bytes_by_kind``, ``read_bytes_by_kind`` and their sum ``moved_bytes_by_kind``.
+    Activations come from the backend's own engine (``io_stats``: its ``offloaded_bytes`` and
     ``prefetched_bytes``), gradients, optimizer states and parameters from ``states``."""
     written, read = dict.fromkeys(KINDS, 0), dict.fromkeys(KINDS, 0)
     written["activation"] = int(io_stats.get("offloaded_bytes", 0))
@@ -74,10 +74,8 @@ def io_bytes_by_kind(io_stats: dict[str, Any], states: StateOffload | None) -> d
             for kind, nbytes in s[key].items():
                 if kind != "activation":
                     out[kind] += nbytes
-    return {"written_bytes_by_kind": written, "read_bytes_by_kind": read}
-
-
-def moved_bytes_by_kind(io_stats: dict[str, Any], states: StateOffload | None) -> dict[str, int]:
-    """Bytes moved (written + read) per kind since the start (:func:`io_bytes_by_kind`)."""
-    io = io_bytes_by_kind(io_stats, states)
-    return {k: io["written_bytes_by_kind"][k] + io["read_bytes_by_kind"][k] for k in KINDS}
+    return {
+        "moved_bytes_by_kind": {k: written[k] + read[k] for k in KINDS},
+        "written_bytes_by_kind": written,
+        "read_bytes_by_kind": read,
+    }
