@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["backend", "default_backend", "process_stats", "TeraioBackend", "BackendConfig", "__version__"]
+__all__ = [
+    "backend",
+    "default_backend",
+    "process_stats",
+    "warm_up_mkl_vml",
+    "TeraioBackend",
+    "BackendConfig",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from teraio.lifecycle import BackendConfig, TeraioBackend, default_backend
@@ -31,6 +39,15 @@ def process_stats() -> list[dict[str, Any]]:
     from teraio.process import process_stats as stats
 
     return stats()
+
+
+def warm_up_mkl_vml() -> tuple[tuple[str, str], ...]:
+    """Run each unary op ATen may hand to MKL VML once on one element, on this thread, so that no
+    later concurrent first call can pick a low-accuracy kernel (Note: [MKL VML's first concurrent call]
+    in teraio.mkl_vml). Constructing a backend does it; a reference loop without teraio can call it."""
+    from teraio.mkl_vml import warm_up_mkl_vml as warm
+
+    return warm()
 
 
 def __getattr__(name: str) -> Any:

@@ -48,6 +48,7 @@ from teraio.clock import Clock
 from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
 from teraio.errors import UserInputError
+from teraio.mkl_vml import warm_up_mkl_vml
 from teraio.outside import OutsideTimer
 from teraio.planner.budget import parse_budget
 from teraio.planner.hardware import HardwareModel
@@ -621,6 +622,7 @@ class TeraioBackend:
     def __init__(self, **options: Any) -> None:
         _ensure_log_handler()
         self.cfg = BackendConfig(**options)
+        warm_up_mkl_vml()  # Note: [MKL VML's first concurrent call] in teraio.mkl_vml
         self.runners: list[GraphRunner] = []
         self.engine: Any = None
         self._engine_id: int | None = None
