@@ -63,7 +63,7 @@ from torch import nn  # noqa: E402
 
 from benchmarks.bench_whatif import _median_s  # noqa: E402
 from teraio.models.gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
-from teraio.planner.model_states import io_lower_bound_s  # noqa: E402
+from teraio.planner.model_states import io_lower_bound_s, offload_step_traffic  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -511,18 +511,19 @@ def run(
     running = [r for r in rows[1:] if r["running"]] or rows[1:]
     step_s = [r["step_s"] for r in running]
     median_step = statistics.median(step_s)
-    # What must move per step: each gradient written once (after backward) and read once (by the step),
-    # none when the update runs inside backward;
-    # each moment read once and written once.
-    grads_moved = 0 if optimizer_in_backward else size["gradient_bytes"]
-    must_write = grads_moved + size["optimizer_state_bytes"]
-    must_read = grads_moved + size["optimizer_state_bytes"]
-    if offload_parameters:
-        # The blocks' weights (the embedding and head run eagerly and stay resident): written once by
-        # the step, read for the forward and again for the backward. The step's own read of them is not
-        # counted: updating inside backward would avoid it.
-        must_write += size["block_weight_bytes"]
-        must_read += 2 * size["block_weight_bytes"]
+    # What must move per step (the embedding and head run eagerly and stay resident, so only the blocks'
+    # weights move); the streamed step's own read of the weights is not counted: updating inside
+    # backward avoids it.
+    traffic = offload_step_traffic(
+        offloaded_param_nbytes=size["block_weight_bytes"] if offload_parameters else 0,
+        grad_nbytes=size["gradient_bytes"],
+        optimizer_state_nbytes=size["optimizer_state_bytes"],
+        offload_gradients=not optimizer_in_backward,
+        optimizer_in_backward=optimizer_in_backward,
+        lower_bound=True,
+    )
+    must_write = sum(t.write_nbytes for t in traffic.values())
+    must_read = sum(t.read_nbytes for t in traffic.values())
     wbw, rbw = disk["raw_write_gb_per_s"] * 1e9, disk["raw_read_gb_per_s"] * 1e9
     io_lower_bound = io_lower_bound_s(must_write, must_read, wbw, rbw)
     # The same bytes at the engine's own figures from the same measurement (offload of an ordinary

@@ -47,7 +47,7 @@ once by the optimizer step; optimizer states are read and written once by the op
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed"]
 Optimizer = Literal["adamw", "adam", "sgd-momentum", "sgd"]
@@ -308,3 +308,126 @@ def io_lower_bound_s(
     in each direction. Writes and reads are taken to share the drive, so their times add: the bound
     holds for a drive that cannot write and read at full speed at once."""
     return written_bytes / write_bw_bytes_per_s + read_bytes / read_bw_bytes_per_s
+
+
+#: The kinds of a training step's tensors, as ``moved_bytes_by_kind`` names them (teraio's backend stats,
+#: ``teraio plan``/``simulate``/``show``).
+MOVED_KINDS: tuple[str, ...] = ("activation", "parameter", "gradient", "optimizer_state")
+
+
+def offload_step_traffic(
+    *,
+    offloaded_param_nbytes: int,
+    grad_nbytes: int,
+    optimizer_state_nbytes: int,
+    offload_gradients: bool,
+    optimizer_in_backward: bool,
+    kept_param_nbytes: int = 0,
+    lower_bound: bool = False,
+) -> dict[str, Traffic]:
+    """Per step, the bytes ``states="offload"`` moves for the parameters, gradients and optimizer states.
+
+    The optimizer states are read and written once by the step. An offloaded gradient is written once,
+    when backward completes it, and read once by the step; with ``optimizer_in_backward`` no gradient
+    reaches the disk. An offloaded parameter is read for forward and again for backward, and its update
+    written once; the streamed step after backward reads it a third time (the update inside backward
+    finds it still in memory), and the next forward finds the ``kept_param_nbytes`` of its last chunk
+    still in memory (the first layers, which that forward needs first). ``lower_bound`` leaves the third
+    read out: the bytes a step has to move at the least, whatever the order of its updates.
+    """
+    for name, value in (
+        ("offloaded_param_nbytes", offloaded_param_nbytes),
+        ("grad_nbytes", grad_nbytes),
+        ("optimizer_state_nbytes", optimizer_state_nbytes),
+        ("kept_param_nbytes", kept_param_nbytes),
+    ):
+        _count(value, name, 0)
+    if kept_param_nbytes > offloaded_param_nbytes:
+        raise ModelStateError(
+            f"kept_param_nbytes ({kept_param_nbytes}) exceeds offloaded_param_nbytes ({offloaded_param_nbytes})"
+        )
+    grads = grad_nbytes if offload_gradients and not optimizer_in_backward else 0
+    if optimizer_in_backward or lower_bound:
+        param_read_nbytes = 2 * offloaded_param_nbytes
+    else:
+        param_read_nbytes = 3 * offloaded_param_nbytes - kept_param_nbytes
+    return {
+        "parameter": Traffic(read_nbytes=param_read_nbytes, write_nbytes=offloaded_param_nbytes),
+        "gradient": Traffic(read_nbytes=grads, write_nbytes=grads),
+        "optimizer_state": Traffic(read_nbytes=optimizer_state_nbytes, write_nbytes=optimizer_state_nbytes),
+    }
+
+
+def offload_states_record(
+    *,
+    param_tensors: int,
+    param_nbytes: int,
+    offloaded_param_nbytes: int,
+    state_tensors: int,
+    state_nbytes: int,
+    offload_gradients: bool,
+    optimizer_in_backward: bool,
+    kept_param_nbytes: int = 0,
+) -> dict[str, Any]:
+    """A profile's ``model_states`` (what ``states="offload"`` holds and moves besides the activations):
+    per kind (``parameter``, ``gradient``, ``optimizer_state``) its ``tensors``, ``bytes`` and
+    ``offloaded_bytes``; ``optimizer_in_backward``; and ``traffic``, per kind the ``read_bytes`` and
+    ``written_bytes`` of one step (:func:`offload_step_traffic`). Gradients have the parameters' sizes."""
+    grads_offloaded = offload_gradients and not optimizer_in_backward
+    traffic = offload_step_traffic(
+        offloaded_param_nbytes=offloaded_param_nbytes,
+        grad_nbytes=param_nbytes,
+        optimizer_state_nbytes=state_nbytes,
+        offload_gradients=offload_gradients,
+        optimizer_in_backward=optimizer_in_backward,
+        kept_param_nbytes=kept_param_nbytes,
+    )
+    return {
+        "parameter": {
+            "tensors": param_tensors,
+            "bytes": param_nbytes,
+            "offloaded_bytes": offloaded_param_nbytes,
+        },
+        "gradient": {
+            "tensors": param_tensors,
+            "bytes": param_nbytes,
+            "offloaded_bytes": param_nbytes if grads_offloaded else 0,
+        },
+        "optimizer_state": {"tensors": state_tensors, "bytes": state_nbytes, "offloaded_bytes": state_nbytes},
+        "optimizer_in_backward": optimizer_in_backward,
+        "traffic": {
+            kind: {"read_bytes": t.read_nbytes, "written_bytes": t.write_nbytes}
+            for kind, t in traffic.items()
+        },
+    }
+
+
+def step_io_by_kind(
+    model_states: dict[str, Any] | None,
+    activation_written_bytes: int,
+    activation_read_bytes: int,
+    write_bw_bytes_per_s: float,
+    read_bw_bytes_per_s: float,
+) -> dict[str, Any]:
+    """One step's bytes by kind: the activations' (a plan's or a simulation's) with the ``traffic`` of a
+    profile's ``model_states`` (:func:`offload_states_record`; None: activations only). Returns
+    ``written_bytes_by_kind``, ``read_bytes_by_kind``, ``moved_bytes_by_kind`` (written + read, keyed by
+    :data:`MOVED_KINDS` as the backend's ``stats()`` is), ``io_lower_bound_s`` (:func:`io_lower_bound_s`
+    at the given bandwidths) and ``model_states``."""
+    written = dict.fromkeys(MOVED_KINDS, 0)
+    read = dict.fromkeys(MOVED_KINDS, 0)
+    written["activation"] = int(activation_written_bytes)
+    read["activation"] = int(activation_read_bytes)
+    for kind, t in ((model_states or {}).get("traffic") or {}).items():
+        if kind in written:
+            written[kind] = int(t["written_bytes"])
+            read[kind] = int(t["read_bytes"])
+    return {
+        "model_states": model_states,
+        "written_bytes_by_kind": written,
+        "read_bytes_by_kind": read,
+        "moved_bytes_by_kind": {k: written[k] + read[k] for k in MOVED_KINDS},
+        "io_lower_bound_s": io_lower_bound_s(
+            sum(written.values()), sum(read.values()), write_bw_bytes_per_s, read_bw_bytes_per_s
+        ),
+    }

@@ -20,6 +20,7 @@ from teraio.planner.sweep import SWEEP_COLUMNS as SWEEP_COLUMNS  # re-exported f
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
+    from teraio.planner.hardware import HardwareModel
     from teraio.planner.lifetimes import Lifetimes
     from teraio.planner.plan import Plan
     from teraio.planner.profile import Profile
@@ -124,6 +125,80 @@ def plan_table(plans: Mapping[str, Plan], sims: Mapping[str, SimResult] | None =
             }
         )
     return pd.DataFrame(rows, columns=list(PLAN_COLUMNS))
+
+
+#: Columns of :func:`step_by_kind`.
+KIND_COLUMNS = ("kind", "tensors", "bytes", "offloaded_bytes", "written_bytes", "read_bytes")
+
+
+def offload_states_of(
+    profile: Profile,
+    *,
+    states_per_param: int = 2,
+    offload_parameters: bool = True,
+    offload_gradients: bool = True,
+    optimizer_in_backward: bool = False,
+) -> dict[str, Any]:
+    """What ``states="offload"`` would hold and move for the parameters in ``profile`` (its tensors of kind
+    ``param``): a ``model_states`` record (``teraio.planner.model_states.offload_states_record``) for a
+    profile that has none, a synthetic one say. ``states_per_param``: 2 for AdamW, 1 for SGD with
+    momentum. The step's last chunk is taken to keep no parameter (an upper bound on the reads)."""
+    from teraio.planner.model_states import offload_states_record
+
+    params = profile.tensors[profile.tensors["kind"] == "param"]
+    param_nbytes = int(params["nbytes"].sum())
+    return offload_states_record(
+        param_tensors=len(params),
+        param_nbytes=param_nbytes,
+        offloaded_param_nbytes=param_nbytes if offload_parameters else 0,
+        state_tensors=states_per_param * len(params),
+        state_nbytes=states_per_param * param_nbytes,
+        offload_gradients=offload_gradients,
+        optimizer_in_backward=optimizer_in_backward,
+    )
+
+
+def step_by_kind(
+    profile: Profile,
+    sim: SimResult,
+    hardware: HardwareModel | None = None,
+    model_states: dict[str, Any] | None = None,
+) -> pd.DataFrame:
+    """One row per kind of tensor in a step (activation, parameter, gradient, optimizer_state): how many,
+    their bytes, the bytes offloaded, and the bytes written and read per step; the activations from the
+    simulated plan, the others from ``model_states`` (default: the profile's own, which a
+    ``states="offload"`` run records). ``df.attrs["io_lower_bound_s"]``: the step's I/O lower bound,
+    every kind's bytes at the ``ssd`` bandwidth of ``hardware`` (default: the built-in model)."""
+    from teraio.planner.hardware import HardwareModel as Hardware
+    from teraio.planner.model_states import MOVED_KINDS, step_io_by_kind
+
+    ms = model_states if model_states is not None else profile.meta.get("model_states")
+    ssd = (hardware or Hardware()).tier("ssd")
+    io = step_io_by_kind(
+        ms, sim.written_bytes, sim.read_bytes, ssd.total_write_bw_bytes_per_s, ssd.total_read_bw_bytes_per_s
+    )
+    acts = profile.tensors[profile.tensors["kind"] == "activation"]
+    rows = []
+    for kind in MOVED_KINDS:
+        if kind == "activation":
+            held = {
+                "tensors": len(acts),
+                "bytes": int(acts["nbytes"].sum()),
+                "offloaded_bytes": sim.written_bytes,
+            }
+        else:
+            held = (ms or {}).get(kind, {"tensors": 0, "bytes": 0, "offloaded_bytes": 0})
+        rows.append(
+            {
+                "kind": kind,
+                **{k: int(held[k]) for k in ("tensors", "bytes", "offloaded_bytes")},
+                "written_bytes": io["written_bytes_by_kind"][kind],
+                "read_bytes": io["read_bytes_by_kind"][kind],
+            }
+        )
+    df = pd.DataFrame(rows, columns=list(KIND_COLUMNS))
+    df.attrs["io_lower_bound_s"] = io["io_lower_bound_s"]
+    return df
 
 
 def budget_sweep(

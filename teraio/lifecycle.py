@@ -299,7 +299,10 @@ class GraphRunner:
         assert self.profiler is not None
         self._finish_kernel_memory()
         if self.profile is None and self.profiler.steps_recorded > 0:
-            self.profile = self.profiler.build_profile({"inner": self.cfg.inner})
+            extra: dict[str, Any] = {"inner": self.cfg.inner}
+            if self.backend.states is not None:  # states="offload": the step's other tensors, by kind
+                extra["model_states"] = self.backend.states.model_states()
+            self.profile = self.profiler.build_profile(extra)
             self.backend._save_profile(self)
 
     def _param_positions(self) -> frozenset[int]:

@@ -109,6 +109,44 @@ def test_budget_sweep_keeps_going_past_an_impossible_budget(small_profile) -> No
     assert "smallest achievable peak" in sweep.loc[1, "note"]
 
 
+def test_step_by_kind_puts_the_state_tensors_beside_the_plans_activations(small_profile) -> None:
+    from teraio.planner.hardware import HardwareModel
+    from teraio.planner.model_states import io_lower_bound_s
+    from teraio.planner.simulate import simulate
+    from teraio.planner.solve import solve
+
+    profile, lt = small_profile
+    sim = simulate(profile, solve(profile, budget="50%", solver="greedy", lifetimes=lt), lifetimes=lt)
+    params = profile.tensors[profile.tensors["kind"] == "param"]
+    p_bytes = int(params["nbytes"].sum())
+    assert p_bytes > 0
+    states = analysis.offload_states_of(profile)
+    df = analysis.step_by_kind(profile, sim, model_states=states).set_index("kind")
+    assert list(df.index) == ["activation", "parameter", "gradient", "optimizer_state"]
+    assert df.loc["activation", "written_bytes"] == sim.written_bytes > 0
+    # AdamW: two moments per parameter; weights read for forward, backward and the step, written once.
+    assert df.loc["optimizer_state", "bytes"] == 2 * p_bytes == df.loc["optimizer_state", "written_bytes"]
+    assert (df.loc["parameter", "read_bytes"], df.loc["parameter", "written_bytes"]) == (3 * p_bytes, p_bytes)
+    assert df.loc["gradient", "read_bytes"] == p_bytes
+    ssd = HardwareModel().tier("ssd")
+    assert df.attrs["io_lower_bound_s"] == io_lower_bound_s(
+        df["written_bytes"].sum(),
+        df["read_bytes"].sum(),
+        ssd.total_write_bw_bytes_per_s,
+        ssd.total_read_bw_bytes_per_s,
+    )
+    ib = analysis.step_by_kind(
+        profile,
+        sim,
+        model_states=analysis.offload_states_of(profile, optimizer_in_backward=True, offload_gradients=False),
+    ).set_index("kind")
+    assert ib.loc["gradient", "written_bytes"] == 0 and ib.loc["parameter", "read_bytes"] == 2 * p_bytes
+    assert ib.attrs["io_lower_bound_s"] < df.attrs["io_lower_bound_s"]
+    # A profile without model_states (states="keep"): activations only.
+    keep = analysis.step_by_kind(profile, sim).set_index("kind")
+    assert keep.loc[["parameter", "gradient", "optimizer_state"], "written_bytes"].sum() == 0
+
+
 def test_top_inactive_tensors_ranks_by_bytes_times_idle_time(small_profile) -> None:
     _, lt = small_profile
     top = analysis.top_inactive_tensors(lt, n=5)

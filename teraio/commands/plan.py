@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from teraio.commands.by_kind import by_kind_rows, step_bytes_by_kind
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file
 from teraio.units import format_bytes
@@ -200,7 +201,11 @@ def run(args: argparse.Namespace) -> int:
             recompute=args.recompute or default_recompute(args.solver),
         )
     plan.save(out, overwrite=args.force)
-    summary = {**plan_summary(plan), "out": str(out)}
+    # Every offloaded activation is written once and read once per step.
+    kinds = step_bytes_by_kind(
+        profile.meta.get("model_states"), plan.moved_bytes, plan.moved_bytes, plan.hardware
+    )
+    summary = {**plan_summary(plan), **kinds, "out": str(out)}
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -219,5 +224,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("lower bound", bound_text(plan))
     t.add_row("moved", f"{len(plan.offloads)} tensors, {format_bytes(plan.moved_bytes)}")
     t.add_row("recomputed", recompute_text(plan))
+    for label, text in by_kind_rows(kinds):
+        t.add_row(label, text)
     console().print(t)
     return 0

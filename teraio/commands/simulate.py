@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from teraio.commands.by_kind import by_kind_rows, step_bytes_by_kind
 from teraio.commands.plan import add_force_option, check_count, console, load_hardware_arg, load_profile_arg
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import atomic_writer, check_output_file
@@ -86,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
             res.io_timeline.to_csv(f, index=False)
     # A plan that breaks its budget or ordering rules is a failed check: exit 1 (bad input is 2).
     code = 1 if res.violations else 0
+    kinds = step_bytes_by_kind(profile.meta.get("model_states"), res.written_bytes, res.read_bytes, hw)
     if args.json:
         out = {
             **res.summary(),
+            **kinds,
             "baseline_peak_bytes": lt.baseline_peak_bytes,
             "plan_predicted_step_s": plan.predicted_step_s,
             "plan_predicted_peak_bytes": plan.predicted_peak_bytes,
@@ -118,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
         if res.recomputed_bytes
         else "none",
     )
+    for label, text in by_kind_rows(kinds):
+        t.add_row(label, text)
     t.add_row("SSD wear", f"{res.ssd_tb_written_per_day:.2f} TB written per day")
     worst = res.stall_s_per_op.argsort()[::-1][:3]
     t.add_row(

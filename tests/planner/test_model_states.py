@@ -9,6 +9,7 @@ from teraio.planner.model_states import (
     ModelStateError,
     bytes_per_param,
     model_states,
+    offload_step_traffic,
     streamed_traffic,
 )
 
@@ -122,3 +123,33 @@ def test_streamed_traffic_per_step():
 def test_bad_arguments_are_named(kwargs, names):
     with pytest.raises(ModelStateError, match=names):
         model_states(1000, **kwargs)
+
+
+def _traffic(**overrides):
+    args = {
+        "offloaded_param_nbytes": 1000,
+        "grad_nbytes": 1200,
+        "optimizer_state_nbytes": 2400,
+        "offload_gradients": True,
+        "optimizer_in_backward": False,
+    }
+    return offload_step_traffic(**{**args, **overrides})
+
+
+def test_offload_step_traffic_by_kind():
+    """What ``states="offload"`` moves per step (``teraio plan``/``simulate`` show it by kind)."""
+    t = _traffic(kept_param_nbytes=100)
+    # Parameters: forward, backward and the step read them; the next forward finds the kept ones.
+    assert (t["parameter"].read_nbytes, t["parameter"].write_nbytes) == (3 * 1000 - 100, 1000)
+    assert (t["gradient"].read_nbytes, t["gradient"].write_nbytes) == (1200, 1200)
+    assert (t["optimizer_state"].read_nbytes, t["optimizer_state"].write_nbytes) == (2400, 2400)
+    # Updated inside backward: no gradient on disk, no third read of the parameters.
+    ib = _traffic(offload_gradients=False, optimizer_in_backward=True)
+    assert (ib["parameter"].read_nbytes, ib["gradient"].total_nbytes) == (2000, 0)
+    bound = _traffic(lower_bound=True)
+    assert bound["parameter"].read_nbytes == 2000 and bound["gradient"].total_nbytes == 2400
+    assert _traffic(offload_gradients=False)["gradient"].total_nbytes == 0
+    with pytest.raises(ModelStateError, match="kept_param_nbytes"):
+        _traffic(offloaded_param_nbytes=10, kept_param_nbytes=11)
+    with pytest.raises(ModelStateError, match="grad_nbytes"):
+        _traffic(grad_nbytes=-1)

@@ -392,16 +392,22 @@ def test_a_parameter_eager_code_also_uses_stays_resident(tmp_path):
     assert moved > 0
 
 
-def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "options",
+    [{"offload_gradients": True}, {"optimizer_in_backward": True}],
+    ids=["gradients_offloaded", "in_backward"],
+)
+def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, capsys, options):
     """``teraio show RUN_DIR``: the last step's bytes written and read by kind (the difference of the
     last two stats lines) and its I/O lower bound at the bandwidth of the run's hardware.json; each step
-    writes every offloaded parameter and optimizer state once."""
+    writes every offloaded parameter and optimizer state once. ``teraio plan`` and ``teraio simulate``
+    predict the same bytes from the profile."""
     from teraio.cli import main
     from teraio.planner.hardware import HardwareModel
     from teraio.planner.model_states import io_lower_bound_s
 
     w, model, opt, be = _backend_loop(
-        tmp_path / "off", per_block=False, run_dir=str(tmp_path / "run"), memory_budget="90%"
+        tmp_path / "off", per_block=False, run_dir=str(tmp_path / "run"), memory_budget="90%", **options
     )
     try:
         for step in range(4):
@@ -419,6 +425,7 @@ def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, cap
     written, read = io["written_bytes_by_kind"], io["read_bytes_by_kind"]
     assert written["parameter"] == param_bytes > 0 and written["optimizer_state"] == state_bytes > 0
     assert read["parameter"] > 0 and read["optimizer_state"] == state_bytes
+    assert (written["gradient"] > 0) == ("offload_gradients" in options)
     ssd = HardwareModel.load(tmp_path / "run" / "hardware.json").tier("ssd")
     assert io["io_lower_bound_s"] == io_lower_bound_s(
         sum(written.values()),
@@ -429,3 +436,30 @@ def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, cap
     assert main(["show", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
     assert "step 3 wrote / read by kind" in out and "I/O lower bound" in out
+
+    # teraio plan and simulate predict, from the profile's model_states, the bytes show measured for the
+    # parameters, gradients and optimizer states (the activations are the plan's own).
+    (profile,) = (tmp_path / "run").glob("graph*/profile")
+    plan_file = tmp_path / "plan.json"
+    assert (
+        main(["plan", str(profile), "-b", "90%", "--solver", "greedy", "-o", str(plan_file), "--json"]) == 0
+    )
+    planned = json.loads(capsys.readouterr().out)
+    assert main(["simulate", str(profile), str(plan_file), "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    for got in (planned, simulated):
+        assert set(got["moved_bytes_by_kind"]) == {"activation", "parameter", "gradient", "optimizer_state"}
+        for kind in ("parameter", "gradient", "optimizer_state"):
+            assert got["written_bytes_by_kind"][kind] == written[kind], kind
+            assert got["read_bytes_by_kind"][kind] == read[kind], kind
+        ms = got["model_states"]
+        assert ms["parameter"]["offloaded_bytes"] == param_bytes
+        assert ms["optimizer_state"]["bytes"] == state_bytes
+        assert got["io_lower_bound_s"] > 0
+    assert planned["written_bytes_by_kind"]["activation"] == planned["moved_bytes"]
+    assert simulated["written_bytes_by_kind"]["activation"] == simulated["written_bytes"]
+    assert (
+        main(["plan", str(profile), "-b", "90%", "--solver", "greedy", "-o", str(plan_file), "--force"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "state tensors" in out and "moved per step" in out and "optimizer_state" in out
