@@ -431,3 +431,24 @@ def step_io_by_kind(
             sum(written.values()), sum(read.values()), write_bw_bytes_per_s, read_bw_bytes_per_s
         ),
     }
+
+
+def check_states_record(record: object) -> None:
+    """Raise :class:`ModelStateError` naming what is wrong unless ``record`` has the shape
+    :func:`offload_states_record` gives (a profile's ``model_states``, read from a file)."""
+    if not isinstance(record, dict):
+        raise ModelStateError(f"model_states must be a JSON object, not {type(record).__name__}")
+    for kind in ("parameter", "gradient", "optimizer_state"):
+        entry = record.get(kind)
+        if not isinstance(entry, dict):
+            raise ModelStateError(f"model_states lacks the object '{kind}'")
+        for key in ("tensors", "bytes", "offloaded_bytes"):
+            _count(entry.get(key), f"model_states '{kind}' '{key}'", 0)
+    traffic = record.get("traffic")
+    if not isinstance(traffic, dict):
+        raise ModelStateError("model_states lacks the object 'traffic'")
+    for kind, t in traffic.items():
+        if kind not in MOVED_KINDS or not isinstance(t, dict):
+            raise ModelStateError(f"model_states 'traffic' has an entry '{kind}' that is not a kind's object")
+        for key in ("read_bytes", "written_bytes"):
+            _count(t.get(key), f"model_states 'traffic' '{kind}' '{key}'", 0)

@@ -191,6 +191,13 @@ class Profile:
             )
         if (self.ops["duration_us"] < 0).any():
             raise ProfileError("profile table 'ops' column 'duration_us' has negative values")
+        if "model_states" in self.meta:  # a states="offload" run's (teraio.planner.model_states)
+            from teraio.planner.model_states import ModelStateError, check_states_record
+
+            try:
+                check_states_record(self.meta["model_states"])
+            except ModelStateError as exc:
+                raise ProfileError(f"profile meta: {exc}") from None
         outside = self.meta.get("outside_s", 0.0)
         if isinstance(outside, bool) or not isinstance(outside, (int, float)) or not 0 <= outside < math.inf:
             raise ProfileError(

@@ -49,6 +49,50 @@ def test_profile_meta_types(prof_dir, key, value, fragment):
     assert str(prof_dir) in str(e.value)
 
 
+def _states_record() -> dict:
+    from teraio.planner.model_states import offload_states_record
+
+    return offload_states_record(
+        param_tensors=2,
+        param_nbytes=800,
+        offloaded_param_nbytes=800,
+        state_tensors=4,
+        state_nbytes=1600,
+        offload_gradients=True,
+        optimizer_in_backward=False,
+    )
+
+
+def _broken_traffic(record: dict) -> dict:
+    record["traffic"]["gradient"]["read_bytes"] = -1
+    return record
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda r: [r], "model_states must be a JSON object, not list"),
+        (
+            lambda r: {k: v for k, v in r.items() if k != "gradient"},
+            "model_states lacks the object 'gradient'",
+        ),
+        (_broken_traffic, "model_states 'traffic' 'gradient' 'read_bytes' is -1"),
+        (lambda r: {**r, "traffic": {"weights": {}}}, "entry 'weights' that is not a kind's object"),
+    ],
+)
+def test_a_malformed_model_states_is_refused_in_one_line(prof_dir, change, fragment):
+    """A states="offload" profile's model_states (teraio plan and simulate read its traffic)."""
+    meta = json.loads((prof_dir / "meta.json").read_text())
+    meta["model_states"] = _states_record()
+    (prof_dir / "meta.json").write_text(json.dumps(meta))
+    assert Profile.load(prof_dir).meta["model_states"]["traffic"]["gradient"]["read_bytes"] == 800
+    meta["model_states"] = change(_states_record())
+    (prof_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ProfileError, match=fragment) as e:
+        Profile.load(prof_dir)
+    assert str(prof_dir) in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_profile_with_nan_or_inf_durations_is_refused(prof_dir, bad):
     """Such a profile used to yield a plan with predicted_step_s NaN."""
