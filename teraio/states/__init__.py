@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from teraio.planner.model_states import MOVED_KINDS
 from teraio.states.errors import StatesError
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["StateOffload", "StatesError", "attach_states", "io_bytes_by_kind"]
 
 #: The kinds of ``moved_bytes_by_kind``, in the order the backend reports them.
-KINDS = ("activation", "parameter", "gradient", "optimizer_state")
+KINDS = MOVED_KINDS
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ from teraio.planner.model_states import offload_states_record
 from teraio.runtime import Engine, RuntimeConfig
 from teraio.states.errors import StatesError
 from teraio.states.grads import GradOffload
-from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep, cut_chunks
+from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
 from teraio.states.params import ParamResidency
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
@@ -294,30 +294,17 @@ class StateOffload:
         as its ``model_states`` (``teraio plan`` and ``teraio simulate`` show it by kind). Optimizer
         states the optimizer has not made yet are counted at the size its first step will make them."""
 
-        def nbytes(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        param_nbytes = sum(nbytes(p) for p in self.params)
+        param_nbytes = sum(p.numel() * p.element_size() for p in self.params)
         offloaded_params = (
             sum(r.nbytes for r in self.residency.records.values()) if self.residency is not None else 0
         )
-        state_nbytes = 0
-        state_tensors = 0
-        for idx, p in enumerate(self.params):
-            recs = self.stream.records_of(idx)
-            if recs:
-                state_nbytes += sum(r.nbytes for r in recs)
-                state_tensors += len(recs)
-            else:
-                n = self.stream.states_per_param(self.stream._group_of.get(id(p), {}))
-                state_nbytes += n * nbytes(p)
-                state_tensors += n
+        footprints = [self.stream.state_footprint(i) for i in range(len(self.params))]
         kept = 0
         if self.residency is not None and not self.in_backward:
             # Note: [When a parameter is resident]: the step's last chunk keeps its parameters for the
             # next forward. The chunks as the step will cut them (every parameter with a gradient).
             order = [i for i in self.step_order() if self.params[i].requires_grad]
-            chunks = cut_chunks(order, lambda i: self.stream._step_nbytes(i, None), self.chunk_bytes)
+            chunks = self.stream.cut(order, lambda i: None)  # a gradient has its parameter's size
             if chunks:
                 recs = self.residency.records
                 kept = sum(recs[i].nbytes for i in chunks[-1].param_idxs if i in recs)
@@ -325,8 +312,8 @@ class StateOffload:
             param_tensors=len(self.params),
             param_nbytes=param_nbytes,
             offloaded_param_nbytes=offloaded_params,
-            state_tensors=state_tensors,
-            state_nbytes=state_nbytes,
+            state_tensors=sum(n for n, _ in footprints),
+            state_nbytes=sum(b for _, b in footprints),
             offload_gradients=self.grads.offload,
             optimizer_in_backward=self.in_backward,
             kept_param_nbytes=kept,

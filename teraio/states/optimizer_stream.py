@@ -208,15 +208,25 @@ class StreamedStep:
             out.append(rec)
         return out
 
+    def state_footprint(self, idx: int) -> tuple[int, int]:
+        """The optimizer state tensors of ``params[idx]`` and their bytes: those it has, or before its
+        first step those the optimizer will make (each the parameter's size)."""
+        recs = self.records_of(idx)
+        if recs:
+            return len(recs), sum(r.nbytes for r in recs)
+        p = self.params[idx]
+        n = self.states_per_param(self._group_of.get(id(p), {}))
+        return n, n * p.numel() * p.element_size()
+
     def _step_nbytes(self, idx: int, grad_rec: Record | None) -> int:
         p = self.params[idx]
         grad_nbytes = grad_rec.nbytes if grad_rec is not None else p.numel() * p.element_size()
         param_nbytes = self._param_record(idx) is not None and p.numel() * p.element_size()
-        recs = self.records_of(idx)
-        if recs:
-            return param_nbytes + grad_nbytes + sum(r.nbytes for r in recs)
-        group = self._group_of.get(id(p), {})
-        return param_nbytes + grad_nbytes + self.states_per_param(group) * p.numel() * p.element_size()
+        return param_nbytes + grad_nbytes + self.state_footprint(idx)[1]
+
+    def cut(self, order: list[int], grad_record: Callable[[int], Record | None]) -> list[Chunk]:
+        """The chunks a step over the parameters ``order`` streams (Note: [Three chunks in memory])."""
+        return cut_chunks(order, lambda i: self._step_nbytes(i, grad_record(i)), self.chunk_bytes)
 
     def _param_record(self, idx: int) -> Record | None:
         return None if self.residency is None else self.residency.records.get(idx)
@@ -243,7 +253,7 @@ class StreamedStep:
         live = [i for i in order if self.params[i].grad is not None]
         if self.residency is not None:  # a failed step goes back to what is on disk: it must be there
             self.residency.sync(live)
-        chunks = cut_chunks(live, lambda i: self._step_nbytes(i, grad_record(i)), self.chunk_bytes)
+        chunks = self.cut(live, grad_record)
         log = self.last = StepLog([c.param_idxs for c in chunks], [c.nbytes for c in chunks])
         self.store.reset_window_peak()
         loads: list[list[Record]] = []
