@@ -22,6 +22,11 @@ One run, in this order, on the same directory:
    128 tokens they are well under 1 GB; nothing is planned). The first step compiles and profiles and is
    reported apart; the step time is the median of the steps after it.
 
+``--budget B`` gives the backend a ``memory_budget`` of ``B`` for the whole step (parameters,
+gradients, optimizer states and activations): the plan keeps in memory the weights and moments that fit
+(Note: [The whole-step budget keeps some states in memory] in teraio.states.plan), and the I/O lower
+bound counts only what it leaves on disk.
+
 ``--optimizer-in-backward`` updates each parameter inside backward (``optimizer_in_backward=True``): no
 gradient is offloaded, and with ``--offload-parameters`` a block's weights are updated while its backward
 holds them, so the step reads none.
@@ -33,7 +38,7 @@ backward) priced at the raw bandwidths: write bytes / raw write bandwidth + read
 bandwidth (one device: a write and a read do not add bandwidth).
 
     python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--offload-parameters]
-                                      [--optimizer-in-backward] [--json] [--out F.json]
+                                      [--optimizer-in-backward] [--budget B] [--json] [--out F.json]
 """
 
 from __future__ import annotations
@@ -302,7 +307,11 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         inner="eager",
         profile_steps=1,
         measure_memory=False,
-        memory_budget=None,
+        # --budget: the whole step's (Note: [The whole-step budget keeps some states in memory] in
+        # teraio.states.plan); the greedy plans the activations (an ILP over a 2B-parameter profile would
+        # spend the run's time planning).
+        memory_budget=spec.get("budget"),
+        solver="greedy",
         states="offload",
         optimizer=opt,
         # Updated inside backward, a gradient is freed at once: there is none to offload.
@@ -407,6 +416,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         "backend_phase": final["phase"],
         "running_steps": final["running_steps"],
         "moved_bytes_by_kind_total": final["moved_bytes_by_kind"],
+        "whole_step": final["whole_step"],
         "states_stats": state_stats,
         "io_path": engine.io_path,
         "checksum": be.states.engine.config.checksum,
@@ -462,6 +472,7 @@ def run(
     seed: int = 0,
     offload_parameters: bool = False,
     optimizer_in_backward: bool = False,
+    budget: str | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -501,6 +512,7 @@ def run(
         "chunk_bytes": chunk_bytes,
         "offload_parameters": offload_parameters,
         "optimizer_in_backward": optimizer_in_backward,
+        "budget": budget,
     }
     try:
         child = run_train_child(spec)
@@ -514,10 +526,13 @@ def run(
     # What must move per step (the embedding and head run eagerly and stay resident, so only the blocks'
     # weights move); the streamed step's own read of the weights is not counted: updating inside
     # backward avoids it.
+    # With --budget, what the plan keeps in memory does not move.
+    kept = ((child.get("whole_step") or {}).get("kept") or {}).get("kept_bytes_by_kind") or {}
     traffic = offload_step_traffic(
-        offloaded_param_nbytes=size["block_weight_bytes"] if offload_parameters else 0,
+        offloaded_param_nbytes=(size["block_weight_bytes"] if offload_parameters else 0)
+        - kept.get("parameter", 0),
         grad_nbytes=size["gradient_bytes"],
-        optimizer_state_nbytes=size["optimizer_state_bytes"],
+        optimizer_state_nbytes=size["optimizer_state_bytes"] - kept.get("optimizer_state", 0),
         offload_gradients=not optimizer_in_backward,
         optimizer_in_backward=optimizer_in_backward,
         lower_bound=True,
@@ -584,7 +599,7 @@ def run(
         "leftovers": left,
         "options": {
             "inner": "eager",
-            "memory_budget": None,
+            "memory_budget": budget,
             "profile_steps": 1,
             "offload_gradients": not optimizer_in_backward,
             "optimizer_in_backward": optimizer_in_backward,
@@ -672,6 +687,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="update each parameter inside backward (optimizer_in_backward=True): no gradient is offloaded",
     )
+    p.add_argument(
+        "--budget",
+        default=None,
+        help="memory_budget of the whole step (parameters, gradients, states and activations; e.g. 14GB): "
+        "the plan keeps in memory the weights and moments that fit (default: none, everything streams)",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -684,6 +705,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--steps must be at least 2 (the first compiles and profiles)")
         if args.layers is not None and args.layers < 1:
             raise ValueError("--layers must be at least 1")
+        if args.budget is not None:
+            from teraio.planner.budget import parse_budget
+
+            parse_budget(args.budget, "--budget")
         io_size = parse_nbytes(args.io_size, what="--io-size")
         keep_free = parse_nbytes(args.keep_free, what="--keep-free")
         if args.out is not None:
@@ -701,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
             chunk_bytes=args.chunk,
             keep_free=keep_free,
             offload_parameters=args.offload_parameters,
+            budget=args.budget,
             optimizer_in_backward=args.optimizer_in_backward,
         )
     except Exception as exc:  # one line, not a traceback

@@ -368,16 +368,20 @@ def offload_states_record(
     offload_gradients: bool,
     optimizer_in_backward: bool,
     kept_param_nbytes: int = 0,
+    offloaded_state_nbytes: int | None = None,
 ) -> dict[str, Any]:
     """A profile's ``model_states`` (what ``states="offload"`` holds and moves besides the activations):
     per kind (``parameter``, ``gradient``, ``optimizer_state``) its ``tensors``, ``bytes`` and
     ``offloaded_bytes``; ``optimizer_in_backward``; and ``traffic``, per kind the ``read_bytes`` and
-    ``written_bytes`` of one step (:func:`offload_step_traffic`). Gradients have the parameters' sizes."""
+    ``written_bytes`` of one step (:func:`offload_step_traffic`). Gradients have the parameters' sizes;
+    ``offloaded_state_nbytes`` (default: all of ``state_nbytes``) are the states on disk, the rest kept in
+    memory by a whole-step plan (teraio.states.plan)."""
     grads_offloaded = offload_gradients and not optimizer_in_backward
+    moved_states = state_nbytes if offloaded_state_nbytes is None else offloaded_state_nbytes
     traffic = offload_step_traffic(
         offloaded_param_nbytes=offloaded_param_nbytes,
         grad_nbytes=param_nbytes,
-        optimizer_state_nbytes=state_nbytes,
+        optimizer_state_nbytes=moved_states,
         offload_gradients=offload_gradients,
         optimizer_in_backward=optimizer_in_backward,
         kept_param_nbytes=kept_param_nbytes,
@@ -393,7 +397,7 @@ def offload_states_record(
             "bytes": param_nbytes,
             "offloaded_bytes": param_nbytes if grads_offloaded else 0,
         },
-        "optimizer_state": {"tensors": state_tensors, "bytes": state_nbytes, "offloaded_bytes": state_nbytes},
+        "optimizer_state": {"tensors": state_tensors, "bytes": state_nbytes, "offloaded_bytes": moved_states},
         "optimizer_in_backward": optimizer_in_backward,
         "traffic": {
             kind: {"read_bytes": t.read_nbytes, "written_bytes": t.write_nbytes}

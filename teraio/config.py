@@ -20,6 +20,10 @@ IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
 RecomputeOption = Literal["off", "only", "joint"]
 StatesOption = Literal["keep", "offload"]
+#: With states="offload" and a memory budget, which parameters and optimizer states stay in memory:
+#: "plan" (what the whole-step budget leaves, chosen for the most I/O saved: Note: [The whole-step budget
+#: keeps some states in memory] in teraio.states.plan), "none" (every one that can move, moves).
+StatesKeepOption = Literal["plan", "none"]
 #: ``hardware=CALIBRATE``: time the offload directory before the first plan instead of reading a file.
 CALIBRATE = "calibrate"
 
@@ -84,6 +88,7 @@ class BackendConfig:
     model: Any = field(default=None, repr=False)  # the torch.nn.Module the optimizer trains
     #: With offload_parameters, parameters smaller than this stay resident (norms, biases).
     states_min_param_bytes: int | str = "64KiB"
+    states_keep: StatesKeepOption = "plan"
 
     def recorded(self) -> dict[str, Any]:
         """The options as written into the run directory: no runtime_options (test seams), the optimizer
@@ -171,6 +176,7 @@ class BackendConfig:
 
     def _check_states(self) -> None:
         _check_choice("states", self.states, StatesOption)
+        _check_choice("states_keep", self.states_keep, StatesKeepOption)
         from teraio.planner.sizes import SizeError, nbytes_of
 
         try:

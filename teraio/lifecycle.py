@@ -63,6 +63,12 @@ from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
 from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
 from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
 from teraio.states import attach_states, io_bytes_by_kind
+from teraio.states.plan import (
+    WholeStepStates,
+    add_fetched_parameters,
+    held_by_graphs,
+    whole_step_budget_error,
+)
 from teraio.step_stats import Measurement, StepStats
 from teraio.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 
@@ -127,6 +133,9 @@ class GraphRunner:
         self.step_budget_bytes: int | None = None  # the step budget this graph was planned under
         self._pending_error: Exception | None = None
         self._call_params: frozenset[int] | None = None  # inputs of the first call that are parameters
+        #: The offloaded parameters of each call while profiling (Note: [Fetched parameters are the graph's
+        #: memory] in teraio.states.plan).
+        self._param_calls: set[tuple[int, ...]] = set()
         self._param_idxs: tuple[int, ...] | None = (
             None  # inputs that are offloaded parameters (teraio.states)
         )
@@ -303,7 +312,16 @@ class GraphRunner:
             if self.backend.states is not None:  # states="offload": the step's other tensors, by kind
                 extra["model_states"] = self.backend.states.model_states()
             self.profile = self.profiler.build_profile(extra)
+            self._count_fetched_parameters()
             self.backend._save_profile(self)
+
+    def _count_fetched_parameters(self) -> None:
+        """Note: [Fetched parameters are the graph's memory] in teraio.states.plan: the offloaded
+        parameters a call of this graph fetches (and, when it runs once per block, the next call's read
+        ahead) are memory every op of the graph runs with."""
+        residency = self.backend.states.residency if self.backend.states is not None else None
+        if residency is not None and self.profile is not None:
+            add_fetched_parameters(self.profile, residency, self._param_calls)
 
     def _param_positions(self) -> frozenset[int]:
         """Which forward inputs are parameters: as profiled, else as the first call passed them."""
@@ -411,6 +429,8 @@ class GraphRunner:
             )
             self.parameter_ids = frozenset(args[i].untyped_storage().data_ptr() for i in self._call_params)
         resident = self._resident_params(args)  # Note: [When a parameter is resident] in teraio.states.params
+        if resident and self.phase is Phase.PROFILING:
+            self._param_calls.add(resident)
         if self.phase is Phase.INFERENCE or not torch.is_grad_enabled():
             if not resident:
                 return self._compiled(*args)
@@ -689,6 +709,8 @@ class TeraioBackend:
         if self.cfg.plan is not None:
             self.plans_from_file = load_plans(self.cfg.plan)
         self.states = attach_states(self.cfg)  # states="offload": teraio.states (issue 23)
+        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.plan.
+        self.whole_step = None if self.states is None else WholeStepStates(self.states, self.cfg.states_keep)
 
     # ---------------------------------------------------------------------------- torch.compile API
     def __call__(
@@ -835,14 +857,23 @@ class TeraioBackend:
         # Note: [Memory outside the graphs is measured and planned for]: a fraction is of the whole step's
         # unplanned peak, outside memory included, and the graphs get the budget less that memory.
         outside = self._outside_bytes
-        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned + outside)
+        # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: with
+        # states="offload" a fraction is of the whole step, parameters, gradients and states included.
+        whole = (
+            self.whole_step.sizes(held_by_graphs([r._param_calls for r in self.runners]))
+            if self.whole_step is not None
+            else None
+        )
+        state_total = whole.total_bytes if whole is not None else 0
+        fixed = whole.fixed_bytes if whole is not None else 0
+        budget_bytes = resolve_budget(self.cfg.memory_budget, step_unplanned + outside + state_total)
         if budget_bytes is not None and self.ranks.active():
             # Note: [Ranks agree at the start of every step]: the smallest rank's budget is everyone's.
             budget_bytes = int(self.ranks.reduce([budget_bytes], "min")[0])
         for r in ready:
             r.step_budget_bytes = budget_bytes
             r.plans = {}
-        graphs_budget = None if budget_bytes is None else budget_bytes - outside
+        graphs_budget = None if budget_bytes is None else budget_bytes - outside - fixed
         if budget_bytes is None:  # "auto": each graph's own smallest stall-free peak
             for r in ready:
                 r.plan = self._solve(r, "auto")
@@ -892,6 +923,8 @@ class TeraioBackend:
             )
         except BudgetError as exc:
             failure = exc
+            if fixed:  # Note: [The whole-step budget keeps some states in memory]
+                failure = whole_step_budget_error(exc, budget_bytes, fixed, outside)
         if self.ranks.active():  # every rank raises, or none: one rank raising alone hangs the others
             floors = self.ranks.gather(float(failure.smallest_peak_bytes or 1) if failure else 0.0)
             if failure is None and any(floors):
@@ -916,7 +949,10 @@ class TeraioBackend:
                 failure,
             )
             kept = {n: memory_of(n, n[0].plan_for(first_ordinal[n])) for n in nodes if n[0] in ready}
-            self.predicted_step_peak_bytes = step_peak(node_calls, {**memory, **kept})[0] + outside
+            region = step_peak(node_calls, {**memory, **kept})[0] + outside
+            if self.whole_step is not None:  # the kept states stay; the whole step peaks higher too
+                self.whole_step.predict(region)
+            self.predicted_step_peak_bytes = region - self._kept_held_bytes()
             return
         if failure is not None:
             raise failure
@@ -931,6 +967,20 @@ class TeraioBackend:
             + self._outside_bytes
         )
         log.info("predicted step peak %s", _fmt(self.predicted_step_peak_bytes))
+        if self.whole_step is not None:  # Note: [The whole-step budget keeps some states in memory]
+            whole_peak = self.whole_step.plan(
+                budget_bytes, self.predicted_step_peak_bytes, self.cfg.solver, step_unplanned + outside
+            )
+            self.predicted_step_peak_bytes -= self._kept_held_bytes()
+            kept = self.whole_step.residency
+            log.info(
+                "whole step: %s of parameters that stay, %s of states kept in memory by the plan, predicted "
+                "peak %s (budget %s)",
+                _fmt(fixed),
+                _fmt(kept.kept_bytes if kept is not None else 0),
+                _fmt(whole_peak),
+                _fmt(budget_bytes),
+            )
 
     def _step_calls(self, graphs: list[GraphRunner], absent_too: bool = True) -> list[tuple[Any, str, int]]:
         """The calls among ``graphs`` of every kind of step seen (teraio.step_stats), one kind after the
@@ -1091,6 +1141,8 @@ class TeraioBackend:
             return  # another measurement is recording: try on a later step
         self._recorder = recorder
         self._measured_step = step.index
+        if self.whole_step is not None:
+            self.whole_step.step_starts()
         # This step's first forward has been counted already (GraphRunner.__call__).
         self._measure_counts_start = (process.forward_calls() - 1, self.forward_calls - 1)
         self._measure = MeasureState.ACTIVE
@@ -1134,6 +1186,8 @@ class TeraioBackend:
             self._measured_step, kind, result.peak_bytes, predicted, self._kind_generation(kind)
         )
         self.measured_peak_bytes = result.peak_bytes
+        if self.whole_step is not None:
+            self.whole_step.step_measured(result.peak_bytes)
         log.info(
             "measured step peak %s (graphs %s; predicted %s)",
             _fmt(result.peak_bytes),
@@ -1225,7 +1279,11 @@ class TeraioBackend:
         memory = {n: self._graph_memory(*n) for n, _, _ in nodes}
         if any(m is None for m in memory.values()):
             return None
-        return step_peak(nodes, memory)[0] + self._outside_bytes
+        return step_peak(nodes, memory)[0] + self._outside_bytes - self._kept_held_bytes()
+
+    def _kept_held_bytes(self) -> int:
+        """Note: [Two moments bound the kept states] in teraio.planner.state_plan."""
+        return self.whole_step.kept_held_bytes if self.whole_step is not None else 0
 
     # ------------------------------------------------------------------------------------ planning
     def hardware_model(self) -> HardwareModel:
@@ -1606,6 +1664,8 @@ class TeraioBackend:
             "per_graph": graphs,
             **io,
             **io_bytes_by_kind(io, self.states),
+            # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan
+            "whole_step": self.whole_step.stats() if self.whole_step is not None else None,
         }
 
     def _parameter_links(self) -> list[frozenset[int]]:

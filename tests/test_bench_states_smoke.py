@@ -39,8 +39,9 @@ def test_bench_states_tiny(capsys, tmp_path) -> None:
 def test_bench_states_bad_args_are_one_line(capsys, tmp_path) -> None:
     assert bench_states.main(["--config", "tiny", "--steps", "1"]) == 2
     assert bench_states.main(["--config", "tiny", "--out", str(tmp_path / "missing" / "r.json")]) == 2
+    assert bench_states.main(["--config", "tiny", "--budget", "150%"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 2 and "--steps" in err and "does not exist" in err
+    assert err.count("\n") == 3 and "--steps" in err and "does not exist" in err and "--budget" in err
 
 
 def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:

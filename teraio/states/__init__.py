@@ -2,9 +2,8 @@
 optimizer step streamed.
 
 ``teraio.backend(states="offload", optimizer=opt)`` attaches a :class:`StateOffload` to a stock optimizer;
-:func:`attach_states` is what the backend calls. The planner does not see these tensors in its budget
-yet: the memory they hold during a step is measured as memory outside the graphs (Note: [Memory outside
-the graphs is measured and planned for] in teraio.lifecycle).
+:func:`attach_states` is what the backend calls. With a ``memory_budget`` the budget is the whole
+step's, and the parameters and optimizer states it leaves room for stay in memory (teraio.states.plan).
 """
 
 from __future__ import annotations

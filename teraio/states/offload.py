@@ -152,6 +152,8 @@ class StateOffload:
             if optimizer_in_backward:
                 self.residency.on_backward_start = self._read_states_ahead
         self.closed = False
+        #: Called once after the next commit of a step made inside backward (teraio.states.plan).
+        self.after_commit: Callable[[], None] | None = None
         self._raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
         self._had_step = "step" in vars(optimizer)
         self._had_zero_grad = "zero_grad" in vars(optimizer)
@@ -209,6 +211,9 @@ class StateOffload:
             raise StatesError("this StateOffload is closed: the optimizer's states were restored to memory")
         if self.in_backward:
             self.stream.commit_in_backward()
+            if self.after_commit is not None:  # a residency planned while the step was in flight
+                pending, self.after_commit = self.after_commit, None
+                pending()
             return
         self._check_params()
         self.grads.settle()
@@ -314,6 +319,7 @@ class StateOffload:
             offloaded_param_nbytes=offloaded_params,
             state_tensors=sum(n for n, _ in footprints),
             state_nbytes=sum(b for _, b in footprints),
+            offloaded_state_nbytes=sum(b for i, (_, b) in enumerate(footprints) if i not in self.stream.kept),
             offload_gradients=self.grads.offload,
             optimizer_in_backward=self.in_backward,
             kept_param_nbytes=kept,

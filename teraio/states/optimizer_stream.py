@@ -171,6 +171,9 @@ class StreamedStep:
         self._ib: _InBackward | None = None
         #: Note: [When a parameter is resident] in teraio.states.params (None: parameters stay resident).
         self.residency: ParamResidency | None = None
+        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: parameters
+        #: whose optimizer states stay in memory (updated in place by the stock step, like ``step``).
+        self.kept: frozenset[int] = frozenset()
         self._group_of = {}
         for g in opt.param_groups:
             for p in g["params"]:
@@ -185,7 +188,7 @@ class StreamedStep:
 
     def _offloaded_items(self, idx: int) -> list[tuple[str, torch.Tensor]]:
         st = self.opt.state.get(self.params[idx])
-        if not st:
+        if not st or idx in self.kept:
             return []
         return [
             (k, v)
@@ -207,6 +210,57 @@ class StreamedStep:
             self.store.mark_changed(rec)
             out.append(rec)
         return out
+
+    @property
+    def updating_in_backward(self) -> bool:
+        """Note: [The optimizer step inside backward]: updates made in backward await their commit."""
+        return self._ib is not None
+
+    def keep(self, idxs: frozenset[int]) -> None:
+        """Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the states of
+        the parameters ``idxs`` stay in memory from now on (read back, their disk slots dropped); those of
+        the parameters the plan kept before go to disk now (written to slot 0 and committed there), so
+        the next step finds every offloaded state with a committed copy. Call between steps only."""
+        if self._ib is not None:
+            raise RuntimeError(
+                "the states' residency changes between steps, not during an update in backward"
+            )
+        for i in sorted(idxs - self.kept):
+            for rec in self.records.pop(i, {}).values():
+                self.store.load(rec)
+                self.store.drop_key(rec.saved_key)
+                self.store.drop_key(rec.staged_key)
+                rec.saved_key = rec.staged_key = None
+                self.store.forget(rec)
+        leaving = sorted(self.kept - idxs)
+        self.kept = frozenset(idxs)
+        self._write_committed([(i, name, v) for i in leaving for name, v in self._offloaded_items(i)])
+
+    def _write_committed(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
+        """New records for these state tensors ``(param index, name, tensor)``, written to slot 0 and
+        committed there, their memory freed."""
+        fresh: list[Record] = []
+        for i, name, v in items:
+            rec = self.store.new_record(Kind.OPTIMIZER_STATE, v, name)
+            self.records.setdefault(i, {})[name] = rec
+            self.store.write(rec, state_key(i, name, 0))
+            fresh.append(rec)
+        for rec in fresh:
+            rec.saved_key = self.store.finish_write(rec)
+            rec.staged_key = None
+            self.store.evict(rec)
+
+    def kept_state_nbytes(self) -> int:
+        """Bytes of the optimizer states kept in memory by the plan (those that exist now)."""
+        total = 0
+        for i in self.kept:
+            st = self.opt.state.get(self.params[i]) or {}
+            total += sum(
+                v.numel() * v.element_size()
+                for k, v in st.items()
+                if isinstance(v, torch.Tensor) and k not in RESIDENT_STATE_KEYS
+            )
+        return total
 
     def state_footprint(self, idx: int) -> tuple[int, int]:
         """The optimizer state tensors of ``params[idx]`` and their bytes: those it has, or before its
@@ -511,7 +565,7 @@ class StreamedStep:
             self.store.drop_key(rec.staged_key)
             self.store.forget(rec)
         self.records.clear()
-        fresh: list[Record] = []
+        items: list[tuple[int, str, torch.Tensor]] = []
         for idx, p in enumerate(self.params):
             st = self.opt.state.get(p)
             if not st:
@@ -522,13 +576,7 @@ class StreamedStep:
                 with torch.no_grad():
                     own.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
                 st[name] = own
-                rec = self.store.new_record(Kind.OPTIMIZER_STATE, own, name)
-                self.records.setdefault(idx, {})[name] = rec
-                self.store.write(rec, state_key(idx, name, 0))
-                fresh.append(rec)
-        for rec in fresh:
-            rec.saved_key = self.store.finish_write(rec)
-            rec.staged_key = None
-            self.store.evict(rec)
+                items.append((idx, name, own))
+        self._write_committed(items)
         self.consistency = Consistency.COMMITTED
         self.failure = None

@@ -114,6 +114,10 @@ class ParamResidency:
         self.on_backward_start: Callable[[tuple[int, ...]], None] | None = None
         #: Note: [A parameter eager code uses stays resident]: held until their commit, then resident.
         self._leaving: set[int] = set()
+        self._eager: set[int] = set()  # used by eager code: never offloaded again
+        self._offloadable = frozenset(self.index_of.values())
+        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.plan.
+        self.kept: frozenset[int] = frozenset()
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -295,6 +299,7 @@ class ParamResidency:
             return  # traced into a graph: the graph call fetches its parameters
         for i in own:
             self.index_of.pop(id(self.params[i]), None)  # no graph adopts it from now on
+            self._eager.add(i)
             if i in self.records and i not in self._leaving:
                 log.info(
                     "a parameter of %s (%s, %s bytes) is used by eager code: it stays in memory from now on",
@@ -319,6 +324,24 @@ class ParamResidency:
         del self.records[i]
         self.uses.pop(i, None)
         self._version.pop(i, None)
+
+    def movable(self) -> frozenset[int]:
+        """The parameters that may be on disk: those a compiled graph took (or takes, once kept no more),
+        not used by eager code."""
+        return frozenset((set(self.records) | self.kept) - self._eager)
+
+    def keep(self, idxs: frozenset[int]) -> None:
+        """Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the
+        parameters ``idxs`` stay in memory from now on (their disk copies dropped); the others the plan
+        kept before may be offloaded again (adopted at their next graph call)."""
+        for i in sorted(idxs - self.kept):
+            self.index_of.pop(id(self.params[i]), None)
+            if i in self.records and i not in self._leaving:
+                self._stay_resident(i)
+        for i in sorted(self.kept - idxs):
+            if i in self._offloadable and i not in self._eager:
+                self.index_of[id(self.params[i])] = i
+        self.kept = frozenset(idxs)
 
     def _state_dict_hook(self, module: torch.nn.Module, own: tuple[int, ...]) -> Any:
         by_tensor = {id(self.params[i]): i for i in own}

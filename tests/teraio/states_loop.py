@@ -60,9 +60,13 @@ def train(
     per_block: bool = False,
     validate: bool = False,
     inner: str = "eager",
+    memory_budget: str | None = None,
+    states_keep: str = "plan",
 ) -> Run:
     """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
-    state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint."""
+    state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint;
+    ``memory_budget``: the whole step's (Note: [The whole-step budget keeps some states in memory] in
+    teraio.states.plan), with the activations planned by the greedy and the step's memory measured."""
     torch._dynamo.reset()
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)
@@ -71,7 +75,10 @@ def train(
         be = teraio.backend(
             inner=inner,
             profile_steps=1,
-            measure_memory=False,
+            measure_memory=memory_budget is not None,
+            memory_budget=memory_budget,
+            states_keep=states_keep,
+            solver="greedy",
             states="offload",
             optimizer=opt,
             states_chunk_bytes=CHUNK_BYTES,
@@ -137,6 +144,44 @@ def train(
     return run
 
 
+def train_hf(name: str, opt_name: str, offload_dir: str, steps: int, make_backend: Any) -> tuple:
+    """``steps`` steps of an HF model (``hf-gpt2`` or ``hf-llama``, tests/teraio/models.py) under the
+    backend ``make_backend(opt, model, offload_dir)`` builds; returns the losses, the final parameters
+    (read through ``model.state_dict()``), the optimizer's state and the backend's stats."""
+    from .models import hf_gpt2, hf_llama
+
+    torch._dynamo.reset()
+    w = {"hf-gpt2": hf_gpt2, "hf-llama": hf_llama}[name]()
+    model = w.model
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    be = make_backend(opt, model, offload_dir)
+    compiled = torch.compile(model, backend=be)
+    losses = []
+    try:
+        for step in range(steps):
+            loss = compute_loss(compiled, w, step)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        stats = be.stats()
+        state = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+        params = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    finally:
+        be.close()
+    return losses, params, state, stats
+
+
+def assert_same_hf_run(ref: tuple, got: tuple) -> None:
+    """Bit for bit: :func:`train_hf`'s losses, parameters and every optimizer state tensor."""
+    assert len(ref[0]) == len(got[0]) and all(torch.equal(a, b) for a, b in zip(ref[0], got[0]))
+    assert ref[1].keys() == got[1].keys() and all(torch.equal(ref[1][n], got[1][n]) for n in ref[1])
+    assert ref[2].keys() == got[2].keys() and ref[2]
+    for i in ref[2]:
+        assert ref[2][i].keys() == got[2][i].keys()
+        assert all(torch.equal(ref[2][i][k], got[2][i][k]) for k in ref[2][i]), i
+
+
 def assert_same_run(a: Run, b: Run) -> None:
     """Bit for bit: losses, final parameters and gradients, every optimizer state tensor."""
     assert len(a.losses) == len(b.losses)
@@ -155,15 +200,18 @@ def assert_same_run(a: Run, b: Run) -> None:
 
 if __name__ == "__main__":  # finish an AdamW run from a checkpoint in a fresh process
     checkpoint, out, offload_dir = sys.argv[1:4]
-    params_too = sys.argv[4:5] == ["--offload-parameters"]
+    params_too = "--offload-parameters" in sys.argv[4:]
+    budget = sys.argv[sys.argv.index("--budget") + 1] if "--budget" in sys.argv else None
     torch.use_deterministic_algorithms(True)
     finished = train(
         "adamw",
         True,
         offload_dir,
         first_step=3,
+        steps=int(sys.argv[sys.argv.index("--steps") + 1]) if "--steps" in sys.argv else 5,
         checkpoint_in=checkpoint,
         offload_parameters=params_too,
-        per_block=params_too,
+        per_block=params_too and budget is None,
+        memory_budget=budget,
     )
     torch.save(finished.__dict__, out)

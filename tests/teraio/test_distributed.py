@@ -71,16 +71,21 @@ def test_ddp_with_compiled_autograd(tmp_path) -> None:
 
 def test_ddp_with_the_optimizer_states_on_disk(tmp_path) -> None:
     """states="offload" under DDP: each rank streams its own AdamW states through its own directory."""
-    results = _check("ddp-nosplit", tmp_path, states="offload")
+    # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the budget is of
+    # the whole step; at half of it the graphs still move activations beside the resident parameters.
+    results = _check("ddp-nosplit", tmp_path, states="offload", budget="50%")
     assert all(r["stats"]["moved_bytes_by_kind"]["optimizer_state"] > 0 for r in results)
 
 
 def test_ddp_with_the_parameters_on_disk(tmp_path) -> None:
     """offload_parameters under DDP: DDP's reducer hooks the same parameter objects, whose storage comes
-    and goes (Note: [A parameter keeps its storage object] in teraio.states.params). The parameters'
-    memory during the step is not in the graphs' plans: two measured steps find it as memory outside
-    the graphs and the graphs are planned again with it, hence 8 steps."""
-    results = _check("ddp-nosplit", tmp_path, states="offload", offload_parameters=True, steps=8)
+    and goes (Note: [A parameter keeps its storage object] in teraio.states.params). The parameters a
+    graph fetches are in its profile (Note: [Fetched parameters are the graph's memory] in
+    teraio.states.plan); what the loop holds beside the graphs takes two measured steps to find, and the
+    plans made then are measured on a later step, hence 8 steps."""
+    results = _check(
+        "ddp-nosplit", tmp_path, states="offload", offload_parameters=True, steps=8, budget="35%"
+    )
     assert all(r["stats"]["moved_bytes_by_kind"]["parameter"] > 0 for r in results)
 
 

@@ -407,7 +407,12 @@ def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, cap
     from teraio.planner.model_states import io_lower_bound_s
 
     w, model, opt, be = _backend_loop(
-        tmp_path / "off", per_block=False, run_dir=str(tmp_path / "run"), memory_budget="90%", **options
+        tmp_path / "off",
+        per_block=False,
+        run_dir=str(tmp_path / "run"),
+        memory_budget="90%",
+        states_keep="none",  # every parameter and state streamed, whatever the budget leaves
+        **options,
     )
     try:
         for step in range(4):

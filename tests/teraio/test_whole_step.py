@@ -1,0 +1,318 @@
+"""One budget over the whole step with states="offload" (Note: [The whole-step budget keeps some states in
+memory] in teraio.states.plan): a percentage of parameters + gradients + optimizer states + the
+activations' peak, activations planned, the parameters and states that fit kept in memory, the rest
+streamed. Every run is compared bit for bit with the same loop without teraio's offload, and the whole
+step's measured peak with its prediction."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import teraio
+from teraio.errors import UserInputError
+from teraio.planner.budget import BudgetError
+from teraio.planner.state_plan import choose_resident_states
+from teraio.states.plan import apply_residency, resident_state_bytes, state_memory
+from teraio.workload import builtin_workload, compute_loss
+
+from .states_loop import assert_same_hf_run, assert_same_run, train, train_hf
+
+ROOT = Path(__file__).resolve().parents[2]
+BUDGET = "40%"  # of parameters + gradients + optimizer states + the activations' unplanned step peak
+PEAK_TOLERANCE = 0.05  # the whole step's measured peak against its prediction
+
+
+def _check_whole_step(stats: dict, *, budget_fraction: float, tolerance: float = PEAK_TOLERANCE) -> dict:
+    """The whole step's prediction fits the budget, the measurement is within ``tolerance`` of the
+    prediction, and the plan kept some state in memory and left some on disk."""
+    whole = stats["whole_step"]
+    pred, meas = whole["predicted_peak_bytes"], whole["measured_peak_bytes"]
+    assert pred is not None and meas is not None, whole
+    assert pred <= whole["budget_bytes"], whole
+    total = whole["state_bytes"] + whole["unplanned_activation_bytes"]
+    assert whole["budget_bytes"] == int(budget_fraction * total), whole
+    assert abs(meas / pred - 1) <= tolerance, (meas, pred)
+    kept = whole["kept"]
+    assert kept["kept_bytes"] > 0, kept
+    assert sum(kept["offloaded_bytes_by_kind"].values()) > 0, kept
+    return whole
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(tmp_path_factory):
+    """The tiny GPT with AdamW, whole model in one graph, without offload and at 40% of the whole step,
+    the latter saving a checkpoint after step 3."""
+    tmp = tmp_path_factory.mktemp("whole")
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref = train("adamw", False, str(tmp / "ref"), steps=6)
+        got = train(
+            "adamw",
+            True,
+            str(tmp / "off"),
+            steps=6,
+            memory_budget=BUDGET,
+            offload_parameters=True,
+            save_after=3,
+            checkpoint_out=str(tmp / "ckpt.pt"),
+        )
+    finally:
+        torch.use_deterministic_algorithms(old)
+    return ref, got, tmp
+
+
+def test_adamw_at_40_percent_of_the_whole_step_is_exact_and_peaks_as_predicted(adamw_runs):
+    ref, got, _ = adamw_runs
+    assert_same_run(ref, got)
+    whole = _check_whole_step(got.stats, budget_fraction=0.4)
+    # One graph holds every offloaded parameter while it runs: keeping them costs nothing there, so the
+    # plan keeps all of them (the most I/O saved per byte) and streams the optimizer states.
+    assert whole["kept"]["kept_bytes_by_kind"]["parameter"] > 0
+    assert whole["kept"]["offloaded_bytes_by_kind"]["optimizer_state"] > 0
+    moved = got.stats["moved_bytes_by_kind"]
+    assert moved["activation"] > 0 and moved["optimizer_state"] > 0 and moved["gradient"] > 0
+
+
+def test_a_checkpoint_of_a_planned_run_finishes_in_a_fresh_process(adamw_runs):
+    ref, _, tmp = adamw_runs
+    out = tmp / "finished.pt"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.teraio.states_loop",
+            str(tmp / "ckpt.pt"),
+            str(out),
+            str(tmp / "fresh"),
+            "--offload-parameters",
+            "--budget",
+            BUDGET,
+            "--steps",
+            "6",
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=600,
+    )
+    finished = torch.load(out, weights_only=False)
+    assert len(finished["losses"]) == 3
+    for i, (a, b) in enumerate(zip(ref.losses[3:], finished["losses"])):
+        assert torch.equal(a, b), f"loss of step {3 + i}"
+    for n in ref.params:
+        assert torch.equal(ref.params[n], finished["params"][n]), n
+    for i in ref.opt_state:
+        for k in ref.opt_state[i]:
+            assert torch.equal(ref.opt_state[i][k], finished["opt_state"][i][k]), (i, k)
+    assert finished["stats"]["whole_step"]["kept"] is not None
+
+
+def test_sgd_momentum_per_block_with_gradient_accumulation_is_exact(tmp_path):
+    """Each block compiled on its own (one graph called once per block, the next block's parameters read
+    ahead), 4 micro-batches accumulated into offloaded gradients. At 40% the tiny GPT's eager embedding
+    and head (144 KiB that cannot move) and a block's graph with two blocks' parameters leave no room, so
+    60%."""
+    ref = train("sgd", False, str(tmp_path / "ref"), steps=6, micro_batches=4, per_block=True)
+    got = train(
+        "sgd",
+        True,
+        str(tmp_path / "off"),
+        steps=6,
+        micro_batches=4,
+        per_block=True,
+        memory_budget="60%",
+        offload_parameters=True,
+    )
+    assert_same_run(ref, got)
+    # The eager embedding's and head's tensors are outside the graphs and below the excess that is
+    # planned for (Note: [Memory outside the graphs is measured and planned for]), and the parameters
+    # and gradients in flight depend on the disk's pace: measured 4.2% above the prediction on a quiet
+    # machine, so a looser bound than the single graph's.
+    whole = _check_whole_step(got.stats, budget_fraction=0.6, tolerance=0.10)
+    assert whole["fixed_bytes"] > 0  # the eager embedding and head stay
+
+
+def _hf_run(name: str, opt_name: str, enabled: bool, offload_dir: str, budget: str) -> tuple:
+    def make_backend(opt, model, directory):
+        return teraio.backend(
+            inner="eager",
+            solver="greedy",
+            enabled=enabled,
+            profile_steps=1,
+            memory_budget=budget,
+            states="offload",
+            optimizer=opt,
+            offload_gradients=True,
+            offload_parameters=enabled,
+            model=model if enabled else None,
+            states_min_param_bytes=0,
+            states_chunk_bytes="64KiB",
+            offload_dirs=[directory],
+        )
+
+    return train_hf(name, opt_name, offload_dir, 6, make_backend)
+
+
+@pytest.mark.parametrize(
+    ("name", "opt_name", "budget"),
+    [
+        ("hf-gpt2", "adamw", "40%"),
+        # At 40% the Llama-shaped model's one graph, holding all of its parameters while it runs, has no
+        # room left for the 64 KiB its loop holds beside the graph once that is measured (the graph's
+        # floor with its parameters is 903 KiB of the 919 KiB budget): teraio then warns and runs above
+        # the budget. 45% leaves that room.
+        ("hf-llama", "sgd", "45%"),
+    ],
+)
+def test_hf_models_under_a_whole_step_budget_are_exact(name, opt_name, budget, tmp_path):
+    ref = _hf_run(name, opt_name, False, str(tmp_path / "ref"), budget)
+    got = _hf_run(name, opt_name, True, str(tmp_path / "off"), budget)
+    assert_same_hf_run(ref, got)
+    _check_whole_step(got[3], budget_fraction=int(budget[:-1]) / 100)
+
+
+def _manual_loop(tmp_path, enabled: bool, between, **options) -> tuple:
+    """Seven steps of the tiny GPT with AdamW (the whole model one graph), the parameters and states on
+    disk when ``enabled``; ``between(backend, step)`` runs after each backward, before ``opt.step()``.
+    Returns the losses, final parameters, optimizer state and the backend's stats."""
+    w = builtin_workload("tiny")
+    torch._dynamo.reset()
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    be = teraio.backend(
+        inner="eager",
+        solver="greedy",
+        profile_steps=1,
+        enabled=enabled,
+        states="offload",
+        optimizer=opt,
+        offload_parameters=enabled,
+        model=model if enabled else None,
+        states_min_param_bytes=0,
+        states_chunk_bytes="64KiB",
+        offload_dirs=[str(tmp_path / str(enabled))],
+        **options,
+    )
+    compiled = torch.compile(model, backend=be)
+    losses = []
+    try:
+        for step in range(7):
+            loss = compute_loss(compiled, w, step)
+            loss.backward()
+            if enabled:
+                between(be, step)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        params = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        state = {i: {k: v.clone() for k, v in st.items()} for i, st in opt.state_dict()["state"].items()}
+        stats = be.stats()
+    finally:
+        be.close()
+    return losses, params, state, stats
+
+
+def _kept(be) -> frozenset:
+    return be.states.stream.kept | be.states.residency.kept
+
+
+def test_kept_states_go_back_to_disk_when_a_later_plan_drops_them(tmp_path):
+    """Keep, drop and keep again between steps (what planning again does): the run stays exact and the
+    memory the states hold follows the plan."""
+    held, first = [], []
+
+    def between(be, step):
+        if step not in (2, 4, 6):
+            return
+        items = state_memory(be.states).items
+        if step == 2:  # about half of the items
+            plan = choose_resident_states(items, sum(it.nbytes for it in items) // 2)
+            first.append(plan)
+        elif step == 4:  # none: everything back on disk
+            plan = None
+        else:  # the items step 2 left on disk
+            rest = [it for it in items if it.key not in first[0].kept]
+            plan = choose_resident_states(rest, sum(it.nbytes for it in rest))
+        be.states.grads.settle()
+        apply_residency(be.states, plan)
+        held.append((plan.kept_bytes if plan else 0, resident_state_bytes(be.states)))
+
+    ref = _manual_loop(tmp_path, False, between, offload_gradients=True)
+    got = _manual_loop(tmp_path, True, between, offload_gradients=True)
+    assert_same_hf_run(ref, got)
+    (kept2, res2), (kept4, res4), (kept6, res6) = held
+    assert kept2 > 0 and kept4 == 0 and kept6 > 0
+    # In memory between backward and the step: the kept items, and the last chunk of parameters the
+    # previous step kept for this one's forward.
+    assert res2 >= kept2 and res6 >= kept6 and res4 < res2
+
+
+def test_updates_inside_backward_under_the_whole_step_budget_are_exact(tmp_path):
+    """optimizer_in_backward with the whole-step plan; a residency planned while an update made inside
+    backward awaits opt.step() (a forward between backward and the step plans) waits for its commit."""
+    seen = []
+
+    def between(be, step):
+        if step == 4:
+            seen.append(_kept(be))
+            apply_residency(be.states, choose_resident_states(state_memory(be.states).items, 0))
+            seen.append((be.states.after_commit is not None, _kept(be)))
+        if step == 5:
+            seen.append((be.states.after_commit, _kept(be)))
+
+    ref = _manual_loop(tmp_path, False, between, memory_budget=BUDGET)
+    got = _manual_loop(tmp_path, True, between, memory_budget=BUDGET, optimizer_in_backward=True)
+    assert_same_hf_run(ref, got)
+    whole = got[3]["whole_step"]
+    assert whole["kept"] is not None and whole["kept"]["kept_bytes"] > 0  # planned after step 0
+    kept_before, (pending, kept_while_pending), (after, kept_after) = seen
+    assert kept_before and pending and kept_while_pending == kept_before  # not applied inside the step
+    assert after is None and kept_after == frozenset()  # applied by opt.step(): nothing kept any more
+
+
+def test_a_budget_below_the_parameters_that_cannot_move_names_them(tmp_path):
+    w = builtin_workload("tiny")
+    model = w.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    be = teraio.backend(
+        inner="eager",
+        solver="greedy",
+        profile_steps=1,
+        memory_budget="5%",
+        states="offload",
+        optimizer=opt,
+        offload_dirs=[str(tmp_path)],
+    )
+    compiled = torch.compile(model, backend=be)
+    try:
+        with pytest.raises(BudgetError, match="parameters that cannot move") as info:
+            for step in range(3):
+                compute_loss(compiled, w, step).backward()
+                opt.step()
+                opt.zero_grad()
+        assert "\n" not in str(info.value) and "offload_parameters=True" in str(info.value)
+    finally:
+        be.close()
+
+
+def test_states_keep_none_keeps_nothing_and_a_bad_value_fails_at_construction(tmp_path):
+    got = train(
+        "adamw",
+        True,
+        str(tmp_path / "off"),
+        steps=4,
+        memory_budget=BUDGET,
+        offload_parameters=True,
+        states_keep="none",
+    )
+    whole = got.stats["whole_step"]
+    assert whole["states_keep"] == "none" and whole["kept"] is None
+    opt = torch.optim.AdamW(builtin_workload("tiny").model.parameters())
+    with pytest.raises(UserInputError, match="states_keep must be one of 'plan', 'none'"):
+        teraio.backend(states="offload", optimizer=opt, states_keep="all")
