@@ -1570,6 +1570,8 @@ class TeraioBackend:
                     "step_s": self.step_times_s[-1],
                     **io,
                     **io_bytes_by_kind(io, self.states),
+                    # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan
+                    **({"whole_step": self.whole_step.stats()} if self.whole_step is not None else {}),
                 }
             )
 

@@ -173,6 +173,20 @@ def _show_run_dir(args: argparse.Namespace) -> int:
                     f"rank {rank}: moved so far (written + read) by kind: "
                     + ", ".join(f"{kind} {format_bytes(n)}" for kind, n in by_kind.items())
                 )
+        whole = (r["last_step"] or {}).get("whole_step") or {}
+        if whole.get("budget_bytes") is not None:
+            kept = whole.get("kept") or {}
+            measured = whole.get("measured_peak_bytes")
+            con.print(
+                f"rank {rank}: whole step: budget {format_bytes(whole['budget_bytes'])} of "
+                f"{format_bytes(whole['state_bytes'] + whole['unplanned_activation_bytes'])}; kept in memory "
+                + ", ".join(
+                    f"{k} {format_bytes(n)}" for k, n in (kept.get("kept_bytes_by_kind") or {}).items()
+                )
+                + f" ({format_bytes(whole['fixed_bytes'])} of parameters cannot move); predicted peak "
+                + f"{format_bytes(whole['predicted_peak_bytes'])}, measured "
+                + (format_bytes(measured) if measured is not None else "not yet")
+            )
         io = r.get("step_io")
         if io:
             w, rd = io["written_bytes_by_kind"], io["read_bytes_by_kind"]

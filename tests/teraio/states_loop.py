@@ -62,6 +62,7 @@ def train(
     inner: str = "eager",
     memory_budget: str | None = None,
     states_keep: str = "plan",
+    run_dir: str | None = None,
 ) -> Run:
     """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
     state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint;
@@ -78,6 +79,7 @@ def train(
             measure_memory=memory_budget is not None,
             memory_budget=memory_budget,
             states_keep=states_keep,
+            run_dir=run_dir,
             solver="greedy",
             states="offload",
             optimizer=opt,

@@ -7,6 +7,7 @@ step's measured peak with its prediction."""
 from __future__ import annotations
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,7 @@ def adamw_runs(tmp_path_factory):
             offload_parameters=True,
             save_after=3,
             checkpoint_out=str(tmp / "ckpt.pt"),
+            run_dir=str(tmp / "run"),
         )
     finally:
         torch.use_deterministic_algorithms(old)
@@ -78,6 +80,21 @@ def test_adamw_at_40_percent_of_the_whole_step_is_exact_and_peaks_as_predicted(a
     assert whole["kept"]["offloaded_bytes_by_kind"]["optimizer_state"] > 0
     moved = got.stats["moved_bytes_by_kind"]
     assert moved["activation"] > 0 and moved["optimizer_state"] > 0 and moved["gradient"] > 0
+
+
+def test_show_reports_the_whole_step_of_a_run(adamw_runs, capsys):
+    """``teraio show RUN_DIR``: the last stats line's whole-step budget, kept states and peaks."""
+    from teraio.cli import main
+
+    _, got, tmp = adamw_runs
+    assert main(["show", str(tmp / "run"), "--json"]) == 0
+    (rank,) = json.loads(capsys.readouterr().out)["ranks"].values()
+    whole = rank["last_step"]["whole_step"]
+    assert whole["budget_bytes"] == got.stats["whole_step"]["budget_bytes"]
+    assert whole["kept"]["kept_bytes_by_kind"] == got.stats["whole_step"]["kept"]["kept_bytes_by_kind"]
+    assert main(["show", str(tmp / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "whole step: budget" in out and "kept in memory parameter" in out and "predicted peak" in out
 
 
 def test_a_checkpoint_of_a_planned_run_finishes_in_a_fresh_process(adamw_runs):
