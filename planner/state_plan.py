@@ -128,7 +128,8 @@ def state_items(
     (Note: [Two moments bound the kept states])."""
     if len(param_nbytes) != len(state_nbytes):
         raise StatePlanError(
-            f"param_nbytes has {len(param_nbytes)} entries and state_nbytes {len(state_nbytes)}: one per parameter"
+            f"param_nbytes has {len(param_nbytes)} entries and state_nbytes {len(state_nbytes)}: "
+            "one per parameter"
         )
     reads = 2 if optimizer_in_backward else 3
     held = set(held_by_graphs)

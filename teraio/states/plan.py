@@ -9,24 +9,24 @@ Note: [The whole-step budget keeps some states in memory]
 
     1. *Fixed*: what stays in memory whatever the plan: parameters that cannot move (smaller than
        ``states_min_param_bytes``, used by eager code, or all of them without ``offload_parameters``).
-    2. *The graphs*: the activation plans get the budget less the fixed part and the memory outside the
-       graphs (which holds, among others, the gradients while backward makes them and the offloaded
-       parameters fetched for the graph that runs), as before.
-    3. *Kept states*: what remains below the budget at the step's highest moment, the larger of the
-       graphs' predicted step peak with the memory outside them and the streamed optimizer step's
-       working set (its three chunks and the gradients in memory), is filled with parameters and
-       optimizer states kept in memory for good, chosen by ``teraio.planner.state_plan`` (the most step
-       I/O saved: Note: [What keeping an item saves] there). A kept item holds its bytes for the whole
-       step, so it adds to every moment's memory equally.
+    2. *The graphs*: the activation plans get the budget less the fixed part and the memory measured
+       outside the graphs (the gradients backward hands to autograd, what the loop holds), as before;
+       the offloaded parameters a graph fetches are in its own profile (the note below).
+    3. *Kept states*: what remains below the budget is filled with parameters and optimizer states kept
+       in memory for good, chosen by ``teraio.planner.state_plan`` (the most step I/O saved: Note: [What
+       keeping an item saves] there). A kept item holds its bytes for the whole step, and two moments
+       bound them (Note: [Two moments bound the kept states] there): while the graphs run, beside
+       their predicted step peak and the memory outside them, and in the streamed optimizer step,
+       beside its working set (its three chunks and the gradients in memory).
 
     Activations come first: the graph plans time their moves behind compute, while what the streamed
     step reads and writes waits on the disk (a state's I/O is on the step's critical path, an
-    activation's mostly is not). The prediction of the whole step's peak is then fixed + kept + the
-    larger of (graphs + outside) and the step's working set; the measurement is the bytes of parameters,
-    gradients and optimizer states in memory when the measured step starts (read from their storages)
-    plus the step's measured peak. When the memory outside the graphs is measured and planned for once
-    more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle), the kept
-    states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed part (every
+    activation's mostly is not). The prediction of the whole step's peak is then the fixed part plus the
+    larger of the two moments, each with what the kept items add to it; the measurement is the bytes of
+    parameters, gradients and optimizer states in memory when the measured step starts (read from their
+    storages) plus the step's measured peak. When the memory outside the graphs is measured and planned
+    for once more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle),
+    the kept states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed part (every
     state that can move, moves), and without a ``memory_budget`` nothing is kept either.
 
 Note: [Fetched parameters are the graph's memory]
@@ -38,9 +38,9 @@ Note: [Fetched parameters are the graph's memory]
     graph's plan then finds its peak with them, as the measured step does. A graph that runs once per
     block reads the next call's parameters ahead while it runs, so it holds two calls' worth: the largest
     call's, twice. With the whole model in one graph, every offloaded parameter is in memory while it
-    runs, so a parameter kept in memory by the plan adds nothing to the graph's peak; the kept bytes are
-    still counted against the budget in full (the prediction is then above the measurement by at most
-    the kept parameters' bytes).
+    runs, so a parameter the plan keeps adds nothing to that moment (it is in memory before the step
+    instead of being fetched in it: the graphs' predicted step peak, which counts what the step
+    allocates, is lowered by the kept parameters they fetched, ``WholeStepStates.kept_held_bytes``).
 """
 
 from __future__ import annotations
