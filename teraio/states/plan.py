@@ -26,8 +26,8 @@ Note: [The whole-step budget keeps some states in memory]
     parameters, gradients and optimizer states in memory when the measured step starts (read from their
     storages) plus the step's measured peak. When the memory outside the graphs is measured and planned
     for once more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle),
-    the kept states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed part (every
-    state that can move, moves), and without a ``memory_budget`` nothing is kept either.
+    the kept states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed
+    part (every state that can move, moves), and without a ``memory_budget`` nothing is kept either.
 
 Note: [Fetched parameters are the graph's memory]
     With ``offload_parameters=True`` a graph call fetches its offloaded parameters before its forward and
