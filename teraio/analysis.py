@@ -158,6 +158,54 @@ def offload_states_of(
     )
 
 
+def kept_states_sweep(
+    profile: Profile,
+    capacities_bytes: list[int],
+    *,
+    states_per_param: int = 2,
+    optimizer_in_backward: bool = False,
+    solver: str = "ilp",
+    hardware: HardwareModel | None = None,
+) -> pd.DataFrame:
+    """What a whole-step budget keeps in memory (Note: [The whole-step budget keeps some states in
+    memory] in teraio.states.plan) for each room left beside the activations, for the parameters in
+    ``profile`` (its tensors of kind ``param``, each offloadable, each with ``states_per_param`` states
+    of its size). One row per capacity: the bytes of parameters and states kept, what the others move
+    per step (``teraio.planner.state_plan``'s items: a parameter 4x its bytes, 3x with
+    ``optimizer_in_backward``, a state 2x) and their I/O lower bound at the ``ssd`` bandwidth of
+    ``hardware`` (``io_lower_bound_s``; gradients not counted)."""
+    from teraio.planner.hardware import HardwareModel as Hardware
+    from teraio.planner.model_states import io_lower_bound_s
+    from teraio.planner.state_plan import choose_resident_states, state_items
+
+    sizes = [int(n) for n in profile.tensors.loc[profile.tensors["kind"] == "param", "nbytes"]]
+    items = state_items(
+        param_nbytes=sizes,
+        state_nbytes=[states_per_param * n for n in sizes],
+        offloadable_params=range(len(sizes)),
+        optimizer_in_backward=optimizer_in_backward,
+    )
+    ssd = (hardware or Hardware()).tier("ssd")
+    rows = []
+    for cap in capacities_bytes:
+        r = choose_resident_states(items, int(cap), solver=solver)  # type: ignore[arg-type]
+        moved = sum(r.moved_bytes_by_kind.values())
+        written = sum(r.offloaded_bytes_by_kind.values())  # each offloaded item is written once a step
+        rows.append(
+            {
+                "capacity_bytes": int(cap),
+                "kept_parameter_bytes": r.kept_bytes_by_kind["parameter"],
+                "kept_optimizer_state_bytes": r.kept_bytes_by_kind["optimizer_state"],
+                "moved_bytes": moved,
+                "io_lower_bound_s": io_lower_bound_s(
+                    written, moved - written, ssd.total_write_bw_bytes_per_s, ssd.total_read_bw_bytes_per_s
+                ),
+                "optimal": r.optimal,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
 def step_by_kind(
     profile: Profile,
     sim: SimResult,

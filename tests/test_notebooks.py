@@ -181,3 +181,19 @@ def test_plots_draw_what_they_say(small_profile) -> None:
         assert len(ax.get_yticklabels()) == len(plan.decisions)
     finally:
         plt.close("all")
+
+
+def test_kept_states_sweep_keeps_weights_first_and_moves_less_with_more_room(small_profile) -> None:
+    profile, _ = small_profile
+    params = int(profile.tensors.loc[profile.tensors["kind"] == "param", "nbytes"].sum())
+    rooms = [0, params // 2, params, 2 * params, 3 * params]
+    df = analysis.kept_states_sweep(profile, rooms)
+    assert list(df["capacity_bytes"]) == rooms and df["optimal"].all()
+    assert (df["kept_parameter_bytes"] + df["kept_optimizer_state_bytes"] <= df["capacity_bytes"]).all()
+    moved = list(df["moved_bytes"])
+    assert moved[0] == 4 * params + 2 * 2 * params  # nothing kept: 3 reads + 1 write, 2 moments r+w
+    assert moved == sorted(moved, reverse=True) and moved[-1] == 0  # everything fits in 3x
+    room_for_weights = df.iloc[2]
+    assert room_for_weights["kept_parameter_bytes"] == params  # a weight saves twice what a moment does
+    assert room_for_weights["kept_optimizer_state_bytes"] == 0
+    assert (df["io_lower_bound_s"].diff().dropna() <= 0).all()
