@@ -186,7 +186,6 @@ def prepare(block: Block, work: Path, used: set[int], skipped: set[str]) -> str:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
     return env
 
 

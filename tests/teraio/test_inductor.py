@@ -211,9 +211,10 @@ def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
 
 @pytest.fixture
 def compile_caches_on(monkeypatch):
-    """Compile caches on for one test. The suite sets TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 (tests/conftest.py),
-    which torch reads once, at import, as a value no ``config.patch`` overrides; without lifting it the
-    cache test below would run with every cache off and could not fail."""
+    """Compile caches on for one test. The suite sets TORCHINDUCTOR_FORCE_DISABLE_CACHES (tests/conftest.py,
+    Note: [Compile caches in the suite]), which torch reads once, at import, as a value no ``config.patch``
+    overrides, and turns the FX graph cache (and with it the AOTAutograd cache) off by default; without
+    lifting both the cache test below would run with those caches off and could not fail."""
     from torch.utils._config_module import _UNSET_SENTINEL
 
     entry = torch.compiler.config._config["force_disable_caches"]
