@@ -24,8 +24,8 @@ import tempfile
 #     gcc: a reference run with ``enabled=False`` and the run with the plan compile the same kernels (the
 #     tests assert it), and so do the two ranks of a torchrun job. They live in a directory of this run
 #     only (shared by its xdist workers and subprocesses, which inherit this environment) that is removed
-#     at its end, so nothing from another run or checkout is ever served. This overrides the blanket
-#     TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 that .ci/run exports; TERAIO_TEST_FRESH_COMPILES=1 restores it
+#     at its end, so nothing from another run or checkout is ever served. This overrides a blanket
+#     TORCHINDUCTOR_FORCE_DISABLE_CACHES in the environment; TERAIO_TEST_FRESH_COMPILES=1 restores it
 #     (every cache off, every kernel compiled again), e.g. to reproduce the last-bit differences between
 #     separate compiles seen only that way (benchmarks/results/gan_two_backends_crash_202611.md).
 if os.environ.get("TERAIO_TEST_FRESH_COMPILES") == "1":

@@ -61,7 +61,6 @@ def train(
     validate: bool = False,
     inner: str = "eager",
     memory_budget: str | None = None,
-    states_keep: str = "plan",
     run_dir: str | None = None,
 ) -> Run:
     """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
@@ -78,7 +77,6 @@ def train(
             profile_steps=1,
             measure_memory=memory_budget is not None,
             memory_budget=memory_budget,
-            states_keep=states_keep,
             run_dir=run_dir,
             solver="greedy",
             states="offload",

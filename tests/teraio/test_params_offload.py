@@ -421,6 +421,9 @@ def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, cap
             opt.zero_grad()
         param_bytes = sum(r.nbytes for r in be.states.residency.records.values())
         state_bytes = sum(r.nbytes for r in be.states.stream.all_records())
+        whole = be.stats()["whole_step"]
+        assert whole["states_keep"] == "none" and whole["kept"] is None  # nothing kept, whatever the room
+        assert whole["budget_bytes"] is not None
     finally:
         be.close()
     assert main(["show", str(tmp_path / "run"), "--json"]) == 0
