@@ -128,6 +128,26 @@ def test_adamw_at_40_percent_of_the_whole_step_is_exact_shown_and_resumed(adamw_
     assert finished["stats"]["whole_step"]["kept"] is not None
 
 
+def test_inductor_with_validation_forwards_at_50_percent_is_exact(tmp_path):
+    """The whole model one Inductor graph, a validation forward under no_grad after every backward.
+    Deterministic mode: Inductor's embedding backward adds its rows in a nondeterministic order
+    otherwise (the token embedding's moments then differ in their last bits with or without teraio). At
+    40% the tiny GPT's Inductor graph cannot fit (its floor, measured on Inductor's own buffers, is above
+    it: a one-line BudgetError), so 50%."""
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        kw = {"steps": 6, "inner": "inductor", "validate": True}
+        ref = train("adamw", False, str(tmp_path / "ref"), **kw)
+        got = train("adamw", True, str(tmp_path / "off"), memory_budget="50%", offload_parameters=True, **kw)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    assert_same_run(ref, got)
+    assert len(got.val_losses) == 6
+    assert all(torch.equal(a, b) for a, b in zip(ref.val_losses, got.val_losses))
+    _check_whole_step(got.stats, budget_fraction=0.5)
+
+
 def test_sgd_momentum_per_block_with_gradient_accumulation_is_exact(tmp_path):
     """Each block compiled on its own (one graph called once per block, the next block's parameters read
     ahead), 4 micro-batches accumulated into offloaded gradients. At 40% the tiny GPT's eager embedding
