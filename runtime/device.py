@@ -183,8 +183,17 @@ class Device(Protocol):
         ...
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """Enqueue a copy of ``src`` into ``dst`` (same byte size; one side device memory, the other
-        pinned host memory) on ``stream``; it returns before the copy runs."""
+        """Enqueue a copy of ``src`` into ``dst`` (same byte size; device memory on both sides, or one side
+        device memory and the other pinned host memory) on ``stream``; it returns before the copy runs."""
+        ...
+
+    def resize_storage(self, t: torch.Tensor, nbytes: int) -> None:
+        """Resize device tensor ``t``'s storage object in place to ``nbytes``: every tensor sharing that
+        object (autograd's saved aliases of a parameter) sees the change. Shrinking to 0 gives the block
+        back to the caching allocator, which hands it to the next allocation on the stream it was
+        allocated for at once, so work still queued on another stream that uses it must be finished
+        first. Growing allocates fresh memory for the calling thread's current stream; its bytes are
+        undefined until a copy fills them."""
         ...
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
@@ -340,6 +349,9 @@ class CudaDevice:
             # non_blocking from/to pinned memory is a cudaMemcpyAsync on ``stream``; torch records an
             # event on the pinned block so its allocator does not recycle it before the copy ran.
             dst.copy_(src, non_blocking=True)
+
+    def resize_storage(self, t: torch.Tensor, nbytes: int) -> None:
+        t.untyped_storage().resize_(nbytes)
 
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)

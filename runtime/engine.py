@@ -412,6 +412,13 @@ class Engine:
         """This process's private subdirectories (one per offload directory)."""
         return [str(d.path) for d in self._dirs]
 
+    @property
+    def accelerator(self) -> Device:
+        """The :class:`teraio.runtime.device.Device` every stream, event and copy goes through (CUDA, or
+        a fake in tests): code that moves device bytes in and out of tensors the engine read or wrote
+        uses it too, so that the fake device orders (and tests) its work the same way."""
+        return self._dev
+
     def __enter__(self) -> Engine:
         return self
 

@@ -33,6 +33,10 @@ unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` 
   back by a paused stream, i.e. by busy compute or a busy copy engine, raises
   :class:`HostBlockedError` (also recorded in ``errors``) unless the waiting thread declared a reason
   with ``runtime.device.host_wait``. Every host wait is logged in ``host_waits``;
+- ``resize_storage`` of adopted memory (how a parameter's storage is freed and refilled in place):
+  freeing bytes that a queued copy or checksum still uses raises
+  :class:`FreedUnderQueuedWorkError`, the use-after-free CUDA would not report; grown bytes hold
+  ``POISON_BYTE``;
 - ``launch(fn)`` to enqueue a test "kernel" on the calling thread's current stream;
 - timing events stamped with ``clock`` when their stream reaches them: a test may pass a virtual clock
   that its fake kernels advance, so that durations measured with events are exact numbers instead of
@@ -64,6 +68,23 @@ POISON_BYTE = 0xA5  # what fresh fake device memory holds (real device memory is
 
 class HostBlockedError(RuntimeError):
     """A thread waited on the fake device for work held back by a paused stream, without a reason."""
+
+
+class FreedUnderQueuedWorkError(RuntimeError):
+    """Device memory was freed (``resize_storage`` to fewer bytes) while a queued copy or checksum still
+    uses it, or a copy was queued on freed memory: on CUDA the block would go to the next allocation
+    at once and the late copy would read, or write, the new owner's bytes."""
+
+
+@dataclass(frozen=True)
+class _Touch:
+    """Device bytes a queued copy or checksum uses through their raw address, until its stream ran it."""
+
+    stream: FakeStream
+    seq: int
+    addr: int
+    nbytes: int
+    what: str
 
 
 @dataclass(frozen=True)
@@ -240,6 +261,8 @@ class FakeDevice:
         # Handle 0 is CUDA's legacy default stream (what a driver call with a NULL stream means).
         self.default_stream = self._make_stream("default", paused=False)
         self._device_storages: dict[int, weakref.ref] = {}
+        self._device_nbytes: dict[int, int] = {}  # storage _cdata -> bytes it holds now (resize_storage)
+        self._touches: list[_Touch] = []  # queued copies' and checksums' device bytes (resize checks)
         self._blocks: list[
             torch.Tensor
         ] = []  # every pooled device block ever made (kept for the fake's life)
@@ -533,18 +556,19 @@ class FakeDevice:
         addr = storage.data_ptr()
         with self._lock:
             self._device_storages[storage._cdata] = weakref.ref(storage)
+            self._device_nbytes[storage._cdata] = nbytes
             if pooled is not None:
                 self._pooled[storage._cdata] = pooled
             self.allocated_nbytes += nbytes
             self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
         if pooled is None and self.on_alloc is not None:
             self.on_alloc(addr, nbytes)
-        weakref.finalize(storage, self._device_freed, storage._cdata, addr, nbytes)
+        weakref.finalize(storage, self._device_freed, storage._cdata, addr)
 
-    def _device_freed(self, cdata: int, addr: int, nbytes: int) -> None:
+    def _device_freed(self, cdata: int, addr: int) -> None:
         with self._lock:
             self._device_storages.pop(cdata, None)
-            self.allocated_nbytes -= nbytes
+            self.allocated_nbytes -= self._device_nbytes.pop(cdata, 0)
             pooled = self._pooled.pop(cdata, None)
         if pooled is not None:
             self._return_block(pooled)
@@ -627,8 +651,9 @@ class FakeDevice:
                 "fake copy_async: host side is pageable memory; CUDA copies from/to pageable memory are "
                 "not asynchronous: stage through pinned memory"
             )
-        dst_addr, src_addr = dst.data_ptr(), src.data_ptr()
         what = "copy D2H" if host and host[0] is dst else ("copy H2D" if host else "copy D2D")
+        self._check_allocated(what, dst, src)
+        dst_addr, src_addr = dst.data_ptr(), src.data_ptr()
         # Like a CUDA copy, hold raw addresses only of pool blocks (their memory lives as long as the
         # fake; a freed one may already belong to the next allocation when the copy runs). Pinned host
         # memory stays referenced (torch's host allocator keeps a block until its copy's event), and so
@@ -641,7 +666,73 @@ class FakeDevice:
             del keep_alive[:]
 
         keep_alive = list(keep)
-        self.queued.append((what, stream, stream.enqueue(op)))
+        seq = stream.enqueue(op)
+        self.queued.append((what, stream, seq))
+        self._touch(stream, seq, what, *(t for t in (dst, src) if self.owns(t)))
+
+    def _touch(self, stream: FakeStream, seq: int, what: str, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.queued_use(stream, seq, t.data_ptr(), t.numel() * t.element_size(), what)
+
+    def queued_use(self, stream: FakeStream, seq: int, addr: int, nbytes: int, what: str) -> None:
+        """Declare that op ``seq`` queued on ``stream`` uses ``nbytes`` at raw address ``addr`` until it
+        ran (the driver stand-in's copies and the fake cuFile's transfers, which hold raw addresses):
+        :meth:`resize_storage` refuses to free those bytes under it."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            self._touches = [x for x in self._touches if x.stream.done_seq < x.seq]
+            self._touches.append(_Touch(stream, seq, addr, nbytes, what))
+
+    def _check_allocated(self, what: str, *tensors: torch.Tensor) -> None:
+        """A copy or checksum queued on device memory whose storage was freed (resized to fewer bytes than
+        the tensor spans) raises :class:`FreedUnderQueuedWorkError` instead of touching freed memory."""
+        for t in tensors:
+            span = (t.storage_offset() + t.numel()) * t.element_size()
+            if self.owns(t) and t.numel() and t.untyped_storage().nbytes() < span:
+                err = FreedUnderQueuedWorkError(f"a {what} queued on device memory that was already freed")
+                self.errors.append(err)
+                raise err
+
+    def resize_storage(self, t: torch.Tensor, nbytes: int) -> None:
+        """Resize an adopted tensor's storage object (pool blocks have a fixed size). Shrinking it while a
+        copy or checksum queued on any stream still uses its bytes raises
+        :class:`FreedUnderQueuedWorkError` (recorded in ``errors`` too) and frees nothing. On CUDA that
+        is a bug for work on another stream than the block's allocation stream; for work on that stream
+        CUDA would be safe (the next allocation is ordered after it), but the fake is stricter there,
+        since its freed bytes go back to the C allocator at once and the late copy would touch freed
+        memory. Growing fills the new bytes with ``POISON_BYTE`` (the old bytes stay, as torch's resize
+        copies them)."""
+        storage = t.untyped_storage()
+        if not self.owns(t) or self._pooled_block(t):
+            raise ValueError(
+                "fake resize_storage: an adopted device tensor only (not host memory, not a pool block)"
+            )
+        cdata = storage._cdata
+        old_addr, old_nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes < old_nbytes:
+            with self._lock:
+                live = [
+                    x
+                    for x in self._touches
+                    if x.stream.done_seq < x.seq
+                    and x.addr < old_addr + old_nbytes
+                    and old_addr < x.addr + x.nbytes
+                ]
+            if live:
+                err = FreedUnderQueuedWorkError(
+                    f"device memory freed before its queued {live[0].what} on stream {live[0].stream.name} "
+                    f"ran ({len(live)} queued use(s)); it would read or write the block's next owner"
+                )
+                self.errors.append(err)
+                raise err
+        storage.resize_(nbytes)
+        with self._lock:
+            self.allocated_nbytes += nbytes - self._device_nbytes.get(cdata, 0)
+            self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
+            self._device_nbytes[cdata] = nbytes
+        if nbytes > old_nbytes:
+            ctypes.memset(storage.data_ptr() + old_nbytes, POISON_BYTE, nbytes - old_nbytes)
 
     def _pooled_block(self, t: torch.Tensor) -> bool:
         storage = t.untyped_storage()
@@ -665,6 +756,7 @@ class FakeDevice:
         """The checksum "kernel" reads ``t`` through its raw address when the stream reaches it (a freed
         and reused pool block gives the new owner's bytes, as on CUDA); its result lands in 16 pinned
         bytes, and the returned event completes behind that copy."""
+        self._check_allocated("checksum", t)
         result = self.empty_pinned(16).view(torch.int64)
         addr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         keep_alive = [] if self._pooled_block(t) else [t]
@@ -674,7 +766,9 @@ class FakeDevice:
             result.copy_(byte_checksum(_raw_view(addr, nbytes)))
             del keep_alive[:]
 
-        self.queued.append(("checksum", stream, stream.enqueue(op)))
+        seq = stream.enqueue(op)
+        self.queued.append(("checksum", stream, seq))
+        self._touch(stream, seq, "checksum", t)
         event = FakeEvent(self, timing=False)
         self.record(event, stream)
         return PendingChecksum(result, event)

@@ -368,7 +368,9 @@ def _install_hooks(lib: ctypes.CDLL, fake: Any) -> None:
                 fake.log.append(("copy (driver)", stream.name))
                 ctypes.memmove(dst, src, nbytes)
 
-            stream.enqueue(op)
+            seq = stream.enqueue(op)
+            fake.queued_use(stream, seq, dst, nbytes, "copy (driver)")
+            fake.queued_use(stream, seq, src, nbytes, "copy (driver)")
             return 0
         except Exception as exc:  # noqa: BLE001 - becomes a CUDA error for kvikio
             fake.errors.append(exc)
@@ -504,7 +506,8 @@ def fake_cufile(fake: Any) -> type:
                     result[0] = exc
                 fake.log.append(("cufile write" if write else "cufile read", stream.name))
 
-            stream.enqueue(op)
+            seq = stream.enqueue(op)
+            fake.queued_use(stream, seq, addr, size, "cufile write" if write else "cufile read")
             return _FakeStreamFuture(fake, stream, result)
 
         def raw_read_async(

@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Note: [Compile caches in the suite]
 #     No compile may be served from another compile of a graph or a plan (docs/measured_facts.md, hazard
 #     3): the FX graph cache is off by default, and with it the AOTAutograd cache, whose entries point at
@@ -92,3 +94,16 @@ def pytest_collection_modifyitems(config, items) -> None:
         return (2, 0)
 
     items.sort(key=rank)  # stable: file order within each rank
+
+
+@pytest.fixture
+def fake_device():
+    """A fake asynchronous device (teraio.runtime.fake_device) whose streams are let go and closed after
+    the test, which fails if queued work raised (``errors``)."""
+    from teraio.runtime.fake_device import FakeDevice
+
+    dev = FakeDevice()
+    yield dev
+    dev.resume()
+    dev.close()
+    assert not dev.errors, dev.errors

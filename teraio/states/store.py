@@ -18,6 +18,17 @@ Note: [Offloaded tensors keep their object, not their storage]
     which must keep theirs. Reading an evicted tensor directly is invalid (on CPU it reads a null
     pointer): code that wants the values goes through ``optimizer.state_dict()`` or
     :meth:`teraio.states.StateOffload.gradient`.
+
+Note: [Device bytes of the store go through the engine's Device]
+    On a GPU the store's own moves of device bytes are stream work: refilling a parameter's storage
+    (``resize_`` then a copy from the fetched buffer) and freeing it (``resize_(0)``). They go through
+    the engine's :class:`teraio.runtime.device.Device`, like every copy the engine makes, so the fake
+    device runs them late and in order and the tests in tests/teraio/test_states_device_order.py show
+    each ordering they rely on failing when its rule is removed: the refill is queued on the current
+    stream, which ``Engine.fetch`` made wait for the read (rule 3 of Note: [CUDA ordering] in
+    teraio.runtime.engine), and a free comes only after the write's bytes left the device
+    (``finish_write`` waits for them: ``Engine.release``). A record moved onto a fetched buffer
+    (``set_``, no copy) needs nothing more than rule 3.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import Any
 import torch
 
 from teraio.runtime import Engine, Handle
+from teraio.runtime.device import Device
 
 
 class Kind(Enum):
@@ -85,19 +97,29 @@ def _point_at_empty(t: torch.Tensor) -> None:
     fresh.resize_(0)
 
 
-def _free_in_place(t: torch.Tensor) -> None:
+def _free_in_place(t: torch.Tensor, dev: Device | None) -> None:
     """Note: [A parameter keeps its storage object] in teraio.states.params: every alias of ``t``'s
-    storage (autograd's saved tensors) loses its bytes with it."""
-    t.untyped_storage().resize_(0)
+    storage (autograd's saved tensors) loses its bytes with it. Device memory goes through ``dev``
+    (Note: [Device bytes of the store go through the engine's Device])."""
+    if dev is not None:
+        dev.resize_storage(t, 0)
+    else:
+        t.untyped_storage().resize_(0)
 
 
-def _fill_in_place(t: torch.Tensor, src: torch.Tensor) -> None:
+def _fill_in_place(t: torch.Tensor, src: torch.Tensor, dev: Device | None) -> None:
     """``t``'s own storage object gets its bytes back with ``src``'s values; its version counter does not
-    move (autograd checks it on the tensors a forward saved, and the values are the ones it saved)."""
-    storage = t.untyped_storage()
-    storage.resize_(tensor_nbytes(t))
+    move (autograd checks it on the tensors a forward saved, and the values are the ones it saved).
+    With device memory the copy is queued on the current stream, behind the read's event that
+    ``Engine.fetch`` made that stream wait for (Note: [Device bytes of the store go through the
+    engine's Device])."""
     with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(t):
-        t.copy_(src)
+        if dev is not None:
+            dev.resize_storage(t, tensor_nbytes(t))
+            dev.copy_async(t, src, dev.current_stream(t.device))
+        else:
+            t.untyped_storage().resize_(tensor_nbytes(t))
+            t.copy_(src)
 
 
 def _point_at(t: torch.Tensor, src: torch.Tensor) -> None:
@@ -106,9 +128,9 @@ def _point_at(t: torch.Tensor, src: torch.Tensor) -> None:
         t.set_(src.untyped_storage(), src.storage_offset(), src.shape, src.stride())
 
 
-def _free(rec: Record) -> None:
+def _free(rec: Record, dev: Device | None) -> None:
     if rec.in_place:
-        _free_in_place(rec.tensor)
+        _free_in_place(rec.tensor, dev)
     else:
         _point_at_empty(rec.tensor)
 
@@ -134,6 +156,11 @@ class TensorStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.counts = ByteCounts()
+
+    def _device(self, t: torch.Tensor) -> Device | None:
+        """The engine's Device when ``t`` is its memory (None for host memory: plain torch calls)."""
+        dev = self.engine.accelerator
+        return dev if dev.owns(t) else None
 
     # -- accounting -------------------------------------------------------------------------------
     def _set(self, rec: Record, residency: Residency) -> None:
@@ -220,7 +247,7 @@ class TensorStore:
             self._set(rec, Residency.DISK)
             raise
         if rec.in_place:
-            _fill_in_place(rec.tensor, fetched)
+            _fill_in_place(rec.tensor, fetched, self._device(rec.tensor))
         else:
             _point_at(rec.tensor, fetched)
         del fetched
@@ -253,7 +280,7 @@ class TensorStore:
             return
         if rec.residency is not Residency.SAVED:
             raise AssertionError(f"evicting a record in state {rec.residency.value}: its bytes would be lost")
-        _free(rec)
+        _free(rec, self._device(rec.tensor))
         self._set(rec, Residency.DISK)
 
     def discard(self, rec: Record) -> None:
@@ -268,7 +295,7 @@ class TensorStore:
             rec.staged_key = None
             rec.handle = None
         if rec.residency is not Residency.DISK:
-            _free(rec)
+            _free(rec, self._device(rec.tensor))
             self._set(rec, Residency.DISK)
 
     def make_resident_zeros(self, rec: Record) -> None:

@@ -22,7 +22,7 @@ from teraio.runtime.device import (
     host_wait,
     pow2_ceil,
 )
-from teraio.runtime.fake_device import POISON_BYTE, FakeDevice, HostBlockedError
+from teraio.runtime.fake_device import POISON_BYTE, FakeDevice, FreedUnderQueuedWorkError, HostBlockedError
 
 
 @pytest.fixture
@@ -201,6 +201,55 @@ def test_record_stream_keeps_a_block_until_the_queued_copy_ran(fake):
     fake.resume(io)
     fake.synchronize_stream(io)
     assert fake.empty(4096, None).data_ptr() == addr
+
+
+def test_resize_storage_frees_and_refills_an_adopted_tensor_in_place(fake):
+    """How a parameter's storage object comes and goes (teraio.states.store): accounted as device memory,
+    grown bytes poisoned like fresh device memory, aliases see the change."""
+    t = fake.adopt(torch.ones(1024))
+    alias = t.view(32, 32)
+    assert fake.memory_allocated(None) == 4096
+    fake.resize_storage(t, 0)
+    assert alias.untyped_storage().nbytes() == 0 and fake.memory_allocated(None) == 0
+    fake.resize_storage(t, 4096)
+    assert fake.owns(alias) and fake.memory_allocated(None) == 4096 == fake.max_memory_allocated(None)
+    assert torch.all(t.view(torch.uint8) == POISON_BYTE)
+    with pytest.raises(ValueError, match="adopted"):
+        fake.resize_storage(fake.empty(64, None), 0)
+
+
+def test_resize_storage_refuses_to_free_bytes_a_copy_on_another_stream_still_uses(fake):
+    io = fake.new_stream(None)
+    fake.pause(io)
+    t = fake.adopt(torch.ones(1024))
+    pinned = fake.empty_pinned(4096)
+    fake.copy_async(pinned, t.view(torch.uint8), io)  # a write's device-to-host copy, held back
+    with pytest.raises(FreedUnderQueuedWorkError, match="copy D2H on stream"):
+        fake.resize_storage(t, 0)
+    assert t.untyped_storage().nbytes() == 4096  # nothing freed
+    fake.errors.clear()
+    fake.resume(io)
+    fake.synchronize_stream(io)
+    fake.resize_storage(t, 0)  # the copy ran: free
+    assert torch.all(pinned.view(torch.float32) == 1)
+
+
+def test_resize_storage_is_stricter_than_cuda_on_the_allocation_stream(fake):
+    """Freeing under work queued on the block's own stream is safe on CUDA, but the fake's freed bytes go
+    back to the C allocator at once: it refuses, rather than let the late copy read freed memory. A copy
+    queued on freed memory is refused too."""
+    fake.pause(fake.default_stream)
+    t = fake.adopt(torch.ones(1024))
+    pinned = fake.empty_pinned(4096)
+    fake.copy_async(pinned, t.view(torch.uint8), fake.default_stream)
+    with pytest.raises(FreedUnderQueuedWorkError, match="on stream default"):
+        fake.resize_storage(t, 0)
+    fake.resume(fake.default_stream)
+    fake.synchronize_stream(fake.default_stream)
+    fake.resize_storage(t, 0)
+    with pytest.raises(FreedUnderQueuedWorkError, match="already freed"):
+        fake.copy_async(pinned, t.view(torch.uint8), fake.default_stream)
+    fake.errors.clear()
 
 
 def test_pinned_memory_stays_alive_while_its_copy_is_queued(fake):
