@@ -18,7 +18,12 @@ Note: [What keeping an item saves]
     which overstates what keeping those saves by at most one chunk's parameter bytes.) Per byte of
     memory a parameter saves more than a state, and both save the same whatever their position in the
     step. Gradients are not items: their lifetime runs from their backward to the step, and whether they
-    move at all is the loop's choice (``offload_gradients``: a loop that clips reads them).
+    move at all is the loop's choice (``offload_gradients``: a loop that clips reads them). Were they
+    items, a kept gradient would save what a kept moment saves per byte (a write and a read, 2x), so
+    swapping one for the other would not lower a step's I/O; what it would change is when the memory
+    is needed (a gradient from its backward to ``zero_grad``, a moment all step), which only pays where
+    the two moments of the note below differ widely, and would need ``zero_grad``'s behaviour
+    (``set_to_none``) to be known at planning time.
 
 Note: [Two moments bound the kept states]
     A step's memory peaks either while the graphs run (activations, fetched parameters, gradients) or
