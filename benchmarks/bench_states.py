@@ -38,7 +38,8 @@ backward) priced at the raw bandwidths: write bytes / raw write bandwidth + read
 bandwidth (one device: a write and a read do not add bandwidth).
 
     python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--offload-parameters]
-                                      [--optimizer-in-backward] [--budget B] [--json] [--out F.json]
+                                      [--optimizer-in-backward] [--budget B] [--cpu-malloc retain]
+                                      [--json] [--out F.json]
 """
 
 from __future__ import annotations
@@ -301,6 +302,15 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     peaks["build"] = proc_status_bytes("VmHWM")
     rss_after_build = proc_status_bytes("VmRSS")
+    cpu_malloc = "release"
+    if spec.get("cpu_malloc") == "retain":
+        # Note: [Freed CPU memory and step time] in teraio.cpu_malloc: every fetched state, gradient and
+        # parameter is a fresh allocation, faulted in and zeroed by the kernel inside its O_DIRECT read
+        # unless freed blocks are reused. Set after the model is built, so the blocks the model was built
+        # in (mapped on their own) still go back to the system when its parameters leave memory.
+        from teraio.cpu_malloc import apply_cpu_malloc
+
+        cpu_malloc = apply_cpu_malloc("retain")
     _log(f"model built in {build_s:.1f} s, RSS {rss_after_build / 1e9:.2f} GB")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     be = teraio.backend(
@@ -420,6 +430,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         "states_stats": state_stats,
         "io_path": engine.io_path,
         "checksum": be.states.engine.config.checksum,
+        "cpu_malloc": cpu_malloc,
         "closed_with": "close()" if closes else "exit",
     }
     if closes:
@@ -473,6 +484,7 @@ def run(
     offload_parameters: bool = False,
     optimizer_in_backward: bool = False,
     budget: str | None = None,
+    cpu_malloc: str = "release",
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -513,6 +525,7 @@ def run(
         "offload_parameters": offload_parameters,
         "optimizer_in_backward": optimizer_in_backward,
         "budget": budget,
+        "cpu_malloc": cpu_malloc,
     }
     try:
         child = run_train_child(spec)
@@ -606,6 +619,7 @@ def run(
             "offload_parameters": offload_parameters,
             "compiled": "each block" if offload_parameters else "the whole model",
             "states_chunk_bytes": chunk_bytes,
+            "cpu_malloc": child.get("cpu_malloc", "release"),
             "optimizer": f"AdamW(lr={LR})",
             "steps": steps,
         },
@@ -693,6 +707,14 @@ def main(argv: list[str] | None = None) -> int:
         help="memory_budget of the whole step (parameters, gradients, states and activations; e.g. 14GB): "
         "the plan keeps in memory the weights and moments that fit (default: none, everything streams)",
     )
+    p.add_argument(
+        "--cpu-malloc",
+        choices=("release", "retain"),
+        default="release",
+        help="retain: the training process keeps freed memory for reuse (teraio.cpu_malloc, as teraio demo "
+        "does), so fetched tensors are not faulted in and zeroed again; resident memory then stays at its "
+        "high mark (default: release, the C library's defaults)",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -728,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
             offload_parameters=args.offload_parameters,
             budget=args.budget,
             optimizer_in_backward=args.optimizer_in_backward,
+            cpu_malloc=args.cpu_malloc,
         )
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)
