@@ -288,7 +288,9 @@ IO_BOUND = HardwareModel().with_overrides("ssd", write_bw_bytes_per_s=0.3e9, rea
 def test_io_bound_12_layers_beats_greedy_by_10_percent_near_the_bound(ilp_own_plans):
     profile = synth_profile(layers=12)
     greedy = solve(profile, "50%", "greedy", IO_BOUND)
-    plan = solve(profile, "50%", "ilp", IO_BOUND, time_limit_s=120, deterministic_time_s=4)
+    # One deterministic second: 0.5, 1, 2 and 4 all end on the same plan (0.842 of greedy's step, 1.031 x
+    # the bound), the warm start and the bandwidth cuts do the work; 4 cost 5 s more CPU for nothing.
+    plan = solve(profile, "50%", "ilp", IO_BOUND, time_limit_s=120, deterministic_time_s=1)
     sim = simulate(profile, plan)
     assert sim.ok and sim.step_s == plan.predicted_step_s
     assert plan.predicted_step_s <= 0.9 * greedy.predicted_step_s

@@ -9,6 +9,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from . import shared
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_runs_directory(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+    """Where ``shared.once_per_run`` keeps the runs several tests compare against: this test run's
+    directory, common to its xdist workers."""
+    base = tmp_path_factory.getbasetemp()
+    shared.set_directory(base.parent if worker_id != "master" else base)
+    yield
+    shared.set_directory(None)
+
 
 @pytest.fixture(autouse=True)
 def deterministic_kernels():

@@ -34,20 +34,31 @@ def _files_under(path: str) -> list[str]:
 
 
 def worker(
-    rank: int, world: int, port: int, mode: str, enableds: list[bool], out_dir: str, options: dict[str, Any]
+    rank: int,
+    world: int,
+    port: int,
+    mode: str,
+    enableds: list[bool | tuple[str, bool, dict[str, Any]]],
+    out_dir: str,
+    options: dict[str, Any],
 ) -> None:
-    """Train once per value of ``enableds`` in this process (one process start for both runs)."""
+    """Train once per value of ``enableds`` in this process (one process start for every run). A value is
+    ``enabled``, or ``(name, enabled, more_options)`` for runs of one job that differ in their options;
+    each run's result is ``{mode}-{int(enabled)}-{rank}.json`` or ``{mode}-{name}-{rank}.json``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.use_deterministic_algorithms(True)
-    for enabled in enableds:
+    for run in enableds:
+        name, enabled, more = (str(int(run)), run, {}) if isinstance(run, bool) else run
         torch._dynamo.reset()
-        _train(rank, world, mode, enabled, out_dir, options)
+        _train(rank, world, mode, enabled, out_dir, {**options, **more}, f"{mode}-{name}-{rank}.json")
         dist.barrier()
     dist.destroy_process_group()
 
 
-def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any]) -> None:
+def _train(
+    rank: int, world: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any], out_name: str
+) -> None:
     torch.manual_seed(0)
     import teraio
     from tests.teraio.loops import GPTLoss, _tokens
@@ -149,7 +160,7 @@ def _train(rank: int, world: int, mode: str, enabled: bool, out_dir: str, option
         "compiled_autograd": counters,
         "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
     }
-    Path(out_dir, f"{mode}-{int(enabled)}-{rank}.json").write_text(json.dumps(result))
+    Path(out_dir, out_name).write_text(json.dumps(result))
 
 
 def free_port() -> int:

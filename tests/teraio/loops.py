@@ -30,6 +30,8 @@ from teraio.lifecycle import Phase, TeraioBackend
 from teraio.measure import MemoryRecorder
 from teraio.models.gpt import GPT, GPTConfig
 
+from .shared import once_per_run
+
 
 # ------------------------------------------------------------------------------------------- models
 class GPTLoss(nn.Module):
@@ -469,6 +471,41 @@ def loop_backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw
     )
 
 
+# Note: [One reference run per configuration]
+#     With ``enabled=False`` the backend still profiles and plans, but every graph runs without the plan
+#     (``GraphRunner.compile_final``): the budget and the planner's options change what it computes on
+#     the side, never what runs. Tests that differ only in those (the Inductor convnet with the greedy's
+#     plan and with every tensor moved; the recompute tests on the GPT) compare with the same reference,
+#     made once per test run (``tests.teraio.shared``) by whichever test needs it first.
+PLANNING_ONLY = frozenset({"solver", "recompute", "time_limit"})
+
+
+def reference_run(
+    case_name: str,
+    pattern: str,
+    inner: str,
+    steps: int,
+    budget: str,
+    compile_options: dict[str, Any] | None,
+    options: dict[str, Any],
+) -> tuple[Trace, list[str]]:
+    """The run with ``enabled=False`` a check compares with, and the code Inductor generated for it."""
+    runs_as = {k: v for k, v in sorted(options.items()) if k not in PLANNING_ONLY}
+    key = f"loops-reference-{case_name}-{pattern}-{inner}-{steps}-{sorted((compile_options or {}).items())}-{runs_as}"
+
+    def compute() -> tuple[Trace, list[str]]:
+        ref_be = loop_backend(False, inner, budget, **options)
+        ref_codes: list[str] = []
+        try:
+            with capture_inductor_code(ref_codes):
+                reference = run(CASES[case_name], pattern, ref_be, steps, **(compile_options or {}))
+        finally:
+            ref_be.close()
+        return reference, ref_codes
+
+    return once_per_run(key, compute)
+
+
 def check_case(
     case_name: str,
     pattern: str,
@@ -490,14 +527,8 @@ def check_case(
         "all-fp32": len(FP32_SCHEDULE),
     }.get(pattern, STEPS)
     budget = budget or NOTHING_TO_MOVE.get(case_name) or BUDGETS.get(case_name, BUDGET)
-    ref_be = loop_backend(False, inner, budget, **options)
-    ref_codes: list[str] = []
+    reference, ref_codes = reference_run(case_name, pattern, inner, steps, budget, compile_options, options)
     codes: list[str] = []
-    try:
-        with capture_inductor_code(ref_codes):
-            reference = run(case, pattern, ref_be, steps, **(compile_options or {}))
-    finally:
-        ref_be.close()
     be = loop_backend(True, inner, budget, offload_dirs=[str(tmp_path)], **options)
     try:
         with capture_inductor_code(codes):

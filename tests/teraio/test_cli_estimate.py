@@ -14,37 +14,42 @@ from teraio.planner.profile import Profile
 from teraio.planner.safe_io import artifact_kind
 
 from .cli_helpers import error_line, run_cli, tree
+from .shared import once_per_run
 
 TINY = ("estimate", "builtin:tiny", "--inner", "eager", "--time-limit", "5")
 
 
 @pytest.fixture(scope="module")
 def tiny_estimate(tmp_path_factory) -> tuple[Path, dict]:
-    """One estimate of the tiny GPT on the H100 preset (greedy and pipeline: fast and deterministic)."""
+    """One estimate of the tiny GPT on the H100 preset (greedy and pipeline: fast and deterministic), made
+    once per test run (tests.teraio.shared): the xdist workers split this module's tests."""
     from teraio.cli import main
 
-    out = tmp_path_factory.mktemp("est") / "tiny"
-    import contextlib
-    import io
+    def estimate() -> tuple[Path, dict]:
+        out = tmp_path_factory.mktemp("est") / "tiny"
+        import contextlib
+        import io
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = main(
-            [
-                *TINY,
-                "--hardware",
-                "h100-nvl-4x990pro",
-                "--solvers",
-                "greedy,pipeline",
-                "--budget",
-                "50%",
-                "--out",
-                str(out),
-                "--json",
-            ]
-        )
-    assert code == 0
-    return out, json.loads(buf.getvalue())
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            code = main(
+                [
+                    *TINY,
+                    "--hardware",
+                    "h100-nvl-4x990pro",
+                    "--solvers",
+                    "greedy,pipeline",
+                    "--budget",
+                    "50%",
+                    "--out",
+                    str(out),
+                    "--json",
+                ]
+            )
+        assert code == 0
+        return out, json.loads(buf.getvalue())
+
+    return once_per_run("cli-estimate-tiny", estimate)
 
 
 def test_summary_has_what_a_buyer_asks(tiny_estimate):

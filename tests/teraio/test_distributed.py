@@ -11,29 +11,38 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
 
 from .dist_worker import free_port, worker
+from .shared import once_per_run
 
 WORLD = 2
 
 
-def _run(mode: str, enableds: list[bool], tmp_path: Path, **options) -> list[list[dict]]:
-    """One spawn of the job; per value of ``enableds``, every rank's result."""
+def _run(mode: str, enableds: list, tmp_path: Path, **options) -> list[list[dict]]:
+    """One spawn of the job; per value of ``enableds`` (``dist_worker.worker``'s), every rank's result."""
     dirs = options.setdefault("offload_dirs", [str(tmp_path / "off-{local_rank}")])
     options["offload_dirs_resolved"] = [[d.format(local_rank=r, rank=r) for d in dirs] for r in range(WORLD)]
     out = tmp_path / "results"
     out.mkdir(exist_ok=True)
     mp.spawn(worker, args=(WORLD, free_port(), mode, enableds, str(out), options), nprocs=WORLD, join=True)
-    return [
-        [json.loads((out / f"{mode}-{int(e)}-{r}.json").read_text()) for r in range(WORLD)] for e in enableds
-    ]
+    return _results(out, mode, enableds)
+
+
+def _results(out: Path, mode: str, enableds: list) -> list[list[dict]]:
+    names = [str(int(e)) if isinstance(e, bool) else e[0] for e in enableds]
+    return [[json.loads((out / f"{mode}-{n}-{r}.json").read_text()) for r in range(WORLD)] for n in names]
 
 
 def _check(mode: str, tmp_path: Path, **options) -> list[dict]:
     reference, results = _run(mode, [False, True], tmp_path, **options)
+    return _assert_exact_and_planned(reference, results)
+
+
+def _assert_exact_and_planned(reference: list[dict], results: list[dict]) -> list[dict]:
     for rank, (got, want) in enumerate(zip(results, reference)):
         assert got["losses"] == want["losses"], f"rank {rank}: losses differ"
         assert got["grads"] == want["grads"], f"rank {rank}: gradients differ"
@@ -50,13 +59,56 @@ def _check(mode: str, tmp_path: Path, **options) -> list[dict]:
     return results
 
 
-@pytest.mark.parametrize("mode", ["ddp-split", "ddp-nosplit"])
-def test_ddp(mode: str, tmp_path) -> None:
-    """DDP with Dynamo's graph splitting (one graph per gradient bucket, each first called on fake tensors:
-    Note: [DDP's fake first call] in teraio.lifecycle) and without it."""
-    results = _check(mode, tmp_path)
-    if mode == "ddp-split":
-        assert all(r["stats"]["graphs"] > 1 for r in results)
+# Note: [One DDP job, several runs]
+#     A job costs two process starts and a reference run on each rank. The runs of DDP without graph
+#     splitting (activations only, AdamW's states on disk, the parameters on disk too) are one job: one
+#     reference with ``enabled=False`` (which offloads nothing, states or parameters: test_states.py's
+#     test_enabled_false_offloads_nothing), then each configuration, 8 steps each (the parameters need
+#     them: test_ddp_with_the_parameters_on_disk), each backend closed before the next starts, and last a
+#     budget no rank can meet, which ends the job. It runs once per test run (tests.teraio.shared),
+#     whichever xdist worker asks first.
+NOSPLIT_RUNS = [
+    ("reference", False, {}),
+    ("activations", True, {}),
+    # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the budget is of
+    # the whole step; at half of it the graphs still move activations beside the resident parameters.
+    ("states", True, {"states": "offload", "budget": "50%"}),
+    ("parameters", True, {"states": "offload", "offload_parameters": True, "budget": "35%"}),
+]
+UNMET_BUDGET = ("unmet-budget", True, {"budget": "4096"})
+
+
+@pytest.fixture
+def nosplit_job(tmp_path_factory) -> dict[str, Any]:
+    def job() -> dict[str, Any]:
+        tmp = tmp_path_factory.mktemp("ddp-nosplit")
+        refused = None
+        try:
+            _run("ddp-nosplit", [*NOSPLIT_RUNS, UNMET_BUDGET], tmp, steps=8)
+        except mp.ProcessRaisedException as e:
+            if "cannot be met" not in str(e):
+                raise
+            refused = str(e)
+        results = _results(tmp / "results", "ddp-nosplit", NOSPLIT_RUNS)
+        return {"refused": refused, **{name: r for (name, _, _), r in zip(NOSPLIT_RUNS, results)}}
+
+    return once_per_run("distributed-ddp-nosplit-job", job)
+
+
+def _nosplit(job: dict[str, Any], name: str) -> list[dict]:
+    return _assert_exact_and_planned(job["reference"], job[name])
+
+
+def test_ddp_with_graph_splitting(tmp_path) -> None:
+    """DDP with Dynamo's graph splitting: one graph per gradient bucket, each first called on fake tensors
+    (Note: [DDP's fake first call] in teraio.lifecycle)."""
+    results = _check("ddp-split", tmp_path)
+    assert all(r["stats"]["graphs"] > 1 for r in results)
+
+
+def test_ddp_without_graph_splitting(nosplit_job) -> None:
+    results = _nosplit(nosplit_job, "activations")
+    assert all(r["stats"]["graphs"] == 1 for r in results)
 
 
 def test_ddp_with_compiled_autograd(tmp_path) -> None:
@@ -69,23 +121,19 @@ def test_ddp_with_compiled_autograd(tmp_path) -> None:
     ]
 
 
-def test_ddp_with_the_optimizer_states_on_disk(tmp_path) -> None:
+def test_ddp_with_the_optimizer_states_on_disk(nosplit_job) -> None:
     """states="offload" under DDP: each rank streams its own AdamW states through its own directory."""
-    # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the budget is of
-    # the whole step; at half of it the graphs still move activations beside the resident parameters.
-    results = _check("ddp-nosplit", tmp_path, states="offload", budget="50%")
+    results = _nosplit(nosplit_job, "states")
     assert all(r["stats"]["moved_bytes_by_kind"]["optimizer_state"] > 0 for r in results)
 
 
-def test_ddp_with_the_parameters_on_disk(tmp_path) -> None:
+def test_ddp_with_the_parameters_on_disk(nosplit_job) -> None:
     """offload_parameters under DDP: DDP's reducer hooks the same parameter objects, whose storage comes
     and goes (Note: [A parameter keeps its storage object] in teraio.states.params). The parameters a
     graph fetches are in its profile (Note: [Fetched parameters are the graph's memory] in
     teraio.states.plan); what the loop holds beside the graphs takes two measured steps to find, and the
     plans made then are measured on a later step, hence 8 steps."""
-    results = _check(
-        "ddp-nosplit", tmp_path, states="offload", offload_parameters=True, steps=8, budget="35%"
-    )
+    results = _nosplit(nosplit_job, "parameters")
     assert all(r["stats"]["moved_bytes_by_kind"]["parameter"] > 0 for r in results)
 
 
@@ -98,10 +146,9 @@ def test_fsdp2_per_block_compilation(tmp_path) -> None:
     _check("fsdp-per-block", tmp_path, budget="80%", steps=8)
 
 
-def test_a_budget_one_rank_cannot_meet_stops_every_rank_with_one_line(tmp_path) -> None:
+def test_a_budget_one_rank_cannot_meet_stops_every_rank_with_one_line(nosplit_job) -> None:
     """Note: [Ranks agree at the start of every step] in teraio.ranks: no rank is left waiting."""
-    with pytest.raises(mp.ProcessRaisedException, match="cannot be met"):
-        _run("ddp-nosplit", [True], tmp_path, budget="4096")
+    assert nosplit_job["refused"] is not None, "the job ran to its end under a 4096-byte budget"
 
 
 def test_no_files_remain_after_a_rank_is_killed_and_the_job_runs_again(tmp_path) -> None:

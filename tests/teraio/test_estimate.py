@@ -28,6 +28,8 @@ from teraio.planner.lifetimes import analyse
 from teraio.profile_run import profile_workload
 from teraio.workload import builtin_workload, load_workload
 
+from .shared import once_per_run
+
 SAVED_COLUMNS = list(SAVED_TENSOR_COLUMNS)
 CPU = load_preset("cpu-local").compute
 
@@ -46,11 +48,16 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-    """The built-in tiny GPT: a real profile (FX-only path) and its estimate, in one process."""
-    torch.use_deterministic_algorithms(True)
-    real = profile_workload(builtin_workload("tiny"), profile_steps=2, inner="eager")[0]
-    _, est = _estimate("builtin:tiny")
-    return real, est
+    """The built-in tiny GPT: a real profile (FX-only path) and its estimate, in one process; made once per
+    test run (tests.teraio.shared): the xdist workers split this module's tests."""
+
+    def pair():
+        torch.use_deterministic_algorithms(True)
+        real = profile_workload(builtin_workload("tiny"), profile_steps=2, inner="eager")[0]
+        _, est = _estimate("builtin:tiny")
+        return real, est
+
+    return once_per_run("estimate-tiny-pair", pair)
 
 
 def test_saved_tensors_equal_a_real_profile_exactly(tiny_pair):

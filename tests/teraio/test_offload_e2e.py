@@ -19,16 +19,26 @@ from teraio.runtime.testing import FaultInjector
 from teraio.workload import builtin_workload, compute_loss
 
 from .models import WORKLOADS
-from .training import assert_bit_identical, assert_same_snapshot, snapshot, train
+from .shared import once_per_run
+from .training import Trace, assert_bit_identical, assert_same_snapshot, snapshot, train
 
 STEPS = 8  # the loops x models matrix (test_loops.py) covers the patterns; this covers solvers and "auto"
 CASES = [("gpt-tiny", "greedy"), ("gpt-tiny", "ilp"), ("hf-gpt2", "ilp"), ("hf-bert", "greedy")]
 
 
+def _reference(name: str, steps: int) -> Trace:
+    """``enabled=False``, no budget: one run per workload and length for every test here that needs it
+    (the GPT's with both solvers and the plan-file run's), made once per test run."""
+    return once_per_run(
+        f"offload-e2e-reference-{name}-{steps}",
+        lambda: train(WORKLOADS[name](), TeraioBackend(inner="eager", enabled=False), steps),
+    )
+
+
 @pytest.mark.parametrize(("name", "solver"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
 def test_offload_is_bit_identical_with_each_solver(name: str, solver: str, tmp_path: Path) -> None:
     workload = WORKLOADS[name]()
-    reference = train(workload, TeraioBackend(inner="eager", enabled=False), STEPS)
+    reference = _reference(name, STEPS)
     be = TeraioBackend(
         inner="eager",
         memory_budget="auto",
@@ -95,18 +105,18 @@ def test_plan_path_skips_profiling_and_matches_exactly(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     be = TeraioBackend(inner="eager", memory_budget="50%", solver="greedy", run_dir=str(run_dir))
     try:
-        first = train(workload, be, 6)
+        first = train(workload, be, STEPS)
     finally:
         be.close()
-    reference = train(workload, TeraioBackend(inner="eager", enabled=False), 6)
+    reference = _reference("gpt-tiny", STEPS)
     be2 = TeraioBackend(inner="eager", plan=str(run_dir))
     try:
-        second = train(workload, be2, 6)
+        second = train(workload, be2, STEPS)
         stats = be2.stats()
     finally:
         be2.close()
     assert be2.runners[0].profile is None, "with plan= the backend must not profile"
-    assert stats["offloaded_bytes"] == 6 * be2.runners[0].plan.moved_bytes
+    assert stats["offloaded_bytes"] == STEPS * be2.runners[0].plan.moved_bytes
     # Profiling steps run the interpreter, the plan run compiles at once: both equal the FX-only reference.
     assert_bit_identical(reference, first)
     assert_bit_identical(reference, second)

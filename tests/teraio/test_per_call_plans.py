@@ -11,6 +11,8 @@ from teraio.models.gpt import GPT, GPTConfig
 from teraio.step_budget import GraphMemory, split_budget, step_peak
 from teraio.steps import invocation_ordinals
 
+from .shared import once_per_run
+
 LAYERS = 4
 
 
@@ -45,8 +47,13 @@ def _train(enabled: bool, inner: str, budget: str, steps: int = 9, run_dir: str 
 
 @pytest.fixture(scope="module")
 def per_block_eager(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("per-call") / "run"
-    return _train(False, "eager", "60%"), _train(True, "eager", "60%", run_dir=str(run_dir)), run_dir
+    """Made once per test run (tests.teraio.shared): the xdist workers split this module's tests."""
+
+    def runs():
+        run_dir = tmp_path_factory.mktemp("per-call") / "run"
+        return _train(False, "eager", "60%"), _train(True, "eager", "60%", run_dir=str(run_dir)), run_dir
+
+    return once_per_run("per-call-plans-per-block-eager", runs)
 
 
 def test_each_call_of_a_block_graph_has_its_own_plan_and_the_run_is_exact(per_block_eager) -> None:

@@ -25,6 +25,7 @@ from teraio.states.offload import StateOffload
 from teraio.states.optimizer_stream import Consistency
 from teraio.workload import builtin_workload, compute_loss
 
+from .shared import once_per_run
 from .states_loop import assert_same_hf_run, assert_same_run, train, train_hf
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,16 +33,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def adamw_runs(tmp_path_factory):
-    """The AdamW loop without and with states="offload"; the latter saves a checkpoint after step 3."""
-    tmp = tmp_path_factory.mktemp("adamw")
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        ref = train("adamw", False, str(tmp / "ref"))
-        got = train("adamw", True, str(tmp / "off"), save_after=3, checkpoint_out=str(tmp / "ckpt.pt"))
-    finally:
-        torch.use_deterministic_algorithms(old)
-    return ref, got, tmp
+    """The AdamW loop without and with states="offload"; the latter saves a checkpoint after step 3.
+    Made once per test run (tests.teraio.shared): the xdist workers split this module's tests between
+    them, and a module fixture ran on each."""
+
+    def runs():
+        tmp = tmp_path_factory.mktemp("adamw")
+        old = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            ref = train("adamw", False, str(tmp / "ref"))
+            got = train("adamw", True, str(tmp / "off"), save_after=3, checkpoint_out=str(tmp / "ckpt.pt"))
+        finally:
+            torch.use_deterministic_algorithms(old)
+        return ref, got, tmp
+
+    return once_per_run("states-adamw-runs", runs)
 
 
 def test_adamw_bit_identical(adamw_runs):
