@@ -25,6 +25,7 @@ from teraio.runtime.fake_device import FakeDevice, FreedUnderQueuedWorkError
 from teraio.states import store as store_module
 from teraio.states.store import Kind, Record, Residency, TensorStore, tensor_nbytes
 from tests.runtime.conftest import DEVICE_TIERS, device_config, prepare_device_tier
+from tests.runtime.test_device_races import _consume, _hold_io
 
 N = 10_000  # float32 elements: one 64 KiB chunk at most
 
@@ -49,23 +50,6 @@ def _warm_store(fake: FakeDevice, tier: str, tmp_path: Path) -> Iterator[TensorS
     with _engine(fake, tier, tmp_path) as eng:
         _warm_up(fake, eng)
         yield TensorStore(eng)
-
-
-def _hold_io(fake: FakeDevice) -> None:
-    for stream in fake.streams:
-        if stream is not fake.default_stream:
-            fake.pause(stream)
-
-
-def _consume(fake: FakeDevice, t: torch.Tensor) -> torch.Tensor:
-    """What a kernel queued now on the compute stream sees in ``t`` (every held stream let go once
-    nothing else can run)."""
-    seen = torch.empty(t.shape, dtype=t.dtype)
-    fake.launch(lambda: seen.copy_(t))
-    fake.wait_until(fake.settled)
-    fake.resume()
-    fake.synchronize(t.device)
-    return seen
 
 
 def _device_floats(fake: FakeDevice, values: torch.Tensor) -> torch.Tensor:
