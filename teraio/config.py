@@ -51,6 +51,10 @@ class BackendConfig:
     tiers: list[TierName] = field(default_factory=lambda: ["ssd"])
     solver: str = "ilp"
     time_limit: float = 30.0
+    #: CP-SAT's deterministic time limit per graph (its own work units): plans that do not depend on the
+    #: machine's load, for tests and reproducible runs; None: the wall clock (``time_limit``) alone.
+    deterministic_time_limit: float | None = None
+    solver_workers: int = 2  # CP-SAT worker threads; 1 with deterministic_time_limit: the same plan every run
     profile_steps: int = 3
     plan: str | None = None
     inner: InnerCompiler = "inductor"
@@ -144,6 +148,7 @@ class BackendConfig:
         """Every option a user sets is checked here, when the backend is built, in one line naming the
         option and what to write instead: never steps later, after profiling and planning."""
         from teraio.planner.budget import BudgetError, parse_budget
+        from teraio.planner.limits import MAX_WORKERS
         from teraio.planner.solve import solver_names
 
         if self.memory_budget is not None:
@@ -158,6 +163,19 @@ class BackendConfig:
         limit = self.time_limit
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
             raise UserInputError(f"time_limit must be a positive number of seconds, not {limit!r}")
+        det = self.deterministic_time_limit
+        if det is not None and (
+            isinstance(det, bool) or not isinstance(det, (int, float)) or not 0 < det < math.inf
+        ):
+            raise UserInputError(
+                f"deterministic_time_limit must be None or a positive number of CP-SAT's deterministic "
+                f"seconds, not {det!r}"
+            )
+        workers = self.solver_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+            raise UserInputError(
+                f"solver_workers must be a whole number from 1 to {MAX_WORKERS}, not {workers!r}"
+            )
         for name in ("enabled", "checksum", "measure_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name} must be True or False, not {getattr(self, name)!r}")

@@ -1014,6 +1014,8 @@ class TeraioBackend:
             solver=name,
             hardware=self.hardware_model(),
             time_limit_s=float(self.cfg.time_limit),
+            deterministic_time_s=self.cfg.deterministic_time_limit,
+            workers=self.cfg.solver_workers,
             # The fast plans of the budget search are greedy's: offload only.
             recompute="off" if solver == "greedy" else (self.cfg.recompute or default_recompute(name)),
         )

@@ -743,10 +743,25 @@ def solve_ilp(problem: Problem) -> Plan:
 OFFLOAD_SHARE = 0.35
 ONLY_SHARE = 0.1
 SET_SEARCH_SHARE = 0.2
+#: Recompute sets evaluated per deterministic second of a search share (Note: [The set search counts sets
+#: when the clock must not decide]).
+SETS_PER_DETERMINISTIC_S = 200
+
+# Note [The set search counts sets when the clock must not decide]
+# The search over recompute sets is not CP-SAT: each set is judged by the pipeline's offloads and the
+# simulator, so CP-SAT's deterministic clock does not reach it. With a deterministic time limit it stops
+# after a number of evaluated sets proportional to that limit (its share of it, times
+# SETS_PER_DETERMINISTIC_S), so a loaded machine evaluates the same sets and returns the same plan as a
+# quiet one; the wall-clock deadline still caps it. Without one, the wall clock alone stops it.
 
 
-def _set_search(problem: Problem, start, deadline: float, budget: int, counter: list[int]):
-    """Layer moves, then single-tensor drops, over recompute sets from ``start`` (module docstring)."""
+def _set_search(problem: Problem, start, deadline: float, budget: int, counter: list[int], share: float):
+    """Layer moves, then single-tensor drops, over recompute sets from ``start`` (module docstring).
+
+    Stops at a local optimum, at ``deadline`` (wall clock), or, with a deterministic time limit, after
+    ``share`` of its evaluations (Note: [The set search counts sets when the clock must not decide])."""
+    det = problem.deterministic_time_s
+    max_evals = None if det is None else counter[0] + max(1, int(det * share * SETS_PER_DETERMINISTIC_S))
     lt = problem.lifetimes
     rec = {c.name: c for c in lt.recomputable}
     ratio = (
@@ -767,10 +782,15 @@ def _set_search(problem: Problem, start, deadline: float, budget: int, counter: 
         groups.append(rest)
     best = start
 
+    def out_of_time() -> bool:
+        if max_evals is not None and counter[0] >= max_evals:
+            return True
+        return time.perf_counter() > deadline
+
     def attempt(names: set[str], label: str) -> bool:
         nonlocal best
         key = tuple(n for n in rec if n in names)  # profile order: one key per set
-        if key == best.recomputed or time.perf_counter() > deadline:
+        if key == best.recomputed or out_of_time():
             return False
         counter[0] += 1
         e = evaluate(problem, key, budget, label)
@@ -780,7 +800,7 @@ def _set_search(problem: Problem, start, deadline: float, budget: int, counter: 
         return False
 
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and not out_of_time():
         improved = False
         for g in groups:
             cur = set(best.recomputed)
@@ -796,7 +816,7 @@ def _set_search(problem: Problem, start, deadline: float, budget: int, counter: 
                     improved = True
                     break
     for name in sorted(best.recomputed, key=lambda n: -rec[n].recompute_us):
-        if time.perf_counter() > deadline:
+        if out_of_time():
             break
         if name in best.recomputed:
             attempt(set(best.recomputed) - {name}, "drop one")
@@ -822,7 +842,12 @@ def _solve_with_recompute(problem: Problem) -> Plan:
     only_starts = [e for e in starts if e.label == "recompute only"]
     if only_starts:
         found = _set_search(
-            only_problem, only_starts[0], time.perf_counter() + limit * ONLY_SHARE, budget, counter
+            only_problem,
+            only_starts[0],
+            time.perf_counter() + limit * ONLY_SHARE,
+            budget,
+            counter,
+            ONLY_SHARE,
         )
         pool.append(dataclasses.replace(found, label="ilp recompute only"))
     joint_best = None
@@ -835,7 +860,12 @@ def _solve_with_recompute(problem: Problem) -> Plan:
                 if better(e.sim, start.sim):
                     start = e
             joint_best = _set_search(
-                problem, start, time.perf_counter() + limit * SET_SEARCH_SHARE, budget, counter
+                problem,
+                start,
+                time.perf_counter() + limit * SET_SEARCH_SHARE,
+                budget,
+                counter,
+                SET_SEARCH_SHARE,
             )
             pool.append(joint_best)
     # Whether rebuilding anything beats the offload-only start decides where the rest of the time goes:

@@ -178,3 +178,25 @@ def test_recompute_only_meets_a_reachable_budget_whatever_the_measured_rebuild_t
         assert plan.predicted_peak_bytes <= budget and plan.decisions
         assert {d.action for d in plan.decisions} == {"recompute"}
     assert cheapest_first_missed, "cheapest-first fits every time: the test would prove nothing"
+
+
+def test_a_deterministic_limit_bounds_the_set_search_by_count_not_the_clock(monkeypatch):
+    # Note: [The set search counts sets when the clock must not decide]. A clock that jumps a second per
+    # reading would end a wall-clock search at once; with a deterministic limit and a wall limit far
+    # away, the search evaluates the same sets however slow the machine.
+    import itertools
+
+    from teraio.planner.solvers import ilp
+
+    profile = synth_profile(layers=4)
+    kw = {"time_limit_s": 1e5, "deterministic_time_s": 0.1, "workers": 1, "recompute": "joint"}
+    quiet = solve(profile, "40%", "ilp", FAST_SSD, **kw)
+    ticks = itertools.count()
+    monkeypatch.setattr(ilp.time, "perf_counter", lambda: float(next(ticks)))
+    loaded = solve(profile, "40%", "ilp", FAST_SSD, **kw)
+    q, lo = quiet.stats.extra["recompute"], loaded.stats.extra["recompute"]
+    cap = int(0.1 * ilp.ONLY_SHARE * ilp.SETS_PER_DETERMINISTIC_S) + int(
+        0.1 * ilp.SET_SEARCH_SHARE * ilp.SETS_PER_DETERMINISTIC_S
+    )
+    assert q["sets_evaluated"] == lo["sets_evaluated"] <= max(2, cap), (q, lo)
+    assert [(d.name, d.action) for d in quiet.decisions] == [(d.name, d.action) for d in loaded.decisions]

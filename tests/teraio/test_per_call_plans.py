@@ -22,7 +22,15 @@ def _train(enabled: bool, inner: str, budget: str, steps: int = 9, run_dir: str 
     cfg = GPTConfig(layers=LAYERS, hidden=32, heads=2, seq=32, batch=2, vocab=64)
     model = GPT(cfg)
     backend = teraio.backend(
-        memory_budget=budget, inner=inner, enabled=enabled, time_limit=5, run_dir=run_dir
+        memory_budget=budget,
+        inner=inner,
+        enabled=enabled,
+        run_dir=run_dir,
+        # The same plan on a loaded machine as on a quiet one: CP-SAT on its deterministic clock, one
+        # worker, and a wall-clock limit that a 4-layer model never reaches.
+        time_limit=120,
+        deterministic_time_limit=1.0,
+        solver_workers=1,
     )
     for block in model.blocks:
         block.compile(backend=backend)
