@@ -31,6 +31,12 @@ bound counts only what it leaves on disk.
 gradient is offloaded, and with ``--offload-parameters`` a block's weights are updated while its backward
 holds them, so the step reads none.
 
+The training process keeps freed memory for reuse (``--cpu-malloc retain``, the default, as ``teraio
+demo`` does; Note: [Freed CPU memory and step time] in teraio.cpu_malloc): on this project's VM memory
+given back to the kernel costs more to touch again than the reads that fill it (docs/measured_facts.md,
+"Fresh memory on this VM"), a cost a GPU's caching allocator does not have. ``--cpu-malloc release``
+measures with the C library's defaults.
+
 The I/O lower bound of a step is the bytes that must move (each gradient written once and read once by
 the step unless updated inside backward, each moment read once and written once, with
 ``--offload-parameters`` each block weight written once and read twice, for the forward and the
@@ -40,7 +46,7 @@ measured before training and again after it; the goal uses the smaller compute a
 report keeps both measurements), since load from anything else only inflates them.
 
     python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--offload-parameters]
-                                      [--optimizer-in-backward] [--budget B] [--cpu-malloc retain]
+                                      [--optimizer-in-backward] [--budget B] [--cpu-malloc release]
                                       [--json] [--out F.json]
 """
 
@@ -431,6 +437,11 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         "whole_step": final["whole_step"],
         "states_stats": state_stats,
         "io_path": engine.io_path,
+        "read_path_bytes": {
+            "direct": engine.direct_read_nbytes,
+            "bounce": engine.bounced_read_nbytes,
+            "buffered": engine.buffered_read_nbytes,
+        },
         "checksum": be.states.engine.config.checksum,
         "cpu_malloc": cpu_malloc,
         "closed_with": "close()" if closes else "exit",
@@ -486,7 +497,7 @@ def run(
     offload_parameters: bool = False,
     optimizer_in_backward: bool = False,
     budget: str | None = None,
-    cpu_malloc: str = "release",
+    cpu_malloc: str = "retain",
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -748,10 +759,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cpu-malloc",
         choices=("release", "retain"),
-        default="release",
-        help="retain: the training process keeps freed memory for reuse (teraio.cpu_malloc, as teraio demo "
-        "does), so fetched tensors are not faulted in and zeroed again; resident memory then stays at its "
-        "high mark (default: release, the C library's defaults)",
+        default="retain",
+        help="retain (default, as teraio demo does): the training process keeps freed memory for reuse "
+        "(teraio.cpu_malloc), so fetched tensors are not faulted in and zeroed again, as a GPU's caching "
+        "allocator would not; resident memory then stays at its high mark. release: the C library's "
+        "defaults",
     )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
