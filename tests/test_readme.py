@@ -278,7 +278,7 @@ _RESULTS: dict[str, tuple[dict[str, Outcome], set[int], set[str]]] = {}
 
 
 @pytest.fixture(scope="session")
-def results(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
+def results(tmp_path_factory: pytest.TempPathFactory):
     """Runs each document once per test run, lazily, and keeps the outcomes for the per-block tests.
 
     Once per run, not per process: under pytest-xdist the first worker that needs a document runs it
@@ -286,7 +286,9 @@ def results(tmp_path_factory: pytest.TempPathFactory, worker_id: str):
     them (split across two workers, `make demo` ran twice and CI took 26 minutes). Session-scoped: a
     module fixture is torn down whenever a worker runs another module's test in between."""
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent if worker_id != "master" else base  # the parent is this run's, common to workers
+    # An xdist worker's parent directory is this run's, common to the workers (PYTEST_XDIST_WORKER, not
+    # xdist's worker_id fixture, which does not exist under -p no:xdist).
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
     def get(document: str) -> tuple[dict[str, Outcome], set[int], set[str]]:
         if document not in _RESULTS:
