@@ -3,10 +3,12 @@
 A GPT of about 2 billion parameters (hidden 2048, 40 layers: 8 GB of fp32 weights, 8 GB of gradients and
 16 GB of AdamW moments, 32 GB of training state on a 24 GiB machine) trains for a few steps with
 ``teraio.backend(states="offload", optimizer=opt, offload_gradients=True)``: the moments and the
-gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. By default the
-parameters stay resident and the whole model is one graph, so the weights are the floor of the peak;
-``--offload-parameters`` adds ``offload_parameters=True`` and compiles each block on its own, so the
-blocks' weights are on disk between their uses too (the embedding and head, run eagerly, stay).
+gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. By default
+(``--offload-parameters``, kept for older scripts) the blocks' weights are on disk between their uses too
+(``offload_parameters=True``) and each block is compiled on its own (the embedding and head, run eagerly,
+stay), as the issue asks of every inactive tensor. ``--keep-parameters`` keeps the parameters resident
+and compiles the whole model as one graph: the weights are then the floor of the peak, and every
+gradient arrives at once at the end of the compiled backward.
 
 One run, in this order, on the same directory:
 
@@ -28,8 +30,8 @@ gradients, optimizer states and activations): the plan keeps in memory the weigh
 bound counts only what it leaves on disk.
 
 ``--optimizer-in-backward`` updates each parameter inside backward (``optimizer_in_backward=True``): no
-gradient is offloaded, and with ``--offload-parameters`` a block's weights are updated while its backward
-holds them, so the step reads none.
+gradient is offloaded, and with the parameters on disk (the default) a block's weights are updated while
+its backward holds them, so the step reads none.
 
 The training process keeps freed memory for reuse (``--cpu-malloc retain``, the default, as ``teraio
 demo`` does; Note: [Freed CPU memory and step time] in teraio.cpu_malloc): on this project's VM memory
@@ -38,14 +40,14 @@ given back to the kernel costs more to touch again than the reads that fill it (
 measures with the C library's defaults.
 
 The I/O lower bound of a step is the bytes that must move (each gradient written once and read once by
-the step unless updated inside backward, each moment read once and written once, with
-``--offload-parameters`` each block weight written once and read twice, for the forward and the
-backward) priced at the raw bandwidths: write bytes / raw write bandwidth + read bytes / raw read
+the step unless updated inside backward, each moment read once and written once, with the parameters
+on disk (the default) each block weight written once and read twice, for the forward and the backward)
+priced at the raw bandwidths: write bytes / raw write bandwidth + read bytes / raw read
 bandwidth (one device: a write and a read do not add bandwidth). The compute alone and the raw disk are
 measured before training and again after it; the goal uses the smaller compute and the faster disk (the
 report keeps both measurements), since load from anything else only inflates them.
 
-    python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--offload-parameters]
+    python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--keep-parameters]
                                       [--optimizer-in-backward] [--budget B] [--cpu-malloc release]
                                       [--json] [--out F.json]
 """
@@ -494,7 +496,7 @@ def run(
     chunk_bytes: str = "64MiB",
     keep_free: int = 8 * GIB,
     seed: int = 0,
-    offload_parameters: bool = False,
+    offload_parameters: bool = True,
     optimizer_in_backward: bool = False,
     budget: str | None = None,
     cpu_malloc: str = "retain",
@@ -743,7 +745,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--offload-parameters",
         action="store_true",
-        help="the blocks' weights on disk too (offload_parameters=True), each block compiled on its own",
+        help="the blocks' weights on disk too (offload_parameters=True), each block compiled on its own: the "
+        "default, kept for older scripts",
+    )
+    p.add_argument(
+        "--keep-parameters",
+        action="store_true",
+        help="the parameters stay resident and the whole model is one graph (the default before 2026-11-27)",
     )
     p.add_argument(
         "--optimizer-in-backward",
@@ -785,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
         keep_free = parse_nbytes(args.keep_free, what="--keep-free")
         if args.out is not None:
             check_output_file(args.out, overwrite=True, option="--out")
+        if args.keep_parameters and args.offload_parameters:
+            raise ValueError("--keep-parameters and --offload-parameters contradict each other: give one")
     except (ValueError, OutputError) as exc:
         print(f"bench_states: {exc}", file=sys.stderr)
         return 2
@@ -797,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
             io_size=io_size,
             chunk_bytes=args.chunk,
             keep_free=keep_free,
-            offload_parameters=args.offload_parameters,
+            offload_parameters=not args.keep_parameters,
             budget=args.budget,
             optimizer_in_backward=args.optimizer_in_backward,
             cpu_malloc=args.cpu_malloc,

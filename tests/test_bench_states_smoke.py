@@ -12,7 +12,7 @@ def test_bench_states_tiny(capsys, tmp_path) -> None:
     data = tmp_path / "offload"
     out_file = tmp_path / "report.json"
     argv = ["--config", "tiny", "--dir", str(data), "--steps", "3", "--io-size", "1MiB", "--json"]
-    assert bench_states.main([*argv, "--out", str(out_file)]) == 0
+    assert bench_states.main([*argv, "--keep-parameters", "--out", str(out_file)]) == 0
     r = json.loads(capsys.readouterr().out)
     assert json.loads(out_file.read_text())["state_bytes"] == r["state_bytes"]
     for key in ("state_bytes", "peak_rss_bytes", "compute_s", "io_lower_bound_s", "median_step_s"):
@@ -40,14 +40,16 @@ def test_bench_states_bad_args_are_one_line(capsys, tmp_path) -> None:
     assert bench_states.main(["--config", "tiny", "--steps", "1"]) == 2
     assert bench_states.main(["--config", "tiny", "--out", str(tmp_path / "missing" / "r.json")]) == 2
     assert bench_states.main(["--config", "tiny", "--budget", "150%"]) == 2
+    assert bench_states.main(["--config", "tiny", "--keep-parameters", "--offload-parameters"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 3 and "--steps" in err and "does not exist" in err and "--budget" in err
+    assert err.count("\n") == 4 and "--steps" in err and "does not exist" in err and "--budget" in err
+    assert "contradict" in err
 
 
 def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:
     data = tmp_path / "offload"
     argv = ["--config", "tiny", "--dir", str(data), "--steps", "3", "--io-size", "1MiB", "--json"]
-    assert bench_states.main([*argv, "--offload-parameters"]) == 0
+    assert bench_states.main(argv) == 0  # the default since 2026-11-27 (--offload-parameters, kept)
     r = json.loads(capsys.readouterr().out)
     assert r["options"]["offload_parameters"] is True and r["options"]["compiled"] == "each block"
     assert r["first_loss_bit_equal"] is True and r["losses_finite"] is True
