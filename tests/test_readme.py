@@ -28,6 +28,8 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from tests.teraio.shared import run_directory
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # The documents whose code blocks are tested, in the order their blocks run.
 DOCUMENTS = ("README.md", "docs/cli.md", "docs/reference.md")
@@ -285,10 +287,7 @@ def results(tmp_path_factory: pytest.TempPathFactory):
     under a file lock and leaves the outcomes in the run's shared temporary directory; the other reads
     them (split across two workers, `make demo` ran twice and CI took 26 minutes). Session-scoped: a
     module fixture is torn down whenever a worker runs another module's test in between."""
-    base = tmp_path_factory.getbasetemp()
-    # An xdist worker's parent directory is this run's, common to the workers (PYTEST_XDIST_WORKER, not
-    # xdist's worker_id fixture, which does not exist under -p no:xdist).
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    shared = run_directory(tmp_path_factory.getbasetemp())
 
     def get(document: str) -> tuple[dict[str, Outcome], set[int], set[str]]:
         if document not in _RESULTS:

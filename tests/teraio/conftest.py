@@ -6,8 +6,6 @@ differently from run to run under load; deterministic mode removes that source o
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -17,10 +15,8 @@ from . import shared
 @pytest.fixture(scope="session", autouse=True)
 def shared_runs_directory(tmp_path_factory: pytest.TempPathFactory):
     """Where ``shared.once_per_run`` keeps the runs several tests compare against: this test run's
-    directory, common to its xdist workers. (Not xdist's ``worker_id`` fixture: without the plugin,
-    ``-p no:xdist``, there is none; a worker has PYTEST_XDIST_WORKER set.)"""
-    base = tmp_path_factory.getbasetemp()
-    shared.set_directory(base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base)
+    directory, common to its xdist workers."""
+    shared.set_directory(shared.run_directory(tmp_path_factory.getbasetemp()))
     yield
     shared.set_directory(None)
 

@@ -12,6 +12,7 @@ kept from one test run to the next. Outside pytest (a test module run as a scrip
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,13 @@ T = TypeVar("T")
 
 _DIRECTORY: Path | None = None  # set by the session fixture of tests/teraio/conftest.py
 _MEMO: dict[str, Any] = {}
+
+
+def run_directory(base_temp: Path) -> Path:
+    """This test run's directory, common to its xdist workers: the parent of a worker's base temporary
+    directory, or the base itself in a run without workers. (PYTEST_XDIST_WORKER, not xdist's
+    ``worker_id`` fixture, which does not exist under ``-p no:xdist``.)"""
+    return base_temp.parent if os.environ.get("PYTEST_XDIST_WORKER") else base_temp
 
 
 def set_directory(path: Path | None) -> None:
