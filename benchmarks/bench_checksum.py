@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from teraio.demo import DemoConfig, _Method, _warm_up, same_step
-from teraio.models import build_gpt
 from teraio.planner.safe_io import write_json
 from teraio.runtime.config import default_offload_dir
+from teraio.tools.demo import DemoConfig, _Method, _warm_up, same_step
+from teraio.tools.models import build_gpt
 
 VARIANTS = {
     "no-offload": ("no-offload", None),

@@ -1,10 +1,10 @@
 """End-to-end benchmark: the demo's four methods in one run (no offload, teraio, checkpointing, and
 teraio with the checkpoint method's measured peak as its budget).
 
-A thin wrapper over ``teraio.demo.run_demo`` that adds machine and version info and writes the rows as
+A thin wrapper over ``teraio.tools.demo.run_demo`` that adds machine and version info and writes the rows as
 JSON/CSV. Step times are medians of the timed steps, which run in rounds (one step of each method per
 round, or on steps under 0.1 s a few in a row after an untimed switch step: Note [Timing runs of
-steps] in teraio.demo) so the shared machine's noise falls on every method alike; warm-up, profiling,
+steps] in teraio.tools.demo) so the shared machine's noise falls on every method alike; warm-up, profiling,
 compile and the memory-measurement step are excluded.
 
     python -m benchmarks.bench_e2e [--model demo] [--budget 55%] [--solver ilp] [--steps 12] [--json] [--out F]
@@ -52,7 +52,7 @@ def run(
     hardware: str = "calibrate",
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Rows per method (peak, step time, overhead, bytes moved, predicted figures) and the raw result."""
-    from teraio.demo import DemoConfig, run_demo
+    from teraio.tools.demo import DemoConfig, run_demo
 
     result = run_demo(
         DemoConfig(

@@ -26,7 +26,7 @@ One run, in this order, on the same directory:
 
 ``--budget B`` gives the backend a ``memory_budget`` of ``B`` for the whole step (parameters,
 gradients, optimizer states and activations): the plan keeps in memory the weights and moments that fit
-(Note: [The whole-step budget keeps some states in memory] in teraio.states.plan), and the I/O lower
+(Note: [The whole-step budget keeps some states in memory] in teraio.states.residency), and the I/O lower
 bound counts only what it leaves on disk.
 
 ``--optimizer-in-backward`` updates each parameter inside backward (``optimizer_in_backward=True``): no
@@ -34,7 +34,7 @@ gradient is offloaded, and with the parameters on disk (the default) a block's w
 its backward holds them, so the step reads none.
 
 The training process keeps freed memory for reuse (``--cpu-malloc retain``, the default, as ``teraio
-demo`` does; Note: [Freed CPU memory and step time] in teraio.cpu_malloc): on this project's VM memory
+demo`` does; Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc): on this project's VM memory
 given back to the kernel costs more to touch again than the reads that fill it (docs/measured_facts.md,
 "Fresh memory on this VM"), a cost a GPU's caching allocator does not have. ``--cpu-malloc release``
 measures with the C library's defaults.
@@ -78,9 +78,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks.bench_whatif import _median_s  # noqa: E402
-from teraio.models.gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
 from teraio.planner.model_states import io_lower_bound_s, offload_step_traffic  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
+from teraio.tools.models.gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -177,7 +177,7 @@ def f32_bits(x: torch.Tensor) -> int:
 
 
 def build_model(cfg: GPTConfig, seed: int = 0) -> GPT:
-    """The GPT with deterministic initial weights (as ``teraio.models.build_gpt``, for any config)."""
+    """The GPT with deterministic initial weights (as ``teraio.tools.models.build_gpt``, for any config)."""
     gen_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -314,11 +314,11 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     rss_after_build = proc_status_bytes("VmRSS")
     cpu_malloc = "release"
     if spec.get("cpu_malloc") == "retain":
-        # Note: [Freed CPU memory and step time] in teraio.cpu_malloc: every fetched state, gradient and
+        # Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc: every fetched state, gradient and
         # parameter is a fresh allocation, faulted in and zeroed by the kernel inside its O_DIRECT read
         # unless freed blocks are reused. Set after the model is built, so the blocks the model was built
         # in (mapped on their own) still go back to the system when its parameters leave memory.
-        from teraio.cpu_malloc import apply_cpu_malloc
+        from teraio.platform.cpu_malloc import apply_cpu_malloc
 
         cpu_malloc = apply_cpu_malloc("retain")
     _log(f"model built in {build_s:.1f} s, RSS {rss_after_build / 1e9:.2f} GB")
@@ -328,7 +328,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         profile_steps=1,
         measure_memory=False,
         # --budget: the whole step's (Note: [The whole-step budget keeps some states in memory] in
-        # teraio.states.plan); the greedy plans the activations (an ILP over a 2B-parameter profile would
+        # teraio.states.residency); the greedy plans the activations (an ILP over a 2B-parameter profile would
         # spend the run's time planning).
         memory_budget=spec.get("budget"),
         solver="greedy",
@@ -769,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=("release", "retain"),
         default="retain",
         help="retain (default, as teraio demo does): the training process keeps freed memory for reuse "
-        "(teraio.cpu_malloc), so fetched tensors are not faulted in and zeroed again, as a GPU's caching "
+        "(teraio.platform.cpu_malloc), so fetched tensors are not faulted in and zeroed again, as a GPU's caching "
         "allocator would not; resident memory then stays at its high mark. release: the C library's "
         "defaults",
     )

@@ -181,10 +181,10 @@ def cpu_local_check(
     figures measured in this run just before the real profile (:func:`measure_cpu_compute`,
     ``compute_reps`` repetitions). On a shared machine the load moves both sides; the second column
     compares the cost model with a machine in the state the profile saw."""
-    from teraio.estimate import SAVED_TENSOR_COLUMNS, build_target, capture_graphs, estimated_profile
     from teraio.planner.costmodel import compute_model_from_dict, load_preset
-    from teraio.profile_run import profile_workload
-    from teraio.workload import builtin_workload
+    from teraio.tools.estimate import SAVED_TENSOR_COLUMNS, build_target, capture_graphs, estimated_profile
+    from teraio.tools.profile_workload import profile_workload
+    from teraio.tools.workloads import builtin_workload
 
     preset = load_preset("cpu-local")
     now = measure_cpu_compute(compute_reps)
@@ -247,8 +247,8 @@ def _largest_ops(est: Any, real: Any, top: int = 6) -> list[dict[str, Any]]:
 def deepspeed_t5_3b() -> dict[str, Any]:
     """teraio's model-state accounting on DeepSpeed's documented ZeRO-3 example (t5-3b, 8 GPUs), with the
     parameters counted on a fake-tensor T5 built from t5-3b's config (no weights)."""
-    from teraio.estimate import build_target, count_parameters
     from teraio.planner.model_states import model_states
+    from teraio.tools.estimate import build_target, count_parameters
 
     target = build_target("hf:t5-3b")
     total, largest = count_parameters(target.model)
@@ -416,10 +416,10 @@ def ssd_sweep(
 ) -> dict[int, list[dict[str, Any]]]:
     """Re-plan an estimate's profile with ``counts`` drives (the same budget and model states); the plan
     rows as ``teraio estimate --json`` has them, by drive count."""
-    from teraio.estimate import io_seconds
     from teraio.planner.costmodel import load_preset
     from teraio.planner.profile import Profile
     from teraio.planner.whatif import plan_outcomes
+    from teraio.tools.estimate import io_seconds
 
     profile = Profile.load(out_dir / "profile")
     p = load_preset(preset)
@@ -910,7 +910,7 @@ def _published_section(r: dict[str, Any]) -> list[str]:
             "the SSD's bandwidth, since the activations' peak is at the end of forward |"
         )
     lines += [""]
-    from teraio.estimate import HF_MODELS
+    from teraio.tools.estimate import HF_MODELS
 
     t5 = HF_MODELS["t5-3b"]
     lines += [

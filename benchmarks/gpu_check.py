@@ -474,7 +474,7 @@ def _gpt_step(
     ctx: Context, backend_options: dict, config: dict | None = None
 ) -> tuple[object, object, Callable[[int], None]]:
     import teraio
-    from teraio.models.gpt import GPT, GPTConfig, build_gpt, synthetic_batch
+    from teraio.tools.models.gpt import GPT, GPTConfig, build_gpt, synthetic_batch
 
     model = (GPT(GPTConfig(**config)) if config else build_gpt("tiny")).to(ctx.device)
     be = teraio.backend(**backend_options)

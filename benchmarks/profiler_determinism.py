@@ -22,9 +22,9 @@ import sys
 def _train(steps: int) -> tuple[list[dict], list[bool]]:
     import torch
 
-    from teraio.lifecycle import TeraioBackend
-    from teraio.measure import MemoryRecorder
-    from teraio.workload import builtin_workload, compute_loss
+    from teraio.lifecycle.backend import TeraioBackend
+    from teraio.profiling.measure import MemoryRecorder
+    from teraio.tools.workloads import builtin_workload, compute_loss
 
     torch._dynamo.reset()
     workload = builtin_workload("tiny")

@@ -42,8 +42,8 @@ def _baseline_fwd_bwd_s(gpt: Any, inner: str, steps: int, first_step: int) -> fl
 
     import torch
 
-    from teraio.lifecycle import TeraioBackend
-    from teraio.models import synthetic_batch
+    from teraio.lifecycle.backend import TeraioBackend
+    from teraio.tools.models import synthetic_batch
 
     twin = copy.deepcopy(gpt)
     backend = TeraioBackend(enabled=False, inner=inner, measure_memory=False)
@@ -74,14 +74,14 @@ def measure(
     ``hardware``: as the backend's (``"calibrate"``: time the offload directory before planning)."""
     import torch
 
-    from teraio.calibrate import _io_threads_cpu_s
-    from teraio.cpu_malloc import retain_freed_memory
-    from teraio.lifecycle import Phase, TeraioBackend
-    from teraio.models import build_gpt, synthetic_batch
-    from teraio.probe import PROBE_STEPS
+    from teraio.lifecycle.backend import Phase, TeraioBackend
+    from teraio.platform.cpu_malloc import retain_freed_memory
+    from teraio.profiling.disk_calibration import _io_threads_cpu_s
+    from teraio.profiling.transfer_probe import PROBE_STEPS
     from teraio.runtime.engine import Engine
+    from teraio.tools.models import build_gpt, synthetic_batch
 
-    retain_freed_memory()  # as teraio demo does: Note: [Freed CPU memory and step time] in teraio.cpu_malloc
+    retain_freed_memory()  # as teraio demo does: Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc
     spent_s: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     originals = {name: getattr(Engine, name) for name in ENGINE_CALLS}

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import teraio
-from teraio.models.gpt import GPT, GPTConfig
+from teraio.tools.models.gpt import GPT, GPTConfig
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import teraio
-from teraio.models.gpt import GPT, GPTConfig
+from teraio.tools.models.gpt import GPT, GPTConfig
 
 
 def main() -> None:

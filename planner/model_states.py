@@ -375,7 +375,7 @@ def offload_states_record(
     ``offloaded_bytes``; ``optimizer_in_backward``; and ``traffic``, per kind the ``read_bytes`` and
     ``written_bytes`` of one step (:func:`offload_step_traffic`). Gradients have the parameters' sizes;
     ``offloaded_state_nbytes`` (default: all of ``state_nbytes``) are the states on disk, the rest kept in
-    memory by a whole-step plan (teraio.states.plan)."""
+    memory by a whole-step plan (teraio.states.residency)."""
     grads_offloaded = offload_gradients and not optimizer_in_backward
     moved_states = state_nbytes if offloaded_state_nbytes is None else offloaded_state_nbytes
     traffic = offload_step_traffic(

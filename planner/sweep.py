@@ -1,5 +1,5 @@
 """The budget sweep: one plan per (solver, budget), tabulated. The one implementation behind
-``teraio sweep``, ``teraio.analysis.budget_sweep`` (the notebooks) and ``benchmarks.bench_planner``.
+``teraio sweep``, ``teraio.tools.analysis.budget_sweep`` (the notebooks) and ``benchmarks.bench_planner``.
 
 A budget no plan can meet is a row too (status ``NO PLAN``, the planner's message in ``note``), so the
 table always has every budget asked: the point of a sweep is to see where plans stop existing.

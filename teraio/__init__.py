@@ -21,7 +21,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from teraio.lifecycle import BackendConfig, TeraioBackend, default_backend
+    from teraio.lifecycle.backend import BackendConfig, TeraioBackend, default_backend
 
 
 def backend(**options: Any) -> TeraioBackend:
@@ -29,14 +29,14 @@ def backend(**options: Any) -> TeraioBackend:
 
     The options are those of :class:`teraio.config.BackendConfig` (the README's option table).
     """
-    from teraio.lifecycle import TeraioBackend
+    from teraio.lifecycle.backend import TeraioBackend
 
     return TeraioBackend(**options)
 
 
 def process_stats() -> list[dict[str, Any]]:
-    """Every live backend of this process, what it holds and did (``teraio.process.process_stats``)."""
-    from teraio.process import process_stats as stats
+    """Every live backend of this process, what it holds and did (``teraio.lifecycle.registry.process_stats``)."""
+    from teraio.lifecycle.registry import process_stats as stats
 
     return stats()
 
@@ -44,8 +44,8 @@ def process_stats() -> list[dict[str, Any]]:
 def warm_up_mkl_vml() -> tuple[tuple[str, str], ...]:
     """Run each unary op ATen may hand to MKL VML once on one element, on this thread, so that no
     later concurrent first call can pick a low-accuracy kernel (Note: [MKL VML's first concurrent call]
-    in teraio.mkl_vml). Constructing a backend does it; a reference loop without teraio can call it."""
-    from teraio.mkl_vml import warm_up_mkl_vml as warm
+    in teraio.platform.mkl_vml). Constructing a backend does it; a reference loop without teraio can call it."""
+    from teraio.platform.mkl_vml import warm_up_mkl_vml as warm
 
     return warm()
 
@@ -53,7 +53,7 @@ def warm_up_mkl_vml() -> tuple[tuple[str, str], ...]:
 def __getattr__(name: str) -> Any:
     # The lifecycle module imports torch: load it only when one of its names is asked for.
     if name in ("default_backend", "TeraioBackend", "BackendConfig"):
-        import teraio.lifecycle as lifecycle
+        import teraio.lifecycle.backend as lifecycle
 
         return getattr(lifecycle, name)
     raise AttributeError(f"module 'teraio' has no attribute {name!r}")

@@ -9,11 +9,11 @@ import stat
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
-from teraio.compilers import InnerCompiler
 from teraio.errors import UserInputError
-from teraio.preflight import check_writable_dir
-from teraio.ranks import RankInfo, expand_dirs
-from teraio.run_dir import refuse_foreign_run_dir
+from teraio.graph.compilers import InnerCompiler
+from teraio.lifecycle.ranks import RankInfo, expand_dirs
+from teraio.lifecycle.run_dir import refuse_foreign_run_dir
+from teraio.platform.preflight import check_writable_dir
 
 OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
@@ -22,7 +22,7 @@ RecomputeOption = Literal["off", "only", "joint"]
 StatesOption = Literal["keep", "offload"]
 #: With states="offload" and a memory budget, which parameters and optimizer states stay in memory:
 #: "plan" (what the whole-step budget leaves, chosen for the most I/O saved: Note: [The whole-step budget
-#: keeps some states in memory] in teraio.states.plan), "none" (every one that can move, moves).
+#: keeps some states in memory] in teraio.states.residency), "none" (every one that can move, moves).
 StatesKeepOption = Literal["plan", "none"]
 #: ``hardware=CALIBRATE``: time the offload directory before the first plan instead of reading a file.
 CALIBRATE = "calibrate"
@@ -46,7 +46,7 @@ class BackendConfig:
 
     memory_budget: str | int | float | None = None
     #: Directories, one per SSD; entries may say ``{local_rank}`` or ``{rank}``; or a mapping from local rank
-    #: to its directories (teraio.ranks.expand_dirs).
+    #: to its directories (teraio.lifecycle.ranks.expand_dirs).
     offload_dirs: list[str] | dict[int, list[str] | str] | None = None
     tiers: list[TierName] = field(default_factory=lambda: ["ssd"])
     solver: str = "ilp"
@@ -118,7 +118,7 @@ class BackendConfig:
 
     def check_run_dir(self) -> None:
         """Refuse, in one line, a ``run_dir`` that is a non-empty directory teraio did not write (the
-        backend would replace its config.json): see :mod:`teraio.run_dir`."""
+        backend would replace its config.json): see :mod:`teraio.lifecycle.run_dir`."""
         refuse_foreign_run_dir(self.run_dir)
 
     def __post_init__(self) -> None:

@@ -19,7 +19,7 @@ import pytest
 # Note: [Compile caches in the suite]
 #     No compile may be served from another compile of a graph or a plan (docs/measured_facts.md, hazard
 #     3): the FX graph cache is off by default, and with it the AOTAutograd cache, whose entries point at
-#     FX graph cache entries (teraio turns both off for its own compiles anyway: teraio/compilers.py);
+#     FX graph cache entries (teraio turns both off for its own compiles anyway: teraio/graph/compilers.py);
 #     Dynamo's profile-guided dynamism is off. What stays on are the caches keyed by the generated code
 #     itself: Inductor's C++ kernels and wrapper modules, compiled once per source text instead of once
 #     per compile. With TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, every compile built every kernel again with

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from teraio import analysis
 from teraio.planner.lifetimes import analyse
 from teraio.planner.synth import synth_profile
+from teraio.tools import analysis
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO_ROOT / "notebooks").glob("*.ipynb"))
@@ -75,9 +75,7 @@ def test_notebook_runs(path: Path, test_kernel: str) -> None:
 
 
 def test_import_is_cheap() -> None:
-    code = (
-        "import sys, teraio.analysis; print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
-    )
+    code = "import sys, teraio.tools.analysis; print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

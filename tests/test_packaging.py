@@ -106,6 +106,32 @@ def test_boundary_scan_catches_a_violation(tmp_path, monkeypatch):
     ]
 
 
+def _room_imports(room: str) -> list[tuple[str, int, str]]:
+    """Every module ``teraio/<room>`` imports: (file, line, module), relative imports resolved."""
+    out = []
+    for path in sorted((REPO / "teraio" / room).rglob("*.py")):
+        package = ".".join(("teraio", *path.parent.relative_to(REPO / "teraio").parts))
+        out += [(str(path.relative_to(REPO)), line, mod) for line, mod in _imports(path, package)]
+    return out
+
+
+@pytest.mark.parametrize("room", ["graph", "profiling", "platform"])
+def test_graph_profiling_and_platform_rooms_never_import_the_lifecycle_room(room):
+    """Graph surgery and measurement are handed what they need; they never reach into the backend."""
+    assert (REPO / "teraio" / room / "__init__.py").exists()
+    bad = [
+        f"{path}:{line} imports {mod}"
+        for path, line, mod in _room_imports(room)
+        if mod == "teraio.lifecycle" or mod.startswith("teraio.lifecycle.")
+    ]
+    assert bad == []
+
+
+def test_the_room_scan_sees_lifecycle_imports():
+    """The room scan can fail: the lifecycle room itself is seen importing its own modules."""
+    assert any(mod.startswith("teraio.lifecycle.") for _, _, mod in _room_imports("lifecycle"))
+
+
 # What each side may not load at import time, whatever the route (lazy imports inside functions are
 # the files' business; an import at module level that pulls the other side in is a boundary break).
 _LOAD = "import importlib, json, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\nprint(json.dumps(sorted(sys.modules)))"

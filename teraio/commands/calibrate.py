@@ -10,7 +10,7 @@ import statistics
 from teraio.commands.plan import add_force_option, check_count
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file
-from teraio.preflight import check_writable_dir
+from teraio.platform.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 
@@ -33,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from teraio.calibrate import calibrate
     from teraio.planner.budget import BudgetError, parse_size
+    from teraio.profiling.disk_calibration import calibrate
 
     try:
         nbytes, block = parse_size(args.size), parse_size(args.block)

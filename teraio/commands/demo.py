@@ -11,9 +11,9 @@ from typing import Any
 
 from teraio.commands.plan import add_force_option, check_count, check_time_limit
 from teraio.errors import UserInputError
+from teraio.lifecycle.run_dir import refuse_foreign_run_dir
 from teraio.planner.safe_io import check_output_file, write_json
-from teraio.preflight import check_writable_dir
-from teraio.run_dir import refuse_foreign_run_dir
+from teraio.platform.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 
@@ -198,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         check_writable_dir(args.run_dir, option="--run-dir")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    from teraio.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
     from teraio.runtime.config import default_offload_dir
+    from teraio.tools.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
 
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:

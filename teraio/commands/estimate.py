@@ -116,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
     ssd_bw = _bw(args.ssd_bw, "--ssd-bw") if args.ssd_bw is not None else None
     out = check_output_dir(args.out, ("estimate",), force=args.force)
     # Heavy imports only now: `teraio --help` stays fast.
-    from teraio.estimate import run_estimate
     from teraio.planner.costmodel import CostModelError
+    from teraio.tools.estimate import run_estimate
 
     try:
         result = run_estimate(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from teraio.commands.plan import add_force_option, check_count
 from teraio.planner.safe_io import check_output_dir, replace_dir
-from teraio.preflight import check_writable_dir
+from teraio.platform.preflight import check_writable_dir
 from teraio.units import format_bytes
 
 #: An existing --out of either kind may be replaced (re-profiling a workload whose graph count changed).
@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     check_count(args.steps, "--steps", 1, MAX_STEPS)
     check_count(args.top, "--top", 0, MAX_ROWS)
     # Heavy imports only now: `teraio --help` stays fast.
-    from teraio.profile_run import profile_workload, summarize
-    from teraio.workload import load_workload
+    from teraio.tools.profile_workload import profile_workload, summarize
+    from teraio.tools.workloads import load_workload
 
     workload = load_workload(args.target)
     profiles = profile_workload(workload, profile_steps=args.steps, inner=args.inner)

@@ -3,7 +3,7 @@ optimizer step streamed.
 
 ``teraio.backend(states="offload", optimizer=opt)`` attaches a :class:`StateOffload` to a stock optimizer;
 :func:`attach_states` is what the backend calls. With a ``memory_budget`` the budget is the whole
-step's, and the parameters and optimizer states it leaves room for stay in memory (teraio.states.plan).
+step's, and the parameters and optimizer states it leaves room for stay in memory (teraio.states.residency).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
     engine on the backend's offload directories, I/O backend, checksum and runtime options."""
     if cfg.states != "offload" or not cfg.enabled:
         return None
-    from teraio.ranks import rank_info
+    from teraio.lifecycle.ranks import rank_info
     from teraio.runtime import RuntimeConfig
     from teraio.runtime.config import parse_nbytes
     from teraio.states.offload import StateOffload

@@ -152,7 +152,7 @@ class StateOffload:
             if optimizer_in_backward:
                 self.residency.on_backward_start = self._read_states_ahead
         self.closed = False
-        #: Called once after the next commit of a step made inside backward (teraio.states.plan).
+        #: Called once after the next commit of a step made inside backward (teraio.states.residency).
         self.after_commit: Callable[[], None] | None = None
         self._raw_step = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)
         self._had_step = "step" in vars(optimizer)

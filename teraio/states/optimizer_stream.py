@@ -188,7 +188,7 @@ class StreamedStep:
         self._ib: _InBackward | None = None
         #: Note: [When a parameter is resident] in teraio.states.params (None: parameters stay resident).
         self.residency: ParamResidency | None = None
-        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: parameters
+        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: parameters
         #: whose optimizer states stay in memory (updated in place by the stock step, like ``step``).
         self.kept: frozenset[int] = frozenset()
         self._group_of = {}
@@ -234,7 +234,7 @@ class StreamedStep:
         return self._ib is not None
 
     def keep(self, idxs: frozenset[int]) -> None:
-        """Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the states of
+        """Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: the states of
         the parameters ``idxs`` stay in memory from now on (read back, their disk slots dropped); those of
         the parameters the plan kept before go to disk now (written to slot 0 and committed there), so
         the next step finds every offloaded state with a committed copy. Call between steps only."""

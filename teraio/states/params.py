@@ -116,7 +116,7 @@ class ParamResidency:
         self._leaving: set[int] = set()
         self._eager: set[int] = set()  # used by eager code: never offloaded again
         self._offloadable = frozenset(self.index_of.values())
-        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.plan.
+        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.kept: frozenset[int] = frozenset()
 
     # -- which graph inputs --------------------------------------------------------------------------
@@ -331,7 +331,7 @@ class ParamResidency:
         return frozenset((set(self.records) | self.kept) - self._eager)
 
     def keep(self, idxs: frozenset[int]) -> None:
-        """Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the
+        """Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: the
         parameters ``idxs`` stay in memory from now on (their disk copies dropped); the others the plan
         kept before may be offloaded again (adopted at their next graph call)."""
         for i in sorted(idxs - self.kept):

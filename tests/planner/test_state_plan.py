@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from teraio.planner.state_plan import (
+from teraio.planner.kept_states import (
     StateItem,
     StatePlanError,
     choose_resident_states,

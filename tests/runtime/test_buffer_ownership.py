@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import teraio.runtime.engine as engine_module
-from teraio.measure import MemoryRecorder
+from teraio.profiling.measure import MemoryRecorder
 
 
 @pytest.fixture

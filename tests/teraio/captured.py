@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
-from teraio.capture import CapturedStep, capturing_partition
-from teraio.compilers import fx_only_compiler
+from teraio.graph.capture import CapturedStep, capturing_partition
+from teraio.graph.compilers import fx_only_compiler
 
 
 def captured_steps(forward: Callable[[Any], torch.Tensor]) -> list[CapturedStep]:
@@ -28,7 +28,7 @@ def captured_steps(forward: Callable[[Any], torch.Tensor]) -> list[CapturedStep]
 
 def captured_tiny_gpt_step() -> CapturedStep:
     """The tiny GPT's one graph."""
-    from teraio.workload import compute_loss
+    from teraio.tools.workloads import compute_loss
 
     from .models import WORKLOADS
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from teraio.lifecycle import Phase, TeraioBackend
-from teraio.measure import MemoryRecorder
-from teraio.models.gpt import GPT, GPTConfig
+from teraio.lifecycle.backend import Phase, TeraioBackend
+from teraio.profiling.measure import MemoryRecorder
+from teraio.tools.models.gpt import GPT, GPTConfig
 
 from .shared import once_per_run
 
@@ -562,7 +562,7 @@ def check_case(
         )
         if within_budget:
             # The prediction describes the graph that runs (Note: [The budget is of the graph that runs] in
-            # teraio.kernel_memory): the measured step is within 5% of what was predicted for it.
+            # teraio.graph.kernel_memory): the measured step is within 5% of what was predicted for it.
             predicted = be._predicted_peak(be.tracker.last_complete.calls)
             assert abs(trace.last_step_peak_bytes - predicted) <= (PEAK_SLACK - 1) * predicted, (
                 f"measured step peak {trace.last_step_peak_bytes} is not within 5% of the predicted {predicted}"

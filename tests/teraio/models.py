@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from teraio.workload import Workload, builtin_workload
+from teraio.tools.workloads import Workload, builtin_workload
 
 
 def _lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

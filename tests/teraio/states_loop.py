@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import teraio
-from teraio.workload import builtin_workload, compute_loss
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3),
@@ -66,7 +66,7 @@ def train(
     """Steps ``first_step .. steps-1`` of the tiny GPT; ``save_after``: torch.save model and optimizer
     state after that many steps to ``checkpoint_out``; ``checkpoint_in``: start from that checkpoint;
     ``memory_budget``: the whole step's (Note: [The whole-step budget keeps some states in memory] in
-    teraio.states.plan), with the activations planned by the greedy and the step's memory measured."""
+    teraio.states.residency), with the activations planned by the greedy and the step's memory measured."""
     torch._dynamo.reset()
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)

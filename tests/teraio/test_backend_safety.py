@@ -21,10 +21,10 @@ import torch
 import teraio
 from teraio.config import BackendConfig
 from teraio.errors import UserInputError
+from teraio.graph.rewrite import PlanMismatchError
+from teraio.lifecycle.run_dir import RUN_DIR_CONFIG_KEYS, is_teraio_run_dir
 from teraio.planner.plan import Plan
-from teraio.rewrite import PlanMismatchError
-from teraio.run_dir import RUN_DIR_CONFIG_KEYS, is_teraio_run_dir
-from teraio.workload import builtin_workload, call_model
+from teraio.tools.workloads import builtin_workload, call_model
 from tests.planner.planner_cases import pyramid
 from tests.teraio.cli_helpers import error_line, tree
 
@@ -204,7 +204,7 @@ def _python(code: str, *args: str, timeout_s: float) -> subprocess.CompletedProc
 #: "tracker", inside the step tracker's lock: wherever a finalizer could meet a lock its thread holds.
 _GC_HOOKS = """
 import gc
-from teraio import steps
+from teraio.lifecycle import steps
 from teraio.runtime import space
 
 gc.disable()  # the forced collections are the only ones: the same places every run
@@ -228,7 +228,7 @@ _TOKENS_IN_CYCLES = (
     _GC_HOOKS
     + """
 import json, sys, tempfile, torch
-import teraio.ops as ops
+import teraio.graph.ops as ops
 from teraio.runtime import Engine, RuntimeConfig
 
 install("allocate")
@@ -266,7 +266,7 @@ _FAILED_STEPS = (
     + """
 import copy, json, sys, torch
 import teraio
-from teraio.workload import builtin_workload, compute_loss
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 install(sys.argv[2])
 torch.manual_seed(0)

@@ -48,7 +48,7 @@ def test_demo_json_has_the_documented_keys(capsys, tmp_path: Path) -> None:
     assert 0 <= teraio["predicted_stall_s"] < teraio["predicted_step_s"]
     assert teraio["moved_bytes_per_step"] > 0
     # Planned with the offload directory as timed before planning, in a process that keeps freed CPU
-    # memory (Note: [Freed CPU memory and step time] in teraio.cpu_malloc).
+    # memory (Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc).
     assert teraio["hardware"] == f"calibrated:{offload_dir}"
     assert result["cpu_malloc"] == "retain"
     assert teraio["peak_bytes"] < rows["no-offload"]["peak_bytes"]
@@ -67,7 +67,7 @@ def test_teraio_at_checkpoint_below_teraio_floor_plans_for_the_floor(
 ) -> None:
     # On the demo config checkpointing measured 234.3 MiB and teraio's floor was 236.0 MiB: the row
     # must run at the floor and say so, not end the demo with a budget error.
-    import teraio.demo as demo
+    import teraio.tools.demo as demo
 
     warm_up = demo._warm_up
 
@@ -116,8 +116,8 @@ def test_demo_rejects_bad_options_with_one_line(capsys, tmp_path: Path) -> None:
 
 
 def test_rounds_run_short_steps_in_a_row_and_every_method_the_same_steps() -> None:
-    """Note: [Timing runs of steps] in teraio.demo: the choice by step time, and the rounds' order."""
-    from teraio.demo import SHORT_STEP_ROUND_STEPS, DemoConfig, round_steps_for, run_rounds
+    """Note: [Timing runs of steps] in teraio.tools.demo: the choice by step time, and the rounds' order."""
+    from teraio.tools.demo import SHORT_STEP_ROUND_STEPS, DemoConfig, round_steps_for, run_rounds
 
     order: list[tuple[str, int]] = []
 

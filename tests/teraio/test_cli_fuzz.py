@@ -124,18 +124,20 @@ class WorkStarted(BaseException):
 @pytest.fixture
 def no_long_work(monkeypatch):
     """Replace the first step of each long job (right after its argument checks) with WorkStarted."""
-    import teraio.calibrate
-    import teraio.demo
-    import teraio.estimate
-    import teraio.profile_run
+    import teraio.profiling.disk_calibration
+    import teraio.tools.demo
+    import teraio.tools.estimate
+    import teraio.tools.profile_workload
 
     def started(*args, **kwargs):
         raise WorkStarted("an argument list that must be refused started the real work")
 
-    monkeypatch.setattr(teraio.profile_run, "profile_workload", started)
-    monkeypatch.setattr(teraio.estimate, "build_target", started)  # the capture, after every check
-    monkeypatch.setattr(teraio.calibrate, "filesystem_type", started)  # before its scratch directory
-    monkeypatch.setattr(teraio.demo, "run_demo", started)
+    monkeypatch.setattr(teraio.tools.profile_workload, "profile_workload", started)
+    monkeypatch.setattr(teraio.tools.estimate, "build_target", started)  # the capture, after every check
+    monkeypatch.setattr(
+        teraio.profiling.disk_calibration, "filesystem_type", started
+    )  # before its scratch directory
+    monkeypatch.setattr(teraio.tools.demo, "run_demo", started)
 
 
 # Random text as a command line could carry it: no NUL (argv entries are C strings), no surrogates.

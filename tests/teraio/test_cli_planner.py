@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from teraio.calibrate import COMPUTE_BLOCK_PAIRS, _round_trips_under_compute
 from teraio.cli import main
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
+from teraio.profiling.disk_calibration import COMPUTE_BLOCK_PAIRS, _round_trips_under_compute
 from tests.planner.planner_cases import MB, pyramid, ssd_only
 from tests.teraio.cli_helpers import error_line as _error_line
 from tests.teraio.cli_helpers import run_cli as _run

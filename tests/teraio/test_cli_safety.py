@@ -134,16 +134,16 @@ def test_bad_outputs_fail_in_one_line_before_any_work(capsys, files, monkeypatch
     def no_work(*a, **k):
         raise AssertionError("the long work started before the output was checked")
 
-    import teraio.calibrate
-    import teraio.demo
     import teraio.planner.simulate
-    import teraio.profile_run
+    import teraio.profiling.disk_calibration
+    import teraio.tools.demo
+    import teraio.tools.profile_workload
 
     for mod, name in (
-        (teraio.demo, "run_demo"),
-        (teraio.calibrate, "calibrate"),
+        (teraio.tools.demo, "run_demo"),
+        (teraio.profiling.disk_calibration, "calibrate"),
         (teraio.planner.simulate, "simulate"),
-        (teraio.profile_run, "profile_workload"),
+        (teraio.tools.profile_workload, "profile_workload"),
     ):
         monkeypatch.setattr(mod, name, no_work)
     before = _tree(tmp)
@@ -300,14 +300,14 @@ def test_force_replaces_only_regular_files(capsys, files, monkeypatch, argv):
     tmp, prof, hw = files
     (tmp / "disk").mkdir()
     assert _run(capsys, "plan", prof, "--budget", "300MB", "--solver", "greedy", "-o", tmp / "p.json")[0] == 0
-    import teraio.calibrate
-    import teraio.demo
+    import teraio.profiling.disk_calibration
+    import teraio.tools.demo
 
     def no_work(*a, **k):
         raise AssertionError("the long work started before the output was checked")
 
-    monkeypatch.setattr(teraio.calibrate, "calibrate", no_work)
-    monkeypatch.setattr(teraio.demo, "run_demo", no_work)
+    monkeypatch.setattr(teraio.profiling.disk_calibration, "calibrate", no_work)
+    monkeypatch.setattr(teraio.tools.demo, "run_demo", no_work)
     specials = _special_files(tmp)
     for name, special in specials.items():
         before = _kind(special)
@@ -364,16 +364,16 @@ def test_every_directory_an_option_names_is_written_before_the_work(
     capsys, tmp_path, read_only_dir, monkeypatch, argv
 ):
     """`demo --offload-dir` on a read-only filesystem failed after 32 s of profiling, not before."""
-    import teraio.calibrate
-    import teraio.demo
-    import teraio.profile_run
+    import teraio.profiling.disk_calibration
+    import teraio.tools.demo
+    import teraio.tools.profile_workload
 
     def no_work(*a, **k):
         raise AssertionError("the long work started before the directories were written")
 
-    monkeypatch.setattr(teraio.demo, "run_demo", no_work)
-    monkeypatch.setattr(teraio.calibrate, "calibrate", no_work)
-    monkeypatch.setattr(teraio.profile_run, "profile_workload", no_work)
+    monkeypatch.setattr(teraio.tools.demo, "run_demo", no_work)
+    monkeypatch.setattr(teraio.profiling.disk_calibration, "calibrate", no_work)
+    monkeypatch.setattr(teraio.tools.profile_workload, "profile_workload", no_work)
     (tmp_path / "disk").mkdir()
     line = _error_line(capsys, *[a.format(ro=read_only_dir, tmp=tmp_path) for a in argv])
     assert str(read_only_dir) in line and ("cannot be written" in line or "not writable" in line), line
@@ -381,7 +381,7 @@ def test_every_directory_an_option_names_is_written_before_the_work(
 
 
 def test_the_writability_check_leaves_nothing_behind(tmp_path):
-    from teraio.preflight import check_writable_dir
+    from teraio.platform.preflight import check_writable_dir
 
     check_writable_dir(tmp_path, option="--offload-dir")
     check_writable_dir(tmp_path / "new" / "deeper", option="--offload-dir")  # tested where it will be made

@@ -1,4 +1,4 @@
-"""``teraio demo``'s CPU allocator setting (Note: [Freed CPU memory and step time] in teraio.cpu_malloc).
+"""``teraio demo``'s CPU allocator setting (Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc).
 
 Each case runs in its own interpreter: the setting changes the whole process and cannot be undone.
 """
@@ -15,7 +15,7 @@ import pytest
 FAULTS_PER_STEP = """
 import json, resource, sys
 import torch
-from teraio.cpu_malloc import apply_cpu_malloc
+from teraio.platform.cpu_malloc import apply_cpu_malloc
 mode = apply_cpu_malloc(sys.argv[1])
 faults = []
 sizes = [n << 20 for n in (3, 40, 8, 64, 5, 16, 64, 12)]
@@ -53,9 +53,7 @@ def test_retained_memory_is_reused_without_faulting_it_in_again() -> None:
 
 
 def test_release_after_retain_says_it_still_retains() -> None:
-    code = (
-        "from teraio.cpu_malloc import apply_cpu_malloc as a; print(a('retain'), a('release'), a('retain'))"
-    )
+    code = "from teraio.platform.cpu_malloc import apply_cpu_malloc as a; print(a('retain'), a('release'), a('retain'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["retain", "retain", "retain"]

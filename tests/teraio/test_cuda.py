@@ -12,8 +12,8 @@ import os
 import pytest
 import torch
 
-from teraio.lifecycle import TeraioBackend
-from teraio.measure import MemoryRecorder
+from teraio.lifecycle.backend import TeraioBackend
+from teraio.profiling.measure import MemoryRecorder
 
 from .loops import CASES, GPTLoss
 

@@ -19,11 +19,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from teraio import lifecycle
-from teraio.capture import CapturedStep, StepAnalysis, analyse_saved
-from teraio.lifecycle import TeraioBackend
+from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved
+from teraio.graph.rewrite import apply_plan
+from teraio.lifecycle import backend as lifecycle
+from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.solve import solve
-from teraio.rewrite import apply_plan
 from teraio.runtime import device as runtime_device
 from teraio.runtime.fake_device import FakeDevice
 

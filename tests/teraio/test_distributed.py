@@ -70,7 +70,7 @@ def _assert_exact_and_planned(reference: list[dict], results: list[dict]) -> lis
 NOSPLIT_RUNS = [
     ("reference", False, {}),
     ("activations", True, {}),
-    # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: the budget is of
+    # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: the budget is of
     # the whole step; at half of it the graphs still move activations beside the resident parameters.
     ("states", True, {"states": "offload", "budget": "50%"}),
     ("parameters", True, {"states": "offload", "offload_parameters": True, "budget": "35%"}),
@@ -101,7 +101,7 @@ def _nosplit(job: dict[str, Any], name: str) -> list[dict]:
 
 def test_ddp_with_graph_splitting(tmp_path) -> None:
     """DDP with Dynamo's graph splitting: one graph per gradient bucket, each first called on fake tensors
-    (Note: [DDP's fake first call] in teraio.lifecycle)."""
+    (Note: [DDP's fake first call] in teraio.lifecycle.backend)."""
     results = _check("ddp-split", tmp_path)
     assert all(r["stats"]["graphs"] > 1 for r in results)
 
@@ -131,7 +131,7 @@ def test_ddp_with_the_parameters_on_disk(nosplit_job) -> None:
     """offload_parameters under DDP: DDP's reducer hooks the same parameter objects, whose storage comes
     and goes (Note: [A parameter keeps its storage object] in teraio.states.params). The parameters a
     graph fetches are in its profile (Note: [Fetched parameters are the graph's memory] in
-    teraio.states.plan); what the loop holds beside the graphs takes two measured steps to find, and the
+    teraio.states.residency); what the loop holds beside the graphs takes two measured steps to find, and the
     plans made then are measured on a later step, hence 8 steps."""
     results = _nosplit(nosplit_job, "parameters")
     assert all(r["stats"]["moved_bytes_by_kind"]["parameter"] > 0 for r in results)
@@ -142,12 +142,12 @@ def test_fsdp2_per_block_compilation(tmp_path) -> None:
 
     FSDP2's gathered parameters live outside the graph: two measured steps confirm that memory before the
     graphs are planned again with it (Note: [Memory outside the graphs is measured and planned for] in
-    teraio.lifecycle), and the plans made then are measured on a later step, hence 8 steps."""
+    teraio.lifecycle.backend), and the plans made then are measured on a later step, hence 8 steps."""
     _check("fsdp-per-block", tmp_path, budget="80%", steps=8)
 
 
 def test_a_budget_one_rank_cannot_meet_stops_every_rank_with_one_line(nosplit_job) -> None:
-    """Note: [Ranks agree at the start of every step] in teraio.ranks: no rank is left waiting."""
+    """Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks: no rank is left waiting."""
     assert nosplit_job["refused"] is not None, "the job ran to its end under a 4096-byte budget"
 
 
@@ -161,7 +161,7 @@ def test_no_files_remain_after_a_rank_is_killed_and_the_job_runs_again(tmp_path)
 
 
 def test_compiled_autograd_while_profiling_is_refused_on_every_rank(tmp_path) -> None:
-    """Note: [Compiled autograd runs its own copy of the backward] in teraio.lifecycle: never a silent run
+    """Note: [Compiled autograd runs its own copy of the backward] in teraio.lifecycle.backend: never a silent run
     without a plan."""
     with pytest.raises(
         mp.ProcessRaisedException, match="compiled autograd ran its backward while teraio was profiling"

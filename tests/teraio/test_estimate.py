@@ -1,4 +1,4 @@
-"""teraio.estimate: a step captured with fake tensors gives exactly the saved tensors of a real profile,
+"""teraio.tools.estimate: a step captured with fake tensors gives exactly the saved tensors of a real profile,
 op costs from FLOPs and bytes, a memory timeline from the graph, and the published models' parameters."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from teraio.errors import UserInputError
-from teraio.estimate import (
+from teraio.planner.costmodel import load_preset
+from teraio.planner.lifetimes import analyse
+from teraio.tools.estimate import (
     HF_MODELS,
     SAVED_TENSOR_COLUMNS,
     build_target,
@@ -23,10 +25,8 @@ from teraio.estimate import (
     op_work,
     storages_of,
 )
-from teraio.planner.costmodel import load_preset
-from teraio.planner.lifetimes import analyse
-from teraio.profile_run import profile_workload
-from teraio.workload import builtin_workload, load_workload
+from teraio.tools.profile_workload import profile_workload
+from teraio.tools.workloads import builtin_workload, load_workload
 
 from .shared import once_per_run
 

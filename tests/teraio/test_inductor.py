@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch._inductor.graph import GraphLowering
 
-from teraio.lifecycle import TeraioBackend
+from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.plan import Plan
-from teraio.workload import builtin_workload, compute_loss
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 from .loops import kernels
 from .training import Trace, assert_bit_identical

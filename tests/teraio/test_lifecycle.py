@@ -13,12 +13,12 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import teraio
-import teraio.calibrate
-import teraio.profiler as profiler_module
+import teraio.profiling.disk_calibration
+import teraio.profiling.op_timing as profiler_module
 from teraio.errors import UserInputError
-from teraio.lifecycle import Phase, TeraioBackend, _device_of, check_compile_mode
+from teraio.lifecycle.backend import Phase, TeraioBackend, _device_of, check_compile_mode
 from teraio.planner.hardware import HardwareError
-from teraio.profiler import profiling_split
+from teraio.profiling.op_timing import profiling_split
 
 from .fake_cuda import FWD_S, SCRATCH_NBYTES, LateModel, batch
 from .loops import CASES, GPTLoss, assert_bit_identical, run
@@ -28,7 +28,7 @@ def test_backend_is_a_function_before_and_after_the_lifecycle_module_loads() -> 
     code = (
         "import teraio; b = teraio.backend(memory_budget='50%'); print(type(b).__name__);"
         "import torch; torch.compile(torch.nn.Linear(2, 2), backend='teraio');"
-        "import teraio.lifecycle; print(type(teraio.backend(memory_budget='50%')).__name__)"
+        "import teraio.lifecycle.backend; print(type(teraio.backend(memory_budget='50%')).__name__)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -339,13 +339,13 @@ def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(m
     directory offloads go to, plans with those figures, and writes them into the run directory; the
     timing draws nothing from torch's global RNG, so a model with dropout still trains bit-identically."""
     calls: list[str] = []
-    real = teraio.calibrate.calibrate
+    real = teraio.profiling.disk_calibration.calibrate
 
     def counted(directory, **kw):
         calls.append(str(directory))
         return real(directory, **{**kw, "nbytes": 1 << 20, "block_nbytes": 1 << 20})
 
-    monkeypatch.setattr(teraio.calibrate, "calibrate", counted)
+    monkeypatch.setattr(teraio.profiling.disk_calibration, "calibrate", counted)
     offload = tmp_path / "offload"
     offload.mkdir()
     be = TeraioBackend(

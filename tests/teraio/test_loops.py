@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teraio.lifecycle import Phase
+from teraio.lifecycle.backend import Phase
 
 from .loops import (
     ALL_SCHEDULE,

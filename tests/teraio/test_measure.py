@@ -12,7 +12,13 @@ import threading
 
 import torch
 
-from teraio.measure import AllocationEvent, MemoryRecorder, measure_memory, op_transient_bytes, own_peak_bytes
+from teraio.profiling.measure import (
+    AllocationEvent,
+    MemoryRecorder,
+    measure_memory,
+    op_transient_bytes,
+    own_peak_bytes,
+)
 from teraio.runtime import device as runtime_device
 from teraio.runtime.fake_device import FakeDevice
 

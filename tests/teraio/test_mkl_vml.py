@@ -1,4 +1,4 @@
-"""Note: [MKL VML's first concurrent call] in teraio.mkl_vml: a backend resolves MKL VML's dispatch on one
+"""Note: [MKL VML's first concurrent call] in teraio.platform.mkl_vml: a backend resolves MKL VML's dispatch on one
 thread before training can call a VML op on two."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import teraio
-from teraio import mkl_vml
+from teraio.platform import mkl_vml
 
 
 @pytest.fixture

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from teraio.errors import TeraioError
-from teraio.lifecycle import TeraioBackend
+from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.budget import BudgetError
 from teraio.planner.plan import Plan
 from teraio.runtime.errors import RuntimeIOError
 from teraio.runtime.testing import FaultInjector
-from teraio.workload import builtin_workload, compute_loss
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 from .models import WORKLOADS
 from .shared import once_per_run

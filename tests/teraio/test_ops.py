@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import teraio.ops as ops
+import teraio.graph.ops as ops
 from teraio.runtime import Engine, RuntimeConfig
 
 

@@ -1,4 +1,4 @@
-"""The time a step spends outside its graphs (teraio.outside): measured in the calibration steps, shared
+"""The time a step spends outside its graphs (teraio.lifecycle.outside_time): measured in the calibration steps, shared
 among the step's graphs, and only from steps that were calibration runs from end to end."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-from teraio import outside as outside_module
-from teraio.lifecycle import TeraioBackend
-from teraio.outside import OutsideTimer
+from teraio.lifecycle import outside_time as outside_module
+from teraio.lifecycle.backend import TeraioBackend
+from teraio.lifecycle.outside_time import OutsideTimer
 
 from .loops import CASES, GPTLoss
 

@@ -18,11 +18,11 @@ import torch
 
 import teraio
 from teraio.errors import UserInputError
-from teraio.models.gpt import GPT, GPTConfig, synthetic_batch
 from teraio.runtime.errors import RuntimeIOError
 from teraio.runtime.testing import FaultInjector
 from teraio.states.optimizer_stream import Consistency
-from teraio.workload import builtin_workload, compute_loss
+from teraio.tools.models.gpt import GPT, GPTConfig, synthetic_batch
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 from .states_loop import assert_same_run, train
 

@@ -1,5 +1,5 @@
 """A graph called several times per step gets a plan per call (Note: [A graph called several times per
-step is planned per call] in teraio.lifecycle): each block of a model compiled on its own, torchtitan's way."""
+step is planned per call] in teraio.lifecycle.backend): each block of a model compiled on its own, torchtitan's way."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import teraio
-from teraio.models.gpt import GPT, GPTConfig
-from teraio.step_budget import GraphMemory, split_budget, step_peak
-from teraio.steps import invocation_ordinals
+from teraio.lifecycle.steps import invocation_ordinals
+from teraio.planner.budget_split import GraphMemory, split_budget, step_peak
+from teraio.tools.models.gpt import GPT, GPTConfig
 
 from .shared import once_per_run
 

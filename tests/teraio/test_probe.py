@@ -1,5 +1,5 @@
 """Pricing a transfer under the model's own compute (Note: [Pricing transfers under the model's own
-compute] in teraio.probe): the probed graphs, the paired estimate, and a backend that probes while
+compute] in teraio.profiling.transfer_probe): the probed graphs, the paired estimate, and a backend that probes while
 training stays bit-identical."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import pytest
 import torch
 from torch import fx
 
-import teraio.calibrate
-import teraio.lifecycle
-from teraio.lifecycle import TeraioBackend
-from teraio.ops import register_engine, unregister_engine
+import teraio.lifecycle.backend
+import teraio.profiling.disk_calibration
+from teraio.graph.ops import register_engine, unregister_engine
+from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.hardware import HardwareModel
-from teraio.probe import (
+from teraio.profiling.transfer_probe import (
     BYTES_PAGE_NBYTES,
     MAX_ROUND_TRIPS,
     MIN_ROUND_TRIPS,
@@ -213,10 +213,10 @@ def _quick_calibration(monkeypatch, tmp_path):
     """The backend's calibration at small sizes, and every graph short enough to probe whatever the
     machine's speed (a loaded CI machine can stretch a small model's step past the limit, and whether
     to probe is a wall-clock decision); returns the offload directory."""
-    monkeypatch.setattr(teraio.lifecycle, "round_trips_for", lambda step_s: MIN_ROUND_TRIPS)
-    real = teraio.calibrate.calibrate
+    monkeypatch.setattr(teraio.lifecycle.backend, "round_trips_for", lambda step_s: MIN_ROUND_TRIPS)
+    real = teraio.profiling.disk_calibration.calibrate
     monkeypatch.setattr(
-        teraio.calibrate,
+        teraio.profiling.disk_calibration,
         "calibrate",
         lambda d, **kw: real(d, **{**kw, "nbytes": 1 << 20, "block_nbytes": 1 << 20}),
     )

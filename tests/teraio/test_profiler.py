@@ -11,15 +11,15 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from teraio.capture import capturing_partition, unique_storages
-from teraio.compilers import fx_only_compiler
-from teraio.lifecycle import TeraioBackend
-from teraio.measure import measure_memory
-from teraio.profile_run import profile_workload, summarize
-from teraio.profiler import _run_uninstrumented
+from teraio.graph.capture import capturing_partition, unique_storages
+from teraio.graph.compilers import fx_only_compiler
+from teraio.lifecycle.backend import TeraioBackend
+from teraio.profiling.measure import measure_memory
+from teraio.profiling.op_timing import _run_uninstrumented
 from teraio.runtime import device as runtime_device
 from teraio.runtime.fake_device import FakeDevice
-from teraio.workload import compute_loss
+from teraio.tools.profile_workload import profile_workload, summarize
+from teraio.tools.workloads import compute_loss
 
 from .fake_cuda import FWD_S, LateModel, batch
 from .models import WORKLOADS

@@ -1,5 +1,5 @@
 """Profiler sessions that span compiled calls never corrupt the heap (Note: [A session never ends under
-another session's record functions] in teraio.measure).
+another session's record functions] in teraio.profiling.measure).
 
 A record function that starts while one torch profiler session records and ends while a later one
 records makes torch write into the first session's freed event storage. Dynamo opens one around every
@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-import teraio.measure as measure
-from teraio.measure import MemoryRecorder, ProfilerBusyError
+import teraio.profiling.measure as measure
+from teraio.profiling.measure import MemoryRecorder, ProfilerBusyError
 
 
 def _compiled_with_hook():
@@ -87,7 +87,7 @@ def test_a_session_stopped_outside_compiled_calls_leaves_no_barrier() -> None:
 _SWITCHING = textwrap.dedent(
     """
     import torch
-    from teraio.measure import MemoryRecorder, ProfilerBusyError
+    from teraio.profiling.measure import MemoryRecorder, ProfilerBusyError
 
     recs = []
 

@@ -1,6 +1,6 @@
 """Recompute in the real graphs: recipes replay bit for bit, plans that recompute run exact and in budget.
 
-A plan may rebuild saved tensors in backward instead of keeping or offloading them (``teraio.recompute``).
+A plan may rebuild saved tensors in backward instead of keeping or offloading them (``teraio.graph.recompute``).
 These tests check the recipes the profiler extracts (Note: [Only what replays bit for bit is
 recomputed]), refuse plans that ask for what cannot be rebuilt, and run recompute-only and joint plans
 through the loop that goes through every pattern, on every model, compared bit for bit with the same
@@ -14,12 +14,12 @@ import dataclasses
 import pytest
 import torch
 
-from teraio.capture import CapturedStep, analyse_saved
+from teraio.graph.capture import CapturedStep, analyse_saved
+from teraio.graph.recompute import recipes
+from teraio.graph.rewrite import PlanMismatchError, check_plan
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import analyse
 from teraio.planner.plan import Decision, Plan
-from teraio.recompute import recipes
-from teraio.rewrite import PlanMismatchError, check_plan
 
 from .captured import captured_steps
 from .loops import CASES

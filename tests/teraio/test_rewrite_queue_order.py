@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from teraio.capture import StepAnalysis, analyse_saved
+from teraio.graph.capture import StepAnalysis, analyse_saved
+from teraio.graph.rewrite import apply_plan
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Decision, Plan, SolverStats
-from teraio.rewrite import apply_plan
 
 from .captured import captured_tiny_gpt_step
 

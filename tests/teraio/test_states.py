@@ -23,7 +23,7 @@ from teraio.runtime.testing import FaultInjector
 from teraio.states import StatesError
 from teraio.states.offload import StateOffload
 from teraio.states.optimizer_stream import Consistency
-from teraio.workload import builtin_workload, compute_loss
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 from .shared import once_per_run
 from .states_loop import assert_same_hf_run, assert_same_run, train, train_hf
@@ -306,7 +306,7 @@ def _states_backend(enabled: bool, opt: torch.optim.Optimizer, offload_dir: str,
 
 
 # -- other models, with the activations planned too ----------------------------------------------------
-#: Whole-step budgets (Note: [The whole-step budget keeps some states in memory] in teraio.states.plan)
+#: Whole-step budgets (Note: [The whole-step budget keeps some states in memory] in teraio.states.residency)
 #: under which each model's graph still offloads activations with its parameters resident: between its
 #: smallest achievable peak and its unplanned peak, beside the parameters and what the loop holds.
 HF_BUDGETS = {"hf-gpt2": "50%", "hf-llama": "44%"}

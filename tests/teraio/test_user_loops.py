@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import teraio
-from teraio.call_sites import ABANDONED_TO_SKIP
-from teraio.lifecycle import Phase, TeraioBackend
-from teraio.measure import MemoryRecorder
+from teraio.lifecycle.backend import Phase, TeraioBackend
+from teraio.lifecycle.discarded_forwards import ABANDONED_TO_SKIP
+from teraio.profiling.measure import MemoryRecorder
 
 from .loops import (
     CASES,
@@ -132,7 +132,7 @@ def test_a_smaller_last_batch_reaches_running_steps_and_is_measured(
     inner: str, deterministic_inductor, tmp_path
 ) -> None:
     """Each shape is profiled once (the batch of 4 keeps its static graph's runner when Dynamo replaces it:
-    Note: [A graph Dynamo replaced keeps its shape] in teraio.shapes), both reach running steps, and the
+    Note: [A graph Dynamo replaced keeps its shape] in teraio.lifecycle.shapes), both reach running steps, and the
     common shape's step is measured within the budget and the prediction by its third epoch."""
     options = {"inner": inner, "memory_budget": "70%", "solver": "greedy", "io_backend": "posix"}
     reference_be = TeraioBackend(enabled=False, **options)
@@ -210,14 +210,14 @@ def _gan(backend_g: TeraioBackend, backend_d: TeraioBackend, steps: int) -> Trac
 # This test crashed in torch's profiler teardown, or a loss differed in its last bits between identical
 # runs, because a profiler session started inside the compiled call another had stopped in, and torch then
 # wrote into freed memory (Note: [A session never ends under another session's record functions] in
-# teraio.measure; benchmarks/results/gan_two_backends_crash_202611.md: 0 of 30 runs wrong with the fix,
+# teraio.profiling.measure; benchmarks/results/gan_two_backends_crash_202611.md: 0 of 30 runs wrong with the fix,
 # 8 of 30 without). Its Inductor variant takes 40 s of CPU: run by hand (`pytest -m expensive`).
 @pytest.mark.parametrize("inner", INNERS_EXPENSIVE_INDUCTOR)
 def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> None:
     """Exact; the discriminator's steps are measured within its budget and prediction; the generator's
     steps, inside which the discriminator's graphs run, are never paired with memory that is not theirs;
     the generator forward that is detached at once stops writing to disk after two such calls (Note:
-    [Forwards never backpropagated move nothing] in teraio.call_sites)."""
+    [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards)."""
     steps = 12
     options = {
         "inner": inner,

@@ -1,5 +1,5 @@
 """One budget over the whole step with states="offload" (Note: [The whole-step budget keeps some states in
-memory] in teraio.states.plan): a percentage of parameters + gradients + optimizer states + the
+memory] in teraio.states.residency): a percentage of parameters + gradients + optimizer states + the
 activations' peak, activations planned, the parameters and states that fit kept in memory, the rest
 streamed. Every run is compared bit for bit with the same loop without teraio's offload, and the whole
 step's measured peak with its prediction."""
@@ -18,9 +18,9 @@ import torch
 import teraio
 from teraio.errors import UserInputError
 from teraio.planner.budget import BudgetError
-from teraio.planner.state_plan import choose_resident_states
-from teraio.states.plan import apply_residency, resident_state_bytes, state_memory
-from teraio.workload import builtin_workload, compute_loss
+from teraio.planner.kept_states import choose_resident_states
+from teraio.states.residency import apply_residency, resident_state_bytes, state_memory
+from teraio.tools.workloads import builtin_workload, compute_loss
 
 from .states_loop import assert_same_hf_run, assert_same_run, train, train_hf
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from teraio.workload import Workload, compute_loss
+from teraio.tools.workloads import Workload, compute_loss
 
 
 @dataclass

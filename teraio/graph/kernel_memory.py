@@ -2,7 +2,7 @@
 
 Note: [The budget is of the graph that runs]
     The profile's memory timeline comes from a census taken while the partitioned FX graph runs op by op
-    (``teraio.profiler``). Inductor does not run that graph: it fuses pointwise ops into kernels (their
+    (``teraio.profiling.op_timing``). Inductor does not run that graph: it fuses pointwise ops into kernels (their
     intermediates never exist), allocates each kernel's outputs before the kernel runs, reuses buffers,
     and in backward allocates gradient buffers early and frees inputs at its own points. On small
     single-graph models its no-offload peak came out 10-15% above the FX census's, so plans made on the
@@ -10,7 +10,7 @@ Note: [The budget is of the graph that runs]
     had. So on the Inductor path one profiling step runs Inductor's own kernels for the unplanned graph
     under the torch profiler, and its allocation events give the live bytes of every segment (the ops
     up to and including the next extern call: Note: [Migration ops sit between kernels] in
-    teraio.segments). The extern calls themselves (matmuls, convolutions, attention) appear in the
+    teraio.graph.kernel_boundaries). The extern calls themselves (matmuls, convolutions, attention) appear in the
     profiler's event tree with their input shapes, so each is matched to the graph's extern op of the
     same family whose input shapes it starts with (the earliest such op not yet matched): the window of
     the timeline that ends with an extern event is the memory of the segment that extern op ends. The
@@ -32,8 +32,8 @@ from typing import Any
 
 from torch import fx
 
-from teraio.measure import AllocationEvent, own_running_bytes
-from teraio.segments import is_extern
+from teraio.graph.kernel_boundaries import is_extern
+from teraio.profiling.measure import AllocationEvent, own_running_bytes
 
 #: record_function names that delimit the forward's and the backward's kernels in the profiled step.
 FWD_MARK = "teraio::kernels_fwd"

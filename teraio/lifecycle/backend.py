@@ -5,17 +5,17 @@ gets one per shape, up to ``max_shapes``: :class:`ShapeDispatch`). A runner move
 place (:meth:`TeraioBackend._advance`), always at a forward call and never inside a backward:
 
 - ``PROFILING``: its training forward and backward run through a timing interpreter
-  (``teraio.profiler``) for ``profile_steps`` complete forward+backward pairs (the first is warm-up),
-  and with ``hardware="calibrate"`` on a short CPU step, ``teraio.probe.PROBE_STEPS`` more that price
+  (``teraio.profiling.op_timing``) for ``profile_steps`` complete forward+backward pairs (the first is warm-up),
+  and with ``hardware="calibrate"`` on a short CPU step, ``teraio.profiling.transfer_probe.PROBE_STEPS`` more that price
   moving tensors under the graph's own compute;
 - ``PLANNING``: profiled; at the next forward the backend plans every profiled graph of the step
-  together (one budget for the step: ``teraio.step_budget``) and recompiles them;
+  together (one budget for the step: ``teraio.planner.budget_split``) and recompiles them;
 - ``RUNNING``: the compiled graphs carry the plan's ``teraio::`` migration ops (or none: no budget,
   ``enabled=False``, or a shape beyond ``max_shapes``);
 - ``INFERENCE``: a graph without a backward (under ``no_grad``/``inference_mode``, or no input requires
   grad) is compiled as it is; it is never profiled, planned or measured.
 
-Invocations in flight and step boundaries come from ``teraio.steps``; a switch of compilation never
+Invocations in flight and step boundaries come from ``teraio.lifecycle.steps``; a switch of compilation never
 affects an invocation already in flight (its backward belongs to the compilation that ran its forward).
 One running step per backend is measured for its memory peak with the torch profiler, only when the
 process's single profiler session is free, and only a step whose every forward got its backward counts.
@@ -41,36 +41,43 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from teraio import process
-from teraio.call_sites import SiteMemory, call_site
-from teraio.capture import CapturedStep, analyse_saved, computation_fingerprint
-from teraio.clock import Clock
-from teraio.compilers import compile_graph
 from teraio.config import CALIBRATE, BackendConfig
 from teraio.errors import UserInputError
-from teraio.mkl_vml import warm_up_mkl_vml
-from teraio.outside import OutsideTimer
+from teraio.graph.capture import CapturedStep, analyse_saved, computation_fingerprint
+from teraio.graph.compilers import compile_graph
+from teraio.graph.kernel_boundaries import Segmentation, coarsen, granularity_for, plan_fingerprint
+from teraio.graph.recompute import recipes
+from teraio.graph.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
+from teraio.lifecycle import registry as process
+from teraio.lifecycle.discarded_forwards import SiteMemory, call_site
+from teraio.lifecycle.outside_time import OutsideTimer
+from teraio.lifecycle.ranks import RankAgreement, disk_sharers, rank_info
+from teraio.lifecycle.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
+from teraio.lifecycle.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
+from teraio.lifecycle.step_stats import Measurement, StepStats
+from teraio.lifecycle.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 from teraio.planner.budget import parse_budget
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
-from teraio.probe import PROBE_STEPS, TransferPrice, TransferProbe, probe_variants, round_trips_for
-from teraio.profiler import StepProfiler, classify_inputs, profiling_split
-from teraio.ranks import RankAgreement, disk_sharers, rank_info
-from teraio.recompute import recipes
-from teraio.rewrite import PlanMismatchError, RewriteResult, apply_plan, check_plan
-from teraio.run_dir import RunDir, RunDirError, refuse_foreign_run_dir
-from teraio.segments import Segmentation, coarsen, granularity_for, plan_fingerprint
-from teraio.shapes import ShapeDispatch, frame_of, is_dynamic, placeholder_sources, shape_key
+from teraio.platform.mkl_vml import warm_up_mkl_vml
+from teraio.profiling import forward_count
+from teraio.profiling.clock import Clock
+from teraio.profiling.op_timing import StepProfiler, classify_inputs, profiling_split
+from teraio.profiling.transfer_probe import (
+    PROBE_STEPS,
+    TransferPrice,
+    TransferProbe,
+    probe_variants,
+    round_trips_for,
+)
 from teraio.states import attach_states, io_bytes_by_kind
-from teraio.states.plan import (
+from teraio.states.residency import (
     WholeStepStates,
     add_fetched_parameters,
     held_by_graphs,
     whole_step_budget_error,
 )
-from teraio.step_stats import Measurement, StepStats
-from teraio.steps import CallKind, InvocationEnd, StepRecord, StepTracker, invocation_ordinals
 
 log = logging.getLogger("teraio")
 
@@ -134,22 +141,24 @@ class GraphRunner:
         self._pending_error: Exception | None = None
         self._call_params: frozenset[int] | None = None  # inputs of the first call that are parameters
         #: The offloaded parameters of each call while profiling (Note: [Fetched parameters are the graph's
-        #: memory] in teraio.states.plan).
+        #: memory] in teraio.states.residency).
         self._param_calls: set[tuple[int, ...]] = set()
         self._param_idxs: tuple[int, ...] | None = (
             None  # inputs that are offloaded parameters (teraio.states)
         )
-        # Note: [A graph Dynamo replaced keeps its shape] in teraio.shapes: which Dynamo frame the graph
+        # Note: [A graph Dynamo replaced keeps its shape] in teraio.lifecycle.shapes: which Dynamo frame the graph
         # was traced from, its inputs' sources, the shapes it was compiled for, and what it computes.
         self.frame = frame_of(gm)
         self.sources = placeholder_sources(gm)
         self.signature = shape_key(example_inputs)
         self.computation_fingerprint: str | None = None
         self.compiles = 1  # compilations so far (a new plan is a new compilation)
-        #: The parameters' storages the graph computes with (which model it belongs to: teraio.step_stats).
+        #: The parameters' storages the graph computes with (which model it belongs to: teraio.lifecycle.step_stats).
         self.parameter_ids: frozenset[int] = frozenset()
         self._memory_invocation: Any = None  # the invocation of a kernel-memory step in progress
-        self.sites = SiteMemory()  # Note: [Forwards never backpropagated move nothing] in teraio.call_sites
+        self.sites = (
+            SiteMemory()
+        )  # Note: [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards
         self._plain: Callable[..., Any] | None = None
         self.unplanned_calls = 0
         self._unplanned_peak_bytes: int | None = None
@@ -166,7 +175,7 @@ class GraphRunner:
             # Not with plans from a file: a graph they cover is never profiled (one that is not then
             # calibrates on the FX graph, and its profile says so in ``calibrated_on``). On Inductor the
             # kernels also give the memory timeline: Note: [The budget is of the graph that runs] in
-            # teraio.kernel_memory.
+            # teraio.graph.kernel_memory.
             calibration_kernels=(
                 profiling_split(self.cfg.profile_steps)[1] > 0 or self.cfg.inner == "inductor"
             )
@@ -233,7 +242,7 @@ class GraphRunner:
     ):
         prof = self.profiler
         assert prof is not None
-        if kernels is not None:  # Note: [Calibrating on the compiler's own code] in teraio.compilers
+        if kernels is not None:  # Note: [Calibrating on the compiler's own code] in teraio.graph.compilers
             prof.set_kernels(kernels, is_backward)
 
         tracker = self.backend.tracker
@@ -264,7 +273,7 @@ class GraphRunner:
     def _profiled_enough(self) -> bool:
         """``profile_steps`` steps done: the first takes the census, the second is timed op by op, and the
         rest (from three on) run uninstrumented to calibrate the op times (Note: [Calibrated times] in
-        teraio.profiler)."""
+        teraio.profiling.op_timing)."""
         prof = self.profiler
         assert prof is not None
         instrumented, calibration = profiling_split(self.cfg.profile_steps)
@@ -277,7 +286,7 @@ class GraphRunner:
 
     def _may_probe(self) -> bool:
         """Whether this graph's calibration steps may go on to price a transfer (Note: [Pricing transfers
-        under the model's own compute] in teraio.probe): the backend wants the price, the steps run the
+        under the model's own compute] in teraio.profiling.transfer_probe): the backend wants the price, the steps run the
         graph's own Python code on the CPU, and its step is short enough."""
         prof = self.profiler
         if prof is None or prof.has_kernels or prof.device != "cpu" or not prof.calibrations:
@@ -316,7 +325,7 @@ class GraphRunner:
             self.backend._save_profile(self)
 
     def _count_fetched_parameters(self) -> None:
-        """Note: [Fetched parameters are the graph's memory] in teraio.states.plan: the offloaded
+        """Note: [Fetched parameters are the graph's memory] in teraio.states.residency: the offloaded
         parameters a call of this graph fetches (and, when it runs once per block, the next call's read
         ahead) are memory every op of the graph runs with."""
         residency = self.backend.states.residency if self.backend.states is not None else None
@@ -366,7 +375,7 @@ class GraphRunner:
             if plan is None:
                 return None
             analysis = analyse_saved(step)
-            # Note: [Migration ops sit between kernels] in teraio.segments
+            # Note: [Migration ops sit between kernels] in teraio.graph.kernel_boundaries
             segmentation = Segmentation.of(analysis, granularity_for(self.cfg.inner))
             rebuild = recipes(step, analysis, self._param_positions()) if plan.recomputes else None
             # Completely, before a byte is reserved.
@@ -421,7 +430,7 @@ class GraphRunner:
             # call with fake outputs without running the compiled graphs. It is not a step: nothing is
             # profiled or counted. Answered any other way, AOTAutograd's first *real* call returned fakes.
             return self._compiled(*args)
-        process.note_forward()
+        forward_count.note_forward()
         self.backend.forward_calls += 1
         if self._call_params is None:
             self._call_params = frozenset(
@@ -449,7 +458,7 @@ class GraphRunner:
             self.phase is Phase.PROFILING and self.profiler is not None and self.profiler.calibrate_next
         )
         self.backend.outside.forward_starts(step.index, not step.calls, calibrating)
-        # Note: [Forwards never backpropagated move nothing] in teraio.call_sites: such a forward neither
+        # Note: [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards: such a forward neither
         # runs the plan nor starts a step measurement (which would hold the process's one profiler
         # session through the loop's code until the forward is found abandoned).
         site = call_site() if self.phase is Phase.RUNNING else None
@@ -488,7 +497,7 @@ class GraphRunner:
     ) -> Any:
         """Note: [When a parameter is resident] in teraio.states.params: fetched for the forward, freed
         after it, fetched again for the backward."""
-        from teraio.steps import backward_node
+        from teraio.lifecycle.steps import backward_node
 
         residency = self.backend.states.residency
         residency.around_forward(idxs, first_of_step)
@@ -504,7 +513,7 @@ class GraphRunner:
     def _finish_kernel_memory(self) -> None:
         """Read a kernel-memory step's timeline (outside backward), if one ran; keep it only when that step
         ran this graph alone: no other forward of any backend in between (Note: [The budget is of the graph
-        that runs] in teraio.kernel_memory)."""
+        that runs] in teraio.graph.kernel_memory)."""
         prof = self.profiler
         if prof is None:
             return
@@ -645,14 +654,16 @@ class TeraioBackend:
     def __init__(self, **options: Any) -> None:
         _ensure_log_handler()
         self.cfg = BackendConfig(**options)
-        warm_up_mkl_vml()  # Note: [MKL VML's first concurrent call] in teraio.mkl_vml
+        warm_up_mkl_vml()  # Note: [MKL VML's first concurrent call] in teraio.platform.mkl_vml
         self.runners: list[GraphRunner] = []
         self.engine: Any = None
         self._engine_id: int | None = None
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
         self.backend_id = process.register(self)  # the process-wide view: teraio.process_stats()
-        self.ranks = RankAgreement()  # Note: [Ranks agree at the start of every step] in teraio.ranks
+        self.ranks = (
+            RankAgreement()
+        )  # Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks
         self._ranks_ready = False
         self._told_sharing = False
         # Note: [Memory outside the graphs is measured and planned for]
@@ -662,7 +673,7 @@ class TeraioBackend:
         self._outside_confirming = False  # an excess awaits a second measured step
         self._replan_wanted = False
         self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
-        self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.step_stats
+        self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.lifecycle.step_stats
         self.forward_calls = 0  # this backend's forwards (Note: [A measured step belongs to one backend])
         self._measure_counts_start = self._measure_counts_end = (0, 0)
         self._measured_calls: list[tuple[Any, Any, int]] = []
@@ -680,7 +691,7 @@ class TeraioBackend:
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
         self._told_profile_only = False
         self._hardware: HardwareModel | None = None
-        # Note: [Pricing transfers under the model's own compute] in teraio.probe
+        # Note: [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe
         self._probe_engine: Any = None
         self._probe_engine_id: int | None = None
         #: Per probed graph: each variant's round trips and page bytes, its probed-minus-plain seconds,
@@ -709,7 +720,7 @@ class TeraioBackend:
         if self.cfg.plan is not None:
             self.plans_from_file = load_plans(self.cfg.plan)
         self.states = attach_states(self.cfg)  # states="offload": teraio.states (issue 23)
-        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.plan.
+        #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.whole_step = None if self.states is None else WholeStepStates(self.states, self.cfg.states_keep)
 
     # ---------------------------------------------------------------------------- torch.compile API
@@ -766,7 +777,7 @@ class TeraioBackend:
         with self._lock:
             if runner.phase is not Phase.PLANNING:
                 return
-            self._collect_probes()  # Note: [Pricing transfers under the model's own compute] in teraio.probe
+            self._collect_probes()  # Note: [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe
             for r in self.runners:
                 if r.phase is Phase.PLANNING and r.profiler is not None and r.profile is None:
                     r._finish_kernel_memory()
@@ -808,17 +819,17 @@ class TeraioBackend:
     #     each call of a step (its ordinal among the graph's forwards in the step) is a node of the step's
     #     composition with a plan of its own: the calls start with everything offloadable moved, and from
     #     the latest forward back, each gets the largest budget that still composes within the step's
-    #     (teraio.step_budget.split_budget's ``relax``). The last calls keep what they save; the first,
+    #     (teraio.planner.budget_split.split_budget's ``relax``). The last calls keep what they save; the first,
     #     idle longest, move it. At most MAX_PLANS_PER_GRAPH plans per graph (consecutive calls share one)
     #     bound the compilations. A call beyond those planned (a step with more calls) takes the first
     #     call's plan, which holds the least. Each plan's own time model still sees its forward followed
     #     by its backward: the I/O of the early calls hides behind the other blocks' compute in practice,
     #     which the prediction does not count (it is pessimistic there).
     def _plan_step(self, ready: list[GraphRunner]) -> None:
-        from teraio import step_budget
+        from teraio.planner import budget_split as step_budget
         from teraio.planner.budget import BudgetError, resolve_budget
+        from teraio.planner.budget_split import GraphMemory, step_peak
         from teraio.planner.lifetimes import analyse
-        from teraio.step_budget import GraphMemory, step_peak
 
         graphs = [r for r in self.runners if r.profile is not None and r.is_training]
         calls = self._step_calls(graphs)
@@ -857,7 +868,7 @@ class TeraioBackend:
         # Note: [Memory outside the graphs is measured and planned for]: a fraction is of the whole step's
         # unplanned peak, outside memory included, and the graphs get the budget less that memory.
         outside = self._outside_bytes
-        # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan: with
+        # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: with
         # states="offload" a fraction is of the whole step, parameters, gradients and states included.
         whole = (
             self.whole_step.sizes(held_by_graphs([r._param_calls for r in self.runners]))
@@ -983,7 +994,7 @@ class TeraioBackend:
             )
 
     def _step_calls(self, graphs: list[GraphRunner], absent_too: bool = True) -> list[tuple[Any, str, int]]:
-        """The calls among ``graphs`` of every kind of step seen (teraio.step_stats), one kind after the
+        """The calls among ``graphs`` of every kind of step seen (teraio.lifecycle.step_stats), one kind after the
         other: a kind's invocations all end within it, so the composed peak of the sequence is the largest
         of any kind's (a discriminator's step with two forwards, and its other step with one, are both
         bounded). With ``absent_too``, graphs that no complete step called are appended as one forward
@@ -1046,8 +1057,8 @@ class TeraioBackend:
             self.step_stats.step_ended(step.calls, None)
         if self._measure is MeasureState.ACTIVE and self._measured_step == step.index:
             if clean and final:  # a step that profiled a graph measured the interpreter, not the plan
-                self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.measure
-                self._measure_counts_end = (process.forward_calls(), self.forward_calls)
+                self._recorder.mark_end()  # Note: [Profiler state inside backward] in teraio.profiling.measure
+                self._measure_counts_end = (forward_count.forward_calls(), self.forward_calls)
                 self._measured_calls = list(step.calls)
             else:
                 self._measured_step = None  # discard: not a clean step
@@ -1064,7 +1075,7 @@ class TeraioBackend:
     @staticmethod
     def _on_invocation_end(inv: Any) -> None:
         # In a backward hook or a finalizer: a dict update only (Note: [Forwards never backpropagated move
-        # nothing] in teraio.call_sites).
+        # nothing] in teraio.lifecycle.discarded_forwards).
         if inv.site is not None:
             inv.graph.sites.ended(inv.site, inv.end is InvocationEnd.ABANDONED)
         runner = inv.graph
@@ -1121,7 +1132,7 @@ class TeraioBackend:
     def _step_final(step: StepRecord) -> bool:
         """Whether every graph the step called ran its final compilation. Graphs the step did not call do
         not count: a graph Dynamo replaced is never called again (Note: [A graph Dynamo replaced keeps its
-        shape] in teraio.shapes), and a graph called only in some steps must not keep the others from
+        shape] in teraio.lifecycle.shapes), and a graph called only in some steps must not keep the others from
         being timed and measured."""
         return bool(step.calls) and all(g.phase in (Phase.RUNNING, Phase.INFERENCE) for g, _, _ in step.calls)
 
@@ -1134,7 +1145,7 @@ class TeraioBackend:
             self._step_t0[step.index] = (clock, clock.mark())
         if self._measure is not MeasureState.ARMED or step.calls:
             return
-        from teraio.measure import MemoryRecorder, ProfilerBusyError
+        from teraio.profiling.measure import MemoryRecorder, ProfilerBusyError
 
         recorder = MemoryRecorder(self._compute_device())
         try:
@@ -1146,7 +1157,7 @@ class TeraioBackend:
         if self.whole_step is not None:
             self.whole_step.step_starts()
         # This step's first forward has been counted already (GraphRunner.__call__).
-        self._measure_counts_start = (process.forward_calls() - 1, self.forward_calls - 1)
+        self._measure_counts_start = (forward_count.forward_calls() - 1, self.forward_calls - 1)
         self._measure = MeasureState.ACTIVE
 
     # Note: [Memory outside the graphs is measured and planned for]
@@ -1161,11 +1172,11 @@ class TeraioBackend:
     #     fraction budget is then of the step's peak with that memory, and the graphs get the budget less
     #     it. Once: a later excess is reported, not chased. Under torchrun every rank plans again at the
     #     start of the same step (any rank that wants it decides: Note: [Ranks agree at the start of every
-    #     step] in teraio.ranks).
+    #     step] in teraio.lifecycle.ranks).
     def _finish_measurement(self) -> None:
         """Stop a measurement whose step ended; call from outside any backward.
 
-        Note: [A measured step belongs to one backend] in teraio.step_stats.
+        Note: [A measured step belongs to one backend] in teraio.lifecycle.step_stats.
         """
         if self._measure is not MeasureState.ENDED or self._recorder is None:
             return
@@ -1256,8 +1267,8 @@ class TeraioBackend:
     def _graph_memory(self, r: GraphRunner, ordinal: int = 0) -> Any:
         """A graph's peak and what its ``ordinal``-th call of a step holds between forward and backward,
         under its plan (or unplanned, from its profile; None when it was never profiled)."""
+        from teraio.planner.budget_split import GraphMemory
         from teraio.planner.lifetimes import analyse
-        from teraio.step_budget import GraphMemory
 
         if r.profile is None:
             return None
@@ -1272,9 +1283,9 @@ class TeraioBackend:
         return GraphMemory(r._unplanned_peak_bytes, held)
 
     def _predicted_peak(self, calls: list[tuple[Any, Any, int]]) -> int | None:
-        """The composed prediction for a step with these calls (teraio.step_budget), None when a graph of
+        """The composed prediction for a step with these calls (teraio.planner.budget_split), None when a graph of
         it has no profile to predict from."""
-        from teraio.step_budget import step_peak
+        from teraio.planner.budget_split import step_peak
 
         ordinals = invocation_ordinals(calls)
         nodes = [((g, ordinals.get(i, 0)), getattr(k, "value", k), i) for g, k, i in calls]
@@ -1284,7 +1295,7 @@ class TeraioBackend:
         return step_peak(nodes, memory)[0] + self._outside_bytes - self._kept_held_bytes()
 
     def _kept_held_bytes(self) -> int:
-        """Note: [Two moments bound the kept states] in teraio.planner.state_plan."""
+        """Note: [Two moments bound the kept states] in teraio.planner.kept_states."""
         return self.whole_step.kept_held_bytes if self.whole_step is not None else 0
 
     # ------------------------------------------------------------------------------------ planning
@@ -1292,7 +1303,7 @@ class TeraioBackend:
         """What plans assume of the storage: the ``hardware`` file, a quick calibration of the offload
         directory (``hardware="calibrate"``, made once, before the first plan), or the built-in model;
         with ``"calibrate"``, the price of moving tensors measured under the graphs' own compute once a
-        probe has it (Note: [Pricing transfers under the model's own compute] in teraio.probe)."""
+        probe has it (Note: [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe)."""
         if self._hardware is None:
             self._hardware = self._calibrate_hardware() if self.cfg.hardware == CALIBRATE else HardwareModel()
         hw = self._hardware
@@ -1341,9 +1352,9 @@ class TeraioBackend:
 
     def wants_transfer_price(self) -> bool:
         """Whether a graph's calibration steps should price moving tensors under its own compute (Note:
-        [Pricing transfers under the model's own compute] in teraio.probe): plans are made from a
+        [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe): plans are made from a
         calibration of the offload directory, for a CPU that computes, and no probe has the price yet."""
-        from teraio.calibrate import accelerator_computes
+        from teraio.profiling.disk_calibration import accelerator_computes
 
         return (
             self.cfg.enabled
@@ -1358,7 +1369,7 @@ class TeraioBackend:
     def probe_engine_id(self) -> int:
         """The engine transfer probes use (posix, on the directory being calibrated), while any runs."""
         if self._probe_engine is None:
-            from teraio.ops import register_engine
+            from teraio.graph.ops import register_engine
             from teraio.runtime import Engine, RuntimeConfig
 
             self._probe_engine = Engine(
@@ -1412,7 +1423,7 @@ class TeraioBackend:
 
     def _close_probe_engine(self) -> None:
         if self._probe_engine is not None:
-            from teraio.ops import unregister_engine
+            from teraio.graph.ops import unregister_engine
 
             self._probe_engine.close()
             unregister_engine(self._probe_engine_id)
@@ -1459,10 +1470,10 @@ class TeraioBackend:
         return price, " | ".join(how for _, how in priced)
 
     def _calibrate_hardware(self) -> HardwareModel:
-        """Time the runtime engine on the directory offloads will go to (teraio.calibrate, small sizes)."""
+        """Time the runtime engine on the directory offloads will go to (teraio.profiling.disk_calibration, small sizes)."""
         if "ssd" not in self.cfg.tiers:
             return HardwareModel()
-        from teraio.calibrate import QUICK_NBYTES, calibrate
+        from teraio.profiling.disk_calibration import QUICK_NBYTES, calibrate
 
         directory = self._calibration_directory()
         t0 = time.perf_counter()
@@ -1486,7 +1497,7 @@ class TeraioBackend:
     def engine_id_for(self, plan: Plan) -> int:
         """The runtime engine the graphs' ops call; started (and space reserved) on first use."""
         if self.engine is None:
-            from teraio.ops import register_engine
+            from teraio.graph.ops import register_engine
             from teraio.runtime import Engine, RuntimeConfig
 
             # None: TERAIO_OFFLOAD_DIRS, else the runtime's per-user directory, where a killed run's
@@ -1529,7 +1540,7 @@ class TeraioBackend:
         self._measure = MeasureState.DONE
         process.unregister(self)
         if self.engine is not None:
-            from teraio.ops import unregister_engine
+            from teraio.graph.ops import unregister_engine
 
             self.engine.close()
             unregister_engine(self._engine_id)
@@ -1563,7 +1574,7 @@ class TeraioBackend:
 
     def _append_stats(self, step: StepRecord) -> None:
         # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
-        # by-products] in teraio.run_dir).
+        # by-products] in teraio.lifecycle.run_dir).
         if self._run is not None:
             io = self._io_stats()
             self._run.append_stats(
@@ -1572,7 +1583,7 @@ class TeraioBackend:
                     "step_s": self.step_times_s[-1],
                     **io,
                     **io_bytes_by_kind(io, self.states),
-                    # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan
+                    # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency
                     **({"whole_step": self.whole_step.stats()} if self.whole_step is not None else {}),
                 }
             )
@@ -1599,7 +1610,7 @@ class TeraioBackend:
     def stats(self) -> dict[str, Any]:
         """What the backend did, for the model it trained last, per model, and per graph.
 
-        Note: [Models of one backend] in teraio.step_stats. The top-level figures describe the model of
+        Note: [Models of one backend] in teraio.lifecycle.step_stats. The top-level figures describe the model of
         the latest complete step (``model`` indexes ``models``): ``running_steps`` and ``step_s`` (the
         median wall time of its steps that ran every graph's final compilation), its latest measured
         peak and the prediction for that same step, the bytes it moves per step. ``steps`` counts every
@@ -1630,7 +1641,7 @@ class TeraioBackend:
                 "profiled_s": r.profile.meta.get("step_s") if r.profile is not None else None,
                 "memory_from": r.profile.meta.get("memory_from") if r.profile is not None else None,
                 # Forwards from lines of the loop whose outputs are never backpropagated, run without the
-                # plan (Note: [Forwards never backpropagated move nothing] in teraio.call_sites).
+                # plan (Note: [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards).
                 "unplanned_calls": r.unplanned_calls,
             }
             for r in self.runners
@@ -1668,7 +1679,7 @@ class TeraioBackend:
             "per_graph": graphs,
             **io,
             **io_bytes_by_kind(io, self.states),
-            # Note: [The whole-step budget keeps some states in memory] in teraio.states.plan
+            # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency
             "whole_step": self.whole_step.stats() if self.whole_step is not None else None,
         }
 
@@ -1698,7 +1709,7 @@ _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: str) -> dict[str, Any]:
-    """The Inductor options to compile with: ``mode``'s (``teraio.compilers.mode_options``) under the
+    """The Inductor options to compile with: ``mode``'s (``teraio.graph.compilers.mode_options``) under the
     explicit ``options``. Refuses CUDA graphs (one line, what to do instead).
 
     A CUDA graph replays recorded kernels without running Python: teraio's migration ops are host-side
@@ -1708,7 +1719,7 @@ def check_compile_mode(mode: str | None, options: dict[str, Any] | None, inner: 
         UserInputError: ``mode`` or ``options`` ask for CUDA graphs, Inductor's config has them on, or
             ``mode`` is not one of torch.compile's.
     """
-    from teraio.compilers import mode_options
+    from teraio.graph.compilers import mode_options
 
     options = dict(options or {})
     asked = (

@@ -3,7 +3,7 @@
 Note: [Pricing transfers under the model's own compute]
 On a CPU-only step the time a transfer costs is mostly contention: the compute thread's calls into
 the migration ops, and the I/O threads taking cores from torch's intra-op threads (Note: [A transfer's
-CPU on a CPU-only step] in teraio.calibrate). How much depends on the compute around it, and blocks of
+CPU on a CPU-only step] in teraio.profiling.disk_calibration). How much depends on the compute around it, and blocks of
 synthetic ops price it only roughly: on the built-in tiny GPT their figure moved by a factor of 1.7
 from one calibration to the next while one plan's measured overhead held within a few percent
 (benchmarks/results/demo_2c24g-virtio_202611.md, session 8). So where it can, the backend prices
@@ -24,7 +24,7 @@ and a step short enough that a few dozen round trips show above the step's noise
 synthetic blocks stand. The pages are the probe's own: the model's tensors, its RNG and its
 statistics are untouched, so a probed step computes exactly what a plain one does, and the plain
 steps between the probed ones calibrate the op times as before (Note: [Calibrated times] in
-teraio.profiler).
+teraio.profiling.op_timing).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ class TransferProbe:
         self.steps.append(ProbeStep(variant, inside_s))
 
     def record_outside(self, outside_s: float) -> None:
-        """The time outside the graphs of the step recorded last (teraio.outside)."""
+        """The time outside the graphs of the step recorded last (teraio.lifecycle.outside_time)."""
         if self.steps:
             self.steps[-1].outside_s = outside_s
 
@@ -307,7 +307,7 @@ class TransferProbe:
 
     # -------------------------------------------------------------------------------- the hooks
     def _reset(self) -> None:
-        # Tokens own their keys (Note: [Every invocation owns its bytes] in teraio.ops): dropping them
+        # Tokens own their keys (Note: [Every invocation owns its bytes] in teraio.graph.ops): dropping them
         # releases a round trip a forward started and no backward finished.
         self._pages.clear()
         self._handles.clear()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -41,7 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import fx
 
-from teraio.capture import CapturedStep
+from teraio.graph.capture import CapturedStep
 
 InnerCompiler = Literal["inductor", "eager"]
 INNER_COMPILERS: tuple[InnerCompiler, ...] = ("inductor", "eager")
@@ -53,7 +54,17 @@ OnPartition = Callable[[CapturedStep], CapturedStep | None]
 #: (the FX-only path runs the graph itself). Note: [Calibrating on the compiler's own code]
 GraphCompiler = Callable[[fx.GraphModule, list[Any], bool, Callable[..., Any] | None], Callable[..., Any]]
 
-_REWRITE_SOURCES = ("capture.py", "rewrite.py", "ops.py", "compilers.py", "steps.py", "segments.py")
+#: The modules whose code decides what a rewritten graph contains, by import name: the compile-cache
+#: identity follows a module wherever its file lives, and a name that no longer resolves is an error.
+_REWRITE_MODULES = (
+    "teraio.graph.capture",
+    "teraio.graph.rewrite",
+    "teraio.graph.ops",
+    "teraio.graph.compilers",
+    "teraio.graph.kernel_boundaries",
+    "teraio.graph.recompute",
+    "teraio.lifecycle.steps",
+)
 
 # Note: [Inductor keeps the profiled order] Inductor may reorder a graph's nodes to lower its peak
 # memory. teraio plans memory on the order it profiled, and a plan changes the lifetimes Inductor's
@@ -82,9 +93,12 @@ def mode_options(mode: str | None) -> dict[str, Any]:
 def source_digest() -> str:
     """A hash of the modules whose code decides what a rewritten graph contains."""
     h = hashlib.sha256()
-    here = Path(__file__).parent
-    for name in _REWRITE_SOURCES:
-        h.update((here / name).read_bytes())
+    for name in _REWRITE_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"source_digest: module {name} not found; update _REWRITE_MODULES")
+        h.update(name.encode())
+        h.update(Path(spec.origin).read_bytes())
     return h.hexdigest()
 
 
@@ -157,13 +171,13 @@ def compile_graph(
 
     Note: [Calibrating on the compiler's own code]
         The calibration steps time the partitioned graphs as the step will run them (Note: [Calibrated
-        times] in teraio.profiler). On the FX-only path that is the GraphModule itself. Inductor fuses
+        times] in teraio.profiling.op_timing). On the FX-only path that is the GraphModule itself. Inductor fuses
         the same graph into kernels that ran the tiny GPT's forward in 45% of the GraphModule's time,
         so a profile calibrated on the GraphModule predicts the FX path's step, not Inductor's. So
         profiling with calibration steps compiles each training graph once more, to the kernels the
         step would run without a plan (a copy: Inductor's passes change the graph they compile, and
         the profile describes the graph as partitioned). A plan's migration ops leave those kernels as
-        they are (Note: [Migration ops sit between kernels] in teraio.segments).
+        they are (Note: [Migration ops sit between kernels] in teraio.graph.kernel_boundaries).
     """
     if inner == "eager":
         from torch._dynamo.backends.common import aot_autograd

@@ -13,7 +13,7 @@ Note: [The whole-step budget keeps some states in memory]
        outside the graphs (the gradients backward hands to autograd, what the loop holds), as before;
        the offloaded parameters a graph fetches are in its own profile (the note below).
     3. *Kept states*: what remains below the budget is filled with parameters and optimizer states kept
-       in memory for good, chosen by ``teraio.planner.state_plan`` (the most step I/O saved: Note: [What
+       in memory for good, chosen by ``teraio.planner.kept_states`` (the most step I/O saved: Note: [What
        keeping an item saves] there). A kept item holds its bytes for the whole step, and two moments
        bound them (Note: [Two moments bound the kept states] there): while the graphs run, beside
        their predicted step peak and the memory outside them, and in the streamed optimizer step,
@@ -25,7 +25,7 @@ Note: [The whole-step budget keeps some states in memory]
     larger of the two moments, each with what the kept items add to it; the measurement is the bytes of
     parameters, gradients and optimizer states in memory when the measured step starts (read from their
     storages) plus the step's measured peak. When the memory outside the graphs is measured and planned
-    for once more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle),
+    for once more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.backend),
     the kept states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed
     part (every state that can move, moves), and without a ``memory_budget`` nothing is kept either.
 
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from teraio.planner.budget import BudgetError, format_size
-from teraio.planner.state_plan import StateItem, StateResidency, choose_resident_states, state_items
+from teraio.planner.kept_states import StateItem, StateResidency, choose_resident_states, state_items
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozenset()) -> StateMemory:
     """The sizes the whole-step budget needs, from the optimizer's parameters and (future) states;
     ``held_by_graphs``: parameters in memory anyway while the graphs run (Note: [Two moments bound the
-    kept states] in teraio.planner.state_plan)."""
+    kept states] in teraio.planner.kept_states)."""
     params = states.params
     param_nbytes = [_nbytes(p) for p in params]
     state_nbytes = [states.stream.state_footprint(i)[1] for i in range(len(params))]
@@ -188,7 +188,7 @@ class WholeStepStates:
     ) -> int:
         """Choose and apply the kept states for a step whose graphs peak at ``region_peak_bytes`` (their
         plans' composed peak with the memory outside them); return the whole step's predicted peak
-        (Note: [Two moments bound the kept states] in teraio.planner.state_plan)."""
+        (Note: [Two moments bound the kept states] in teraio.planner.kept_states)."""
         m = self.memory or self.sizes()
         self.budget_bytes = budget_bytes
         self.unplanned_activation_bytes = unplanned_activation_bytes
@@ -214,7 +214,7 @@ class WholeStepStates:
     @property
     def kept_held_bytes(self) -> int:
         """Kept parameters the graphs would otherwise fetch while they run (Note: [Two moments bound the
-        kept states] in teraio.planner.state_plan): in memory before the step, so the step allocates them
+        kept states] in teraio.planner.kept_states): in memory before the step, so the step allocates them
         no more, and the graphs' predicted step peak (bytes allocated during the step) is that much lower."""
         r, m = self.residency, self.memory
         if r is None or m is None:
@@ -265,7 +265,7 @@ def held_by_graphs(param_calls: list[set[tuple[int, ...]]]) -> frozenset[int]:
     """The offloaded parameters that each graph taking them holds all the time it runs (graphs called
     once per step; ``param_calls``: per graph, the parameters of each of its calls): keeping one adds
     nothing while the graphs run (Note: [Two moments bound the kept states] in
-    teraio.planner.state_plan)."""
+    teraio.planner.kept_states)."""
     once: set[int] = set()
     several: set[int] = set()
     for calls in param_calls:

@@ -30,7 +30,7 @@ Note: [Two moments bound the kept states]
     in the streamed optimizer step (its chunks). A kept item adds its bytes to the second moment, and to
     the first unless it is a parameter a graph holds anyway while it runs: with the whole model in one
     graph every offloaded parameter is fetched for that graph (Note: [Fetched parameters are the graph's
-    memory] in teraio.states.plan), so keeping it changes nothing there (``region_nbytes=0``). Hence two
+    memory] in teraio.states.residency), so keeping it changes nothing there (``region_nbytes=0``). Hence two
     capacities, one per moment, and a knapsack with two constraints.
 
 The knapsack is solved exactly by CP-SAT (deterministic time, one worker, hinted with the greedy

@@ -15,6 +15,7 @@ Note: [Forwards never backpropagated move nothing]
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import threading
@@ -26,9 +27,21 @@ ABANDONED_TO_SKIP = 2
 #: How many of the user's frames identify a call site.
 SITE_FRAMES = 4
 
+
+def _package_dirs(name: str) -> list[str]:
+    """The directories a package's modules load from (``teraio.planner`` and ``teraio.runtime`` live in
+    folders of their own), wherever its files sit: not "the directory of this file"."""
+    spec = importlib.util.find_spec(name)
+    locations = spec.submodule_search_locations if spec is not None else None
+    return [os.path.abspath(d) + os.sep for d in (locations or [])]
+
+
+#: Frames from these directories are torch's, teraio's or the threading module's, not the user's.
 _SKIPPED_PREFIXES = (
     os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    *_package_dirs("teraio"),
+    *_package_dirs("teraio.planner"),
+    *_package_dirs("teraio.runtime"),
     os.path.dirname(threading.__file__) + os.sep,
 )
 

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from teraio.capture import CapturedStep, SavedGroup, StepAnalysis
+from teraio.graph.capture import CapturedStep, SavedGroup, StepAnalysis
 
 #: Random ops outside aten's tags (Inductor's prims draw their seeds with ``inductor_seeds``).
 _SEEDED_NAMES = ("inductor_seeds",)

@@ -2,9 +2,9 @@
 
 Several backends may share a process (two models, a GAN's generator and discriminator, a validation
 model beside a training one). Each plans and measures its own steps, but they share the process's memory,
-its one torch profiler session and its disk. This module is the process-wide view they consult: a count
-of forward calls across all backends (a measurement of one backend's step is valid only when no other
-forward ran inside it) and the live backends themselves (``teraio.process_stats()``).
+its one torch profiler session and its disk. This module is the process-wide view of the live backends
+(``teraio.process_stats()``); the count of forward calls across them is
+:mod:`teraio.profiling.forward_count`.
 """
 
 from __future__ import annotations
@@ -15,24 +15,7 @@ import weakref
 from typing import Any
 
 _lock = threading.Lock()
-_forward_calls = itertools.count(1)
-_last_forward = 0
 _backends: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def note_forward() -> int:
-    """Count one forward call of any compiled graph of any backend; returns its number."""
-    global _last_forward
-    with _lock:
-        _last_forward = next(_forward_calls)
-        return _last_forward
-
-
-def forward_calls() -> int:
-    """How many forward calls all backends of this process have seen so far."""
-    return _last_forward
-
-
 _ids = itertools.count(0)
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from teraio.measure import settle_profiler_barriers
+from teraio.profiling.measure import settle_profiler_barriers
 
 
 class CallKind(Enum):
@@ -58,7 +58,7 @@ class Invocation:
     graph: Any  # the GraphRunner (opaque here)
     step: int
     end: InvocationEnd | None = None
-    site: Any = None  # where the loop called it (teraio.call_sites), set by the caller
+    site: Any = None  # where the loop called it (teraio.lifecycle.discarded_forwards), set by the caller
 
 
 @dataclass
@@ -173,7 +173,7 @@ class StepTracker:
     def _backward_ran(self, inv: Invocation) -> None:
         self.settle()
         # A backward runs outside the forwards' compiled frames: profiler barriers left in them go
-        # (Note: [A session never ends under another session's record functions] in teraio.measure).
+        # (Note: [A session never ends under another session's record functions] in teraio.profiling.measure).
         settle_profiler_barriers()
         ended = False
         with self._lock:
@@ -231,7 +231,7 @@ class StepTracker:
 def invocation_ordinals(calls: list[tuple[Any, Any, int]]) -> dict[int, int]:
     """Per invocation id in a step's calls: how many forwards of its graph came before it in that step.
 
-    Note: [A graph called several times per step is planned per call] in teraio.lifecycle: the ordinal
+    Note: [A graph called several times per step is planned per call] in teraio.lifecycle.backend: the ordinal
     picks the call's plan. ``calls`` may hold several steps one after the other (each kind of step the
     backend saw): counting restarts whenever a step's first forward comes (nothing in flight).
     """

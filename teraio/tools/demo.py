@@ -27,13 +27,13 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from teraio.cpu_malloc import CpuMalloc, apply_cpu_malloc
-from teraio.lifecycle import Phase, TeraioBackend
-from teraio.measure import MemoryRecorder
-from teraio.models import GPT, build_gpt, synthetic_batch
+from teraio.lifecycle.backend import Phase, TeraioBackend
 from teraio.planner.budget import BudgetError, format_size
-from teraio.probe import PROBE_STEPS
+from teraio.platform.cpu_malloc import CpuMalloc, apply_cpu_malloc
+from teraio.profiling.measure import MemoryRecorder
+from teraio.profiling.transfer_probe import PROBE_STEPS
 from teraio.runtime.config import default_offload_dir
+from teraio.tools.models import GPT, build_gpt, synthetic_batch
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +54,16 @@ class DemoConfig:
     methods: tuple[str, ...] = METHODS
     run_dir: str | None = None
     seed: int = 0
-    profile_steps: int = 6  # 2 timed op by op, 4 calibrating (Note: [Calibrated times] in teraio.profiler)
+    profile_steps: int = (
+        6  # 2 timed op by op, 4 calibrating (Note: [Calibrated times] in teraio.profiling.op_timing)
+    )
     lr: float = 1e-4
     checksum: bool = True  # per-chunk crc32c of offloaded bytes, verified on read (the runtime default)
     # What teraio's plans assume of the disk: "calibrate" times the offload directory before planning
     # (the built-in model's per-request latency can be far from the machine's, which misleads small models);
     # or a HardwareModel JSON (teraio calibrate --out); None: the built-in model.
     hardware: str | None = "calibrate"
-    # Note: [Freed CPU memory and step time] in teraio.cpu_malloc
+    # Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc
     cpu_malloc: CpuMalloc = "retain"
     # Timed steps of one method in a row per round, after one untimed switch step; None: by step time
     # (Note: [Timing runs of steps]).
@@ -173,7 +175,7 @@ def _warm_up(
         m.warm_up_times.append(m.step(step, cfg)[0])
     # A plan may come later than ``profile_steps``: the backend goes on calibrating while it prices a
     # transfer under the model's own compute (Note: [Pricing transfers under the model's own compute]
-    # in teraio.probe). Bounded, in case a graph never finishes profiling.
+    # in teraio.profiling.transfer_probe). Bounded, in case a graph never finishes profiling.
     while m.steps_run < warmup + PROBE_STEPS + 2 and any(
         r.phase in (Phase.PROFILING, Phase.PLANNING) for r in m.backend.runners
     ):

@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 from torch import fx
 
-from teraio.capture import SavedGroup, StepAnalysis
+from teraio.graph.capture import SavedGroup, StepAnalysis
 
 Granularity = Literal["op", "kernel-group"]
 

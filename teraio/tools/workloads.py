@@ -64,7 +64,7 @@ def compute_loss(model: Callable[..., Any], workload: Workload, step: int = 0) -
 
 
 def builtin_workload(config: str, seed: int = 0) -> Workload:
-    from teraio.models import CONFIGS, build_gpt, synthetic_batch
+    from teraio.tools.models import CONFIGS, build_gpt, synthetic_batch
 
     if config not in CONFIGS:
         raise UserInputError(

@@ -1,6 +1,6 @@
 """How long a training step spends outside its graphs' own code, measured while profiling calibrates.
 
-The calibration steps (Note: [Calibrated times] in teraio.profiler) time each graph's generated code as
+The calibration steps (Note: [Calibrated times] in teraio.profiling.op_timing) time each graph's generated code as
 a whole. What a user times around ``loss = model(x); loss.backward()`` is more: the compiled function's
 wrappers around the forward and the backward, the loop's code between them, the autograd engine
 starting a backward and accumulating gradients after it. On a small model that is a quarter of the

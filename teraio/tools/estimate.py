@@ -4,9 +4,9 @@ Users decide before they buy SSDs or book GPUs: with this model, batch and hardw
 step time, how many drives. ``teraio estimate`` answers from the real training graph: the model and its
 batch are built inside a ``FakeTensorMode`` (every tensor is metadata: a 70B-parameter model costs a few
 hundred MB of Python objects), torch.compile traces it, and the captured graphs go through AOTAutograd
-and the very partitioner hook the backend uses (``teraio.compilers.capture_step``), stopped before code
+and the very partitioner hook the backend uses (``teraio.graph.compilers.capture_step``), stopped before code
 generation. So the saved tensors, their sizes, their producers and uses are exactly those a real profile
-of the same model, batch and inner compiler records (``teraio.capture.analyse_saved`` on the same
+of the same model, batch and inner compiler records (``teraio.graph.capture.analyse_saved`` on the same
 graphs; the graph fingerprint is the same too).
 
 What a real profile measures is estimated instead:
@@ -45,18 +45,18 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from teraio.capture import CapturedStep, StepAnalysis
-from teraio.compilers import InnerCompiler, capture_step
 from teraio.errors import CaptureError, UserInputError
+from teraio.graph.capture import CapturedStep, StepAnalysis
+from teraio.graph.compilers import InnerCompiler, capture_step
+from teraio.graph.kernel_boundaries import granularity_for
 from teraio.planner.costmodel import ComputeModel, Preset
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.lifetimes import analyse
 from teraio.planner.model_states import OPTIMIZERS, ModelStates, Optimizer, Precision
 from teraio.planner.profile import Profile
 from teraio.planner.whatif import PlanOutcome
-from teraio.profiler import GraphRun, StepProfiler, classify_inputs
-from teraio.segments import granularity_for
-from teraio.workload import BUILTIN_PREFIX
+from teraio.profiling.op_timing import GraphRun, StepProfiler, classify_inputs
+from teraio.tools.workloads import BUILTIN_PREFIX
 
 log = logging.getLogger("teraio")
 
@@ -250,7 +250,7 @@ def build_target(
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     torch_dtype = DTYPES[dtype or "float32"]
     if target.startswith(BUILTIN_PREFIX):
-        from teraio.models import CONFIGS, GPT, synthetic_batch
+        from teraio.tools.models import CONFIGS, GPT, synthetic_batch
 
         name = target[len(BUILTIN_PREFIX) :]
         if name not in CONFIGS:
@@ -297,7 +297,7 @@ def build_target(
         raise UserInputError(
             f"{', '.join(given)} apply to builtin: and hf: targets; '{target}' builds its own model and batch"
         )
-    from teraio.workload import load_workload
+    from teraio.tools.workloads import load_workload
 
     with mode:
         work = load_workload(target)  # the user's function runs inside the fake mode: nothing is allocated
@@ -336,7 +336,7 @@ def capture_graphs(target: EstimateTarget, inner: InnerCompiler = "inductor") ->
     """Trace one training step of ``target`` and capture each graph's partitioned forward and backward.
 
     Each graph Dynamo hands over is traced by AOTAutograd with ``inner``'s joint-graph passes and
-    partitioned (``teraio.compilers.capture_step``); its forward then runs on fake tensors so the step goes
+    partitioned (``teraio.graph.compilers.capture_step``); its forward then runs on fake tensors so the step goes
     on to the next graph (after a graph break). Nothing runs backward: the backward graph is captured.
 
     Raises:
@@ -350,7 +350,7 @@ def capture_graphs(target: EstimateTarget, inner: InnerCompiler = "inductor") ->
             captured.append(CapturedGraph(len(captured), step, classify_inputs(list(example_inputs))))
         return gm.forward
 
-    from teraio.workload import Workload, compute_loss
+    from teraio.tools.workloads import Workload, compute_loss
 
     with _dynamo_quiet():
         compiled = torch.compile(target.model, backend=backend)
@@ -448,7 +448,7 @@ def static_census(
 ) -> list[int]:
     """Bytes of the storages alive after each op of ``gm``, as the profiling interpreter counts them.
 
-    The interpreter (``teraio.profiler.TimingInterpreter``, ``garbage_collect_values=True``) keeps each
+    The interpreter (``teraio.profiling.op_timing.TimingInterpreter``, ``garbage_collect_values=True``) keeps each
     value until the node that uses it last has run and counts, after each op, every storage its values
     hold once, without ``excluded`` (the graph's inputs that existed before the step). This replays that
     bookkeeping on the graph's fake values; a value nothing uses stays to the end, as there.

@@ -2,7 +2,7 @@
 
 A plan is exact for the shapes it was made for (sizes, offsets, bytes moved), so a graph Dynamo traced
 with symbolic shapes (``dynamic=True``, or automatic dynamic after a shape changed) gets one
-:class:`~teraio.lifecycle.GraphRunner` per concrete shape, up to ``max_shapes``.
+:class:`~teraio.lifecycle.backend.GraphRunner` per concrete shape, up to ``max_shapes``.
 
 Note: [Specialising a symbolic graph]
     Each concrete shape compiles a copy of Dynamo's graph in which every symbolic input is replaced by
@@ -20,7 +20,7 @@ Note: [A graph Dynamo replaced keeps its shape]
     profiling forever, and the common shape was profiled a second time through the dynamic graph. So
     when the dynamic graph meets a shape that a static graph of the same frame was compiled for, it
     captures (traces, without compiling) its specialised copy, and when that computes exactly what the
-    static graph computes (``teraio.capture.computation_fingerprint``), it calls the static graph's
+    static graph computes (``teraio.graph.capture.computation_fingerprint``), it calls the static graph's
     runner, with the arguments picked by their Dynamo sources. That runner keeps its profile, plan and
     phase. A frame recompiled for another reason (train and eval modes) computes something else, and
     gets its own runner.
@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 if TYPE_CHECKING:
-    from teraio.lifecycle import GraphRunner, TeraioBackend
+    from teraio.lifecycle.backend import GraphRunner, TeraioBackend
 
 log = logging.getLogger("teraio")
 
@@ -213,8 +213,8 @@ class ShapeDispatch:
     def _twin(self, args: tuple[Any, ...]) -> _Alias | None:
         """The static runner of this frame that serves this call's shape, when it computes the same
         (Note: [A graph Dynamo replaced keeps its shape])."""
-        from teraio.capture import computation_fingerprint
-        from teraio.compilers import capture_step
+        from teraio.graph.capture import computation_fingerprint
+        from teraio.graph.compilers import capture_step
 
         if self.frame is None:
             return None

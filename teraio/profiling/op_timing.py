@@ -2,9 +2,9 @@
 
 The forward and backward graphs run through a timing FX interpreter for the first few steps. Each op is
 timed with a monotonic clock on CPU and with timing events on the current stream on CUDA (Note: [Device
-time, not launch time] in teraio.clock), and after each op the interpreter takes a census of the storages its
+time, not launch time] in teraio.profiling.clock), and after each op the interpreter takes a census of the storages its
 environment holds (graph inputs excluded: parameters and the batch exist before the step), which gives
-the step's memory timeline at op granularity. The static analysis of ``teraio.capture`` says which
+the step's memory timeline at op granularity. The static analysis of ``teraio.graph.capture`` says which
 storages are saved and where they are used; together they make the Profile the planner reads.
 
 The interpreter computes with the same aten ops in the same order as a plain GraphModule call, so loss
@@ -23,10 +23,9 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
-from teraio import process
-from teraio.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
-from teraio.clock import Clock
-from teraio.kernel_memory import (
+from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
+from teraio.graph.kernel_boundaries import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
+from teraio.graph.kernel_memory import (
     BWD_MARK,
     FWD_MARK,
     KernelMemory,
@@ -35,8 +34,9 @@ from teraio.kernel_memory import (
     segment_memory,
 )
 from teraio.planner.profile import Profile, make_profile
-from teraio.probe import TransferProbe
-from teraio.segments import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
+from teraio.profiling import forward_count
+from teraio.profiling.clock import Clock
+from teraio.profiling.transfer_probe import TransferProbe
 
 
 @dataclass
@@ -50,10 +50,10 @@ class GraphRun:
     #: Ran as the graph's own generated code, not op by op: only ``wall_s`` (Note: [Calibrated times]).
     uninstrumented: bool = False
     #: The transfer probe's variant whose round trips it also made, 1-based (Note: [Pricing transfers
-    #: under the model's own compute] in teraio.probe), 0: none. Its time prices transfers, not the ops.
+    #: under the model's own compute] in teraio.profiling.transfer_probe), 0: none. Its time prices transfers, not the ops.
     probed: int = 0
     #: Ran the compiler's kernels under the torch profiler for their memory timeline (Note: [The budget is
-    #: of the graph that runs] in teraio.kernel_memory): neither timed nor censused.
+    #: of the graph that runs] in teraio.graph.kernel_memory): neither timed nor censused.
     kernel_memory: bool = False
 
 
@@ -92,7 +92,7 @@ class TimingInterpreter(fx.Interpreter):
         """Run, timing each op and the whole run (``record.duration_ns``, ``record.wall_s``).
 
         On CUDA the ops' events are read after one wait for the run's last event (Note: [Device time,
-        not launch time] in teraio.clock).
+        not launch time] in teraio.profiling.clock).
         """
         begin = self.clock.mark()
         out = self._run_with_transients(args_list)
@@ -105,12 +105,12 @@ class TimingInterpreter(fx.Interpreter):
     def _run_with_transients(self, args_list: list[Any]) -> Any:
         """On a census run, also measure each op's internal transients with the torch profiler.
 
-        The profiler is the process's one session (``teraio.measure``): when another measurement holds
+        The profiler is the process's one session (``teraio.profiling.measure``): when another measurement holds
         it, the transients of this run stay unknown (zeros) rather than disturb that measurement.
         """
         if not self.census:
             return super().boxed_run(args_list)
-        from teraio.measure import MemoryRecorder, ProfilerBusyError, op_transient_bytes
+        from teraio.profiling.measure import MemoryRecorder, ProfilerBusyError, op_transient_bytes
 
         rec = MemoryRecorder("cpu")
         try:
@@ -159,7 +159,7 @@ def _run_uninstrumented(
     gm: fx.GraphModule, args_list: list[Any], device: str = "cpu", kernels: Any = None
 ) -> tuple[Any, float]:
     """Run the graph's own generated code, as the FX-only compile does, or the compiler's ``kernels``
-    for it (Note: [Calibrating on the compiler's own code] in teraio.compilers): boxed, so each input
+    for it (Note: [Calibrating on the compiler's own code] in teraio.graph.compilers): boxed, so each input
     is freed after its last use (holding every saved tensor to the end made the step ~30% slower).
 
     On CUDA the device is idle before the clock starts and again before it stops: the wall time is the
@@ -168,7 +168,7 @@ def _run_uninstrumented(
     run = kernels
     if run is None:
         if not getattr(gm, "_teraio_boxed", False):
-            from teraio.compilers import fx_only_compiler
+            from teraio.graph.compilers import fx_only_compiler
 
             fx_only_compiler(gm, [])
             gm._teraio_boxed = True  # type: ignore[attr-defined]
@@ -218,7 +218,7 @@ class StepProfiler:
     ) -> None:
         self.step = step
         self.analysis: StepAnalysis = analyse_saved(step)
-        # Note: [Migration ops sit between kernels] in teraio.segments
+        # Note: [Migration ops sit between kernels] in teraio.graph.kernel_boundaries
         self.segmentation = Segmentation.of(self.analysis, granularity)
         self.graph_id = graph_id
         self.device = device
@@ -230,7 +230,7 @@ class StepProfiler:
         self._pending: dict[int, GraphRun] = {}  # invocation id -> its forward's record
         self.calibrate_next = False  # the next forward (and its backward) runs uninstrumented
         #: Set by the runner: the graph's transfer probe, and whether the next calibration step makes
-        #: its round trips (Note: [Pricing transfers under the model's own compute] in teraio.probe).
+        #: its round trips (Note: [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe).
         self.probe: TransferProbe | None = None
         self.probe_next = 0  # the probe's variant, 1-based; 0: plain
         self._last_calibration_probed = False
@@ -238,11 +238,11 @@ class StepProfiler:
         self._probed_gms: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
         #: The uninstrumented steps, (forward, backward) each (Note: [Calibrated times]).
         self.calibrations: list[tuple[GraphRun, GraphRun]] = []
-        #: This graph's share of each calibration step's time outside the graphs (teraio.outside).
+        #: This graph's share of each calibration step's time outside the graphs (teraio.lifecycle.outside_time).
         self.outside_samples_s: list[float] = []
         #: The compiler's own code for the forward and the backward, when it is not the GraphModule.
         self._kernels: dict[bool, Any] = {}
-        #: Note: [The budget is of the graph that runs] in teraio.kernel_memory. Set by the runner: the next
+        #: Note: [The budget is of the graph that runs] in teraio.graph.kernel_memory. Set by the runner: the next
         #: forward (and its backward) runs the kernels under the profiler for their memory timeline.
         self.memory_next = False
         self.kernel_memory: KernelMemory | None = None
@@ -250,7 +250,7 @@ class StepProfiler:
         self.kernel_memory_note: str | None = None
         self._memory_recorder: Any = None  # a measured step's recorder, stopped outside backward
         self._memory_attempts = 0
-        # The process's forward count (teraio.process) when the kernel-memory step's forward began and
+        # The process's forward count (teraio.lifecycle.registry) when the kernel-memory step's forward began and
         # when its backward ended: equal when no other forward ran in between.
         self._memory_calls = self._memory_calls_end = -1
 
@@ -265,7 +265,7 @@ class StepProfiler:
         return bool(self._kernels)
 
     def set_kernels(self, kernels: Any, is_backward: bool) -> None:
-        """Calibrate on ``kernels`` (Note: [Calibrating on the compiler's own code] in teraio.compilers)."""
+        """Calibrate on ``kernels`` (Note: [Calibrating on the compiler's own code] in teraio.graph.compilers)."""
         self._kernels[is_backward] = kernels
 
     def run_fwd(self, args_list: list[Any]) -> Any:
@@ -318,7 +318,7 @@ class StepProfiler:
             with torch.profiler.record_function(BWD_MARK):
                 out = self._kernels[True](args_list)
             self._memory_recorder.mark_end()  # stopped outside backward: Note: [Profiler state inside backward]
-            self._memory_calls_end = process.forward_calls()
+            self._memory_calls_end = forward_count.forward_calls()
             return out
         self.last_backward_calibrated = fwd is not None and fwd.uninstrumented
         if fwd is not None and fwd.uninstrumented:
@@ -367,7 +367,7 @@ class StepProfiler:
     def _start_memory_recorder(self) -> Any:
         """A started recorder of allocation events, or None when another measurement holds the profiler
         (given up after ``MEMORY_ATTEMPTS``: the census stands)."""
-        from teraio.measure import MemoryRecorder, ProfilerBusyError
+        from teraio.profiling.measure import MemoryRecorder, ProfilerBusyError
 
         rec = MemoryRecorder(self.device, timeline=True, record_shapes=True)
         try:
@@ -381,7 +381,7 @@ class StepProfiler:
 
     def _run_kernel_memory_fwd(self, rec: Any, args_list: list[Any]) -> Any:
         self._memory_recorder = rec
-        self._memory_calls = process.forward_calls()
+        self._memory_calls = forward_count.forward_calls()
         try:
             with torch.profiler.record_function(FWD_MARK):
                 out = self._kernels[False](args_list)
@@ -429,7 +429,7 @@ class StepProfiler:
                     "forwards ran inside its step, or its output was dropped without a backward)"
                 )
             return
-        from teraio.measure import allocations_under
+        from teraio.profiling.measure import allocations_under
 
         seg = self.segmentation
         a = self.analysis
@@ -444,7 +444,7 @@ class StepProfiler:
             self.kernel_memory_note = str(exc)
 
     def add_outside_sample(self, outside_s: float) -> None:
-        """The time outside the graphs of the calibration step that just ended (teraio.outside). A
+        """The time outside the graphs of the calibration step that just ended (teraio.lifecycle.outside_time). A
         probed step's goes to the probe: the I/O it started can slow the code outside the graphs too."""
         if self.probe is not None:
             self.probe.record_outside(outside_s)
@@ -458,7 +458,7 @@ class StepProfiler:
         return self._probed_gms[variant]
 
     def record_step(self, fwd: GraphRun, bwd: GraphRun) -> None:
-        """Record one step's forward and backward that ran elsewhere (``teraio.estimate`` builds them from
+        """Record one step's forward and backward that ran elsewhere (``teraio.tools.estimate`` builds them from
         a cost model and a static census); the first recorded step also gives the memory timeline."""
         if len(fwd.duration_ns) != len(self.analysis.fw_ops) or len(bwd.duration_ns) != len(
             self.analysis.bw_ops
@@ -532,13 +532,13 @@ class StepProfiler:
         if kmem is not None and len(kmem.segment_live_bytes) != seg.num_total:
             self.kernel_memory_note = f"the kernels' timeline has {len(kmem.segment_live_bytes)} segments, the graph {seg.num_total}"
             kmem = None
-        if kmem is not None:  # Note: [The budget is of the graph that runs] in teraio.kernel_memory
+        if kmem is not None:  # Note: [The budget is of the graph that runs] in teraio.graph.kernel_memory
             seg_live = list(kmem.segment_live_bytes)
             after_fwd = kmem.after_fwd_bytes
 
-        from teraio.recompute import recipes, recompute_columns
+        from teraio.graph.recompute import recipes, recompute_columns
 
-        # How each saved activation could be rebuilt in backward (teraio.recompute), at profiled cost.
+        # How each saved activation could be rebuilt in backward (teraio.graph.recompute), at profiled cost.
         params = frozenset(i for i, kind in enumerate(self.input_kinds or []) if kind == "param")
         rebuild = recompute_columns(a, recipes(self.step, a, params), durations)
         kinds = self.input_kinds or []
@@ -552,7 +552,7 @@ class StepProfiler:
             else:
                 kind = "activation"
             offloadable = kind == "activation" and g.nbytes > 0 and g.owner_covers_storage
-            # Note: [Saved views of fused values] in teraio.segments
+            # Note: [Saved views of fused values] in teraio.graph.kernel_boundaries
             ready = offload_ready_idx(a, self.step.saved_nodes, g, seg.granularity)
             producer, last_use = at(ready), at(g.last_use_idx)
             tensor_rows.append(
@@ -609,7 +609,7 @@ class StepProfiler:
             "calibration_scale_bwd": scales["bwd"],
             "calibrated": calibrated is not None,
             # What the calibration steps ran: the compiler's kernels or the GraphModule itself (Note:
-            # [Calibrating on the compiler's own code] in teraio.compilers).
+            # [Calibrating on the compiler's own code] in teraio.graph.compilers).
             "calibrated_on": ("kernels" if self._kernels else "graph") if calibrated is not None else None,
             "calibration_steps": self.steps_calibrated,
             # Per calibration step, forward+backward: how much single steps varied.

@@ -75,7 +75,7 @@ class Calibration:
     #: version) left that cost out and priced a transfer at about half what a running step paid. With
     #: an accelerator computing, the host's I/O threads overlap it and only the calls count. The backend
     #: replaces this figure with the profiled graph's own where it can measure it (Note: [Pricing
-    #: transfers under the model's own compute] in teraio.probe).
+    #: transfers under the model's own compute] in teraio.profiling.transfer_probe).
     cpu_s_per_transfer: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
@@ -230,16 +230,16 @@ def _io_threads_cpu_s() -> float:
 @contextlib.contextmanager
 def _registered_engine(directory: Path, checksum: bool) -> Iterator[int]:
     """A posix runtime engine on ``directory``, reachable from the ``teraio::`` ops by the id yielded."""
-    import teraio.ops
+    import teraio.graph.ops
     from teraio.runtime.config import RuntimeConfig
     from teraio.runtime.engine import Engine
 
     with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
-        eid = teraio.ops.register_engine(engine)
+        eid = teraio.graph.ops.register_engine(engine)
         try:
             yield eid
         finally:
-            teraio.ops.unregister_engine(eid)
+            teraio.graph.ops.unregister_engine(eid)
 
 
 def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[list[float], list[float]]:

@@ -13,18 +13,18 @@ import torch
 
 from teraio.errors import CaptureError
 from teraio.planner.profile import Profile
-from teraio.workload import Workload, compute_loss
+from teraio.tools.workloads import Workload, compute_loss
 
 #: Steps beyond ``profile_steps`` a graph may need before its profile is done: with Inductor one step
 #: runs its kernels under the torch profiler for their memory timeline (Note: [The budget is of the graph
-#: that runs] in teraio.kernel_memory), and is tried again when the profiler was busy.
+#: that runs] in teraio.graph.kernel_memory), and is tried again when the profiler was busy.
 EXTRA_PROFILE_STEPS = 4
 
 
 def profile_workload(workload: Workload, profile_steps: int = 3, inner: str = "inductor") -> list[Profile]:
     """Run ``profile_steps`` forward+backward steps through the profiling backend, and the few more a
     graph may need to finish (``EXTRA_PROFILE_STEPS``); one Profile per graph."""
-    from teraio.lifecycle import TeraioBackend
+    from teraio.lifecycle.backend import TeraioBackend
 
     torch._dynamo.reset()
     be = TeraioBackend(profile_steps=profile_steps, inner=inner, enabled=False)

@@ -29,12 +29,12 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import teraio.ops  # noqa: F401  (registers torch.ops.teraio)
-from teraio.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
+import teraio.graph.ops  # noqa: F401  (registers torch.ops.teraio)
 from teraio.errors import TeraioError
+from teraio.graph.capture import CapturedStep, SavedGroup, StepAnalysis, analyse_saved
+from teraio.graph.kernel_boundaries import Segmentation, is_extern, offload_source
+from teraio.graph.recompute import RebuildAt, Recipe, apply_recompute
 from teraio.planner.plan import Decision, Plan, queue_order
-from teraio.recompute import RebuildAt, Recipe, apply_recompute
-from teraio.segments import Segmentation, is_extern, offload_source
 
 
 class PlanMismatchError(TeraioError):
@@ -103,7 +103,7 @@ def _materialized(gm: fx.GraphModule) -> set[fx.Node]:
     the anchor did not already precede the consumer, two kernels on either side of that new path could
     no longer fuse. In backward, where the fetched tensor feeds compute, anchors are therefore chosen
     among the consumer's ancestors. Where the ops go is Note: [Migration ops sit between kernels] in
-    ``teraio.segments``; ``test_migration_ops_leave_inductors_kernels_unchanged`` checks both.
+    ``teraio.graph.kernel_boundaries``; ``test_migration_ops_leave_inductors_kernels_unchanged`` checks both.
     """
     teraio_ops = {str(t) for t in (torch.ops.teraio.offload.default, torch.ops.teraio.wait_write.default)}
     return {
@@ -169,7 +169,7 @@ class _AnchorIndex:
         and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses an
         op into an earlier kernel when it can, so the nearest op alone may be computed early; the
         deepest op sits on the step's critical chain (the residual stream) and cannot run before
-        everything that chain needs. Note: [Anchors pin positions] in ``teraio.ops``.
+        everything that chain needs. Note: [Anchors pin positions] in ``teraio.graph.ops``.
         """
         end = min(pos, len(self.ops))
         cands = [
@@ -195,7 +195,7 @@ def _rebuild(
     bw_mode: Any,
     outputs: list[fx.Node],
 ) -> None:
-    """The plan's recompute decisions, inputs first (``teraio.recompute``)."""
+    """The plan's recompute decisions, inputs first (``teraio.graph.recompute``)."""
     assert recipe_by_group is not None, "checked by check_plan"
     nf = seg.num_fwd
     rec = {d.name: d for d in plan.recomputes}
@@ -380,7 +380,7 @@ def check_plan(a: StepAnalysis, plan: Plan, recipe_by_group: dict[str, Recipe] |
         )
     groups = {g.name: g for g in a.groups}
     num_ops = len(a.fw_ops) + len(a.bw_ops)
-    # Where rebuilds read other tensors (teraio.recompute): those must be back by then.
+    # Where rebuilds read other tensors (teraio.graph.recompute): those must be back by then.
     needed_at: dict[str, int] = {}
     for d in plan.recomputes:
         recipe = (recipe_by_group or {}).get(d.name)
@@ -413,10 +413,10 @@ def apply_plan(
     """Insert the plan's migration ops and rebuilds into ``step``'s graphs (in place) and return them.
 
     ``segmentation`` says what the plan's op indices count (Note: [Migration ops sit between kernels]
-    in ``teraio.segments``); by default single ops. ``recipe_by_group``: how each recomputed tensor is
-    rebuilt (``teraio.recompute.recipes``); required when the plan recomputes anything.
+    in ``teraio.graph.kernel_boundaries``); by default single ops. ``recipe_by_group``: how each recomputed tensor is
+    rebuilt (``teraio.graph.recompute.recipes``); required when the plan recomputes anything.
     """
-    from teraio.segments import coarsen
+    from teraio.graph.kernel_boundaries import coarsen
 
     a = analysis or analyse_saved(step)
     seg = segmentation or Segmentation.of(a, "op")
