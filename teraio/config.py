@@ -299,3 +299,9 @@ def directory_problem(path: object) -> str | None:
         what = "is" if existing == p else f"cannot be created: '{existing}' is"
         return f"'{p}' {what} not writable by this user (or on a read-only filesystem); name a writable directory"
     return None
+
+
+def make_config(**options: Any) -> BackendConfig:
+    """The backend's configuration from keyword options (what ``TeraioBackend(**options)`` receives)."""
+    return BackendConfig(**options)
+

@@ -41,7 +41,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from teraio.config import CALIBRATE, BackendConfig
+from teraio.config import CALIBRATE, BackendConfig, make_config
 from teraio.errors import UserInputError
 from teraio.graph.capture import CapturedStep, analyse_saved, computation_fingerprint
 from teraio.graph.compilers import compile_graph
@@ -651,9 +651,11 @@ def _fmt(nbytes: int | float | None) -> str:
 class TeraioBackend:
     """A configured backend: ``torch.compile(model, backend=teraio.backend(**options))``."""
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, config: BackendConfig | None = None, /, **options: Any) -> None:
         _ensure_log_handler()
-        self.cfg = BackendConfig(**options)
+        if config is not None and options:
+            raise TypeError("TeraioBackend takes a BackendConfig or keyword options, not both")
+        self.cfg = config if config is not None else make_config(**options)
         warm_up_mkl_vml()  # Note: [MKL VML's first concurrent call] in teraio.platform.mkl_vml
         self.runners: list[GraphRunner] = []
         self.engine: Any = None
