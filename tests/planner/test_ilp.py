@@ -15,7 +15,7 @@ from teraio.planner.lifetimes import analyse
 from teraio.planner.profile import make_profile
 from teraio.planner.simulate import simulate
 from teraio.planner.solve import SolverBugError, solve
-from teraio.planner.solvers import ilp
+from teraio.planner.solvers import ilp, ilp_model
 from teraio.planner.synth import split_ops, synth_profile
 
 
@@ -188,7 +188,7 @@ def test_own_plan_problems(fields, kinds):
 def test_the_own_plan_check_runs_inside_the_solver(monkeypatch):
     # A model whose plan reads back as "move nothing" (over the 1999 B budget). The solver falls back to
     # its starts, which hides it: only the check inside the solver sees it (tests/conftest.py turns it on).
-    monkeypatch.setattr(ilp._IlpModel, "extract", lambda self, solver: [])
+    monkeypatch.setattr(ilp_model._IlpModel, "extract", lambda self, solver: [])
     with pytest.raises(SolverBugError) as e:
         solve(_tiny(), 1999, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     # Over budget, and the optimal model step (450 us) is above the simulated one (400 us, no I/O).
@@ -204,14 +204,14 @@ def test_the_ceiling_catches_a_pessimistic_model(monkeypatch):
     # its read (20 us) between b0 and b1, 450 us in all. A write cut one microsecond too strong (a
     # rounding slip) makes the model's optimum 451 us, above the simulated step of its own plan with
     # nothing to round. The floor (simulated <= model) cannot see that; the ceiling does.
-    real = ilp.bandwidth_windows
+    real = ilp_model.bandwidth_windows
 
     def too_strong(*args):
         return [
             dataclasses.replace(w, min_s=w.min_s + 1e-6) if w.direction == "write" else w for w in real(*args)
         ]
 
-    monkeypatch.setattr(ilp, "bandwidth_windows", too_strong)
+    monkeypatch.setattr(ilp_model, "bandwidth_windows", too_strong)
     with pytest.raises(SolverBugError) as e:
         solve(_tiny(), 1000, "ilp", _hw(30, 20), time_limit_s=30, deterministic_time_s=2)
     assert [v.kind for v in e.value.violations] == ["model_pessimistic"]

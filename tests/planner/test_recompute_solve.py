@@ -186,7 +186,7 @@ def test_a_deterministic_limit_bounds_the_set_search_by_count_not_the_clock(monk
     # away, the search evaluates the same sets however slow the machine.
     import itertools
 
-    from teraio.planner.solvers import ilp
+    from teraio.planner.solvers import ilp_recompute as ilp
 
     profile = synth_profile(layers=4)
     kw = {"time_limit_s": 1e5, "deterministic_time_s": 0.1, "workers": 1, "recompute": "joint"}
