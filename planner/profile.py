@@ -64,7 +64,7 @@ TENSORS_COLUMNS: dict[str, str] = {
     "last_use_idx": "i",
 }
 #: Optional tensors columns: ``module`` of the producer; ``aliases`` = saved outputs sharing the storage;
-#: and the rebuild recipe of a saved tensor (issue #13), absent = nothing recomputable:
+#: and the rebuild recipe of a saved tensor, absent = nothing recomputable:
 #:
 #: - ``recompute_us`` (float): compute time to rebuild the tensor in backward from its recompute inputs
 #:   (the forward ops between them and it). NaN = it cannot be recomputed.
@@ -382,7 +382,7 @@ class Profile:
         The files are written into a fresh sibling directory that is then renamed into place, so an
         interrupted save never leaves a half-written profile. An existing ``out_dir`` is replaced only if
         it is empty or holds a profile (only a profile's files); any other directory needs ``force``
-        and is then moved aside, never deleted (see ``planner.safe_io.replace_dir``).
+        and is then moved aside, never deleted (see ``planner.safe_dirs.replace_dir``).
 
         Raises:
             OutputError: ``out_dir`` is not a profile and ``force`` is False.
@@ -397,7 +397,7 @@ class Profile:
 
     def write_into(self, directory: PrivateDir) -> None:
         """Write the three files into a private directory held by its descriptor (a run directory's
-        ``graphN/profile``: ``planner.safe_io.PrivateDir.replace_subdir``), each created 0600 with
+        ``graphN/profile``: ``planner.private_dir.PrivateDir.replace_subdir``), each created 0600 with
         ``O_EXCL|O_NOFOLLOW`` relative to it."""
         self._write(directory.open_new)
 
