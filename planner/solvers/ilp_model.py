@@ -166,9 +166,18 @@ class _IlpModel:
 
     # ------------------------------------------------------------------------------------------ build
     def _build(self) -> None:
-        m, n, nf, d = self.m, self.n, self.nf, self.d
-        lt = self.problem.lifetimes
+        """The variables and constraints of the module docstring, in a fixed order (CP-SAT's search, and
+        so the plan under a deterministic limit, depends on the order variables are created in)."""
         horizon = int(self.nominal_end[-1]) + sum(self.write_us.values()) + sum(self.read_us.values()) + 1
+        zero = self._add_op_times(horizon)
+        mem_intervals, mem_demands = self._add_op_windows(horizon)
+        self._add_candidates(horizon, mem_intervals, mem_demands)
+        self._add_memory(zero, mem_intervals, mem_demands)
+        self._add_objective()
+
+    def _add_op_times(self, horizon: int) -> cp_model.IntVar:
+        """``E[k]`` and ``R[k]``; returns the constant 0 the first boundary and the "auto" filler use."""
+        m, n, nf, d = self.m, self.n, self.nf, self.d
         if self.auto:
             # "auto" means no stall: every op ends at its nominal time.
             self.E = [m.new_constant(int(x)) for x in self.nominal_end]
@@ -198,15 +207,24 @@ class _IlpModel:
                 self.R.append(r)
             else:
                 self.R.append(self.E[k - 1])
+        return zero
 
-        # Op k owns memory over [R[k], E[k]): the simulator's memory "during op k", from the moment
-        # its reads are issued (a read's buffer is allocated then) to its end.
+    def _add_op_windows(self, horizon: int) -> tuple[list, list]:
+        """Op k owns memory over [R[k], E[k]): the simulator's memory "during op k", from the moment its
+        reads are issued (a read's buffer is allocated then) to its end. Returns the cumulative's
+        intervals and demands so far (the memory nothing can move)."""
+        m, d = self.m, self.d
         mem_intervals, mem_demands = [], []
-        for k in range(n):
+        for k in range(self.n):
             size = m.new_int_var(int(d[k]), horizon, f"opw{k}")
             mem_intervals.append(m.new_interval_var(self.R[k], size, self.E[k], f"opmem{k}"))
             mem_demands.append(int(self.fixed_units[k]))
+        return mem_intervals, mem_demands
 
+    def _add_candidates(self, horizon: int, mem_intervals: list, mem_demands: list) -> None:
+        """Per candidate: its tier choice, memory edges, memory intervals (appended to the cumulative's)
+        and transfer intervals, one ``NoOverlap`` per channel."""
+        m, nf, d = self.m, self.nf, self.d
         self.o: dict[tuple[str, str], cp_model.IntVar] = {}
         self.ws, self.rs, self.pe, self.p, self.moved = {}, {}, {}, {}, {}
         channels: dict[tuple[str, str], list] = {}
@@ -254,6 +272,10 @@ class _IlpModel:
         for ivs in channels.values():
             m.add_no_overlap(ivs)
 
+    def _add_memory(self, zero: cp_model.IntVar, mem_intervals: list, mem_demands: list) -> None:
+        """Tier capacities, the cumulative memory constraint (the budget, or the peak for "auto") and
+        its cuts."""
+        m, lt = self.m, self.problem.lifetimes
         # Host-like tiers with a capacity: every moved tensor is away at the end of forward, so the sum
         # of their sizes is exactly the tier's peak holding.
         for r in self.tiers:
@@ -282,6 +304,8 @@ class _IlpModel:
         if not self.auto:
             self._add_bandwidth_cuts()
 
+    def _add_objective(self) -> None:
+        """The step (or the peak for "auto") as ``primary``, minimised; ``moved_units`` for phase 2."""
         self.moved_units = sum(self.moved[c.name] * self.cunits[c.name] for c in self.cands)
         # The objective: compute + stall (the end of the last op) + CPU interference, charged in full
         # for every byte moved (once written, once read) (the simulator charges only the share that overlaps running ops, so the

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -234,17 +235,7 @@ def _solve_offload(problem: Problem) -> Plan:
         return max(0.05, deadline - time.perf_counter())
 
     problem.report(0.0, "ilp: starts")
-    starts: dict[str, tuple[list[Decision], SimResult]] = {}
-    for name in ("greedy",) if auto else ("pipeline", "greedy"):
-        try:
-            plan = get_solver(name)(dataclasses.replace(problem, progress=None))
-        except BudgetError:
-            continue
-        starts[name] = (list(plan.decisions), problem.simulate(plan.decisions))
-    best_start = None
-    for name, (_, sim) in starts.items():
-        if best_start is None or better(sim, starts[best_start][1]):
-            best_start = name
+    starts, best_start = _starts(problem, better)
 
     layers = find_layers(problem.profile)
     extra: dict = {
@@ -288,53 +279,9 @@ def _solve_offload(problem: Problem) -> Plan:
     objective = bound = None
 
     if auto or len(model.cands) <= FULL_MODEL_MAX_CANDIDATES:
-        problem.report(0.1, f"ilp: whole step ({len(model.cands)} candidates, {model.n} ops)")
-        if search.decisions:
-            model.add_hint(search.decisions)
-        # Half the time on the whole step (all of it for "auto"); a hint on every variable when CP-SAT
-        # finds nothing from the hint alone.
+        # Half the time on the whole step (all of it for "auto").
         share = 1.0 if auto or not layers.num_layers else 0.5
-        phase1_s = left_s() * share * (1 - PHASE2_SHARE)
-        solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
-        search.cpsat_deterministic_s += solver.deterministic_time
-        if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
-            hinted_ok, used_s = _complete_hint(
-                model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None
-            )
-            search.cpsat_deterministic_s += used_s
-            if hinted_ok:
-                solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
-                search.cpsat_deterministic_s += solver.deterministic_time
-        extra["phase1_status"] = _STATUS.get(status, str(status))
-        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            objective, bound = solver.objective_value, solver.best_objective_bound
-            search.offer(solver, status, "whole step")
-            # Phase 2: hold the first objective at its best value, move the fewest units.
-            best1 = int(round(solver.objective_value))
-            model.m.add(model.primary <= best1)
-            model.m.clear_hints()
-            hinted = [
-                *model.o.values(),
-                *model.pe.values(),
-                *model.p.values(),
-                *model.ws.values(),
-                *model.rs.values(),
-                *model.moved.values(),
-            ]
-            if not model.auto:
-                hinted += [*model.E, *model.R[1 : model.nf + 1]]
-            for var in hinted:
-                model.m.add_hint(var, solver.value(var))
-            model.m.minimize(model.moved_units)
-            problem.report(0.5, "ilp: fewest bytes at that step time")
-            solver2, status2 = _run(
-                model, left_s() * share * PHASE2_SHARE, problem.workers, det * 0.25 if det else None
-            )
-            search.cpsat_deterministic_s += solver2.deterministic_time
-            extra["phase2_status"] = _STATUS.get(status2, str(status2))
-            if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                search.offer(solver2, status, "whole step")  # optimal in phase 1's objective
-            model.m.minimize(model.primary)
+        objective, bound = _whole_step(search, share, left_s, extra)
     if not auto and layers.num_layers >= 2 and search.decisions and left_s() > 0.5:
         problem.report(0.6, "ilp: layer windows")
         extra["lns_windows_solved"] = _lns(
@@ -365,3 +312,76 @@ def _solve_offload(problem: Problem) -> Plan:
     )
     problem.report(1.0, "ilp: done")
     return make_plan(problem, search.decisions, stats)
+
+
+def _starts(problem: Problem, better) -> tuple[dict[str, tuple[list[Decision], SimResult]], str | None]:
+    """The constructive plans the search starts from (``pipeline`` and ``greedy``, greedy alone for
+    "auto"), each simulated, and the name of the best by ``better`` (None when no start meets the budget)."""
+    starts: dict[str, tuple[list[Decision], SimResult]] = {}
+    for name in ("greedy",) if problem.budget_bytes is None else ("pipeline", "greedy"):
+        try:
+            plan = get_solver(name)(dataclasses.replace(problem, progress=None))
+        except BudgetError:
+            continue
+        starts[name] = (list(plan.decisions), problem.simulate(plan.decisions))
+    best_start = None
+    for name, (_, sim) in starts.items():
+        if best_start is None or better(sim, starts[best_start][1]):
+            best_start = name
+    return starts, best_start
+
+
+def _whole_step(
+    search: _Search, share: float, left_s: Callable[[], float], extra: dict
+) -> tuple[float | None, float | None]:
+    """The model of the whole step, hinted with the incumbent, for ``share`` of the time left (phase 1);
+    then, holding phase 1's objective at its best value, the fewest bytes (phase 2). Every solution is
+    offered to ``search``; the phases' statuses go to ``extra``. Returns phase 1's objective and bound in
+    model units (None when it found no solution)."""
+    model, problem = search.model, search.problem
+    det = problem.deterministic_time_s
+    objective = bound = None
+    problem.report(0.1, f"ilp: whole step ({len(model.cands)} candidates, {model.n} ops)")
+    if search.decisions:
+        model.add_hint(search.decisions)
+    # A hint on every variable when CP-SAT finds nothing from the hint alone.
+    phase1_s = left_s() * share * (1 - PHASE2_SHARE)
+    solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+    search.cpsat_deterministic_s += solver.deterministic_time
+    if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
+        hinted_ok, used_s = _complete_hint(model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None)
+        search.cpsat_deterministic_s += used_s
+        if hinted_ok:
+            solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+            search.cpsat_deterministic_s += solver.deterministic_time
+    extra["phase1_status"] = _STATUS.get(status, str(status))
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        objective, bound = solver.objective_value, solver.best_objective_bound
+        search.offer(solver, status, "whole step")
+        # Phase 2: hold the first objective at its best value, move the fewest units.
+        best1 = int(round(solver.objective_value))
+        model.m.add(model.primary <= best1)
+        model.m.clear_hints()
+        hinted = [
+            *model.o.values(),
+            *model.pe.values(),
+            *model.p.values(),
+            *model.ws.values(),
+            *model.rs.values(),
+            *model.moved.values(),
+        ]
+        if not model.auto:
+            hinted += [*model.E, *model.R[1 : model.nf + 1]]
+        for var in hinted:
+            model.m.add_hint(var, solver.value(var))
+        model.m.minimize(model.moved_units)
+        problem.report(0.5, "ilp: fewest bytes at that step time")
+        solver2, status2 = _run(
+            model, left_s() * share * PHASE2_SHARE, problem.workers, det * 0.25 if det else None
+        )
+        search.cpsat_deterministic_s += solver2.deterministic_time
+        extra["phase2_status"] = _STATUS.get(status2, str(status2))
+        if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            search.offer(solver2, status, "whole step")  # optimal in phase 1's objective
+        model.m.minimize(model.primary)
+    return objective, bound
