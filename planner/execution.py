@@ -343,7 +343,7 @@ def replay(
         for k in fetches_before.get(i, ()):
             start = max(start, out.r_end[k])
         # Never below zero: with nothing to wait for, start - t - calls can come out a rounding error
-        # under it (seen: -4e-19 in a plan's predicted_stall_s).
+        # under it, which would show as a negative stall in a plan.
         out.stall[i] = max(0.0, start - (t + calls))
         # The rebuilds and the op are one compute window (module docstring); written as start + (rebuild +
         # duration) so a replay of ops whose durations already include the rebuilds ends on the same bits.

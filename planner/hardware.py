@@ -2,8 +2,8 @@
 
 A plain dataclass with JSON in and out. Per tier: bandwidths and per-request latency for each direction,
 how many devices stripe together, whether reads and writes share one channel (one queue) or run on two,
-and a capacity. ``cpu_s_per_byte`` charges compute time per byte moved: on a 2-core CPU box I/O threads
-steal cycles from the step (measured: about 0.3-0.45 s of step time per GB round trip).
+and a capacity. ``cpu_s_per_byte`` charges compute time per byte moved: on a machine with few cores I/O threads
+steal cycles from the step (docs/measured_facts.md).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class TierModel:
 
 
 def _default_tiers() -> dict[str, TierModel]:
-    # Defaults measured on the project's 2-core ext4 virtio machines (docs/measured_facts.md): O_DIRECT write
-    # ~1.3 GB/s, read ~0.8 GB/s. Host tier: a memcpy on one core, capacity unknown (None = unlimited).
+    # Defaults from the project's measured machines (docs/measured_facts.md): O_DIRECT write and read
+    # bandwidths of its SSD tier. Host tier: a memcpy on one core, capacity unknown (None = unlimited).
     return {
         "ssd": TierModel(
             write_bw_bytes_per_s=1.3e9,

@@ -6,7 +6,7 @@ achievable peak (an error naming that peak), runs the solver, and for the "auto"
 smallest stall-free peak by bisection over budgets when the solver cannot do it itself. Every plan's
 predicted figures come from the one simulator, through :func:`make_plan`.
 
-Recompute (issue #13): ``Problem.recompute`` says what a solver may do with a saved tensor: ``"off"``
+Recompute: ``Problem.recompute`` says what a solver may do with a saved tensor: ``"off"``
 keep or offload; ``"only"`` keep or recompute (no I/O); ``"joint"`` keep, offload to any tier, or
 recompute, in one budget. Solvers declare the modes they plan (``register_solver(recompute_modes=...)``);
 ``greedy`` is TERAIO's offload-only baseline and declares ``"off"`` alone. ``solve`` plans ``"off"``

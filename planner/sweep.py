@@ -4,7 +4,7 @@
 A budget no plan can meet is a row too (status ``NO PLAN``, the planner's message in ``note``), so the
 table always has every budget asked: the point of a sweep is to see where plans stop existing.
 
-Recompute (issue #13): each row's plan is made in the sweep's ``recompute`` mode (``recompute`` column;
+Recompute: each row's plan is made in the sweep's ``recompute`` mode (``recompute`` column;
 "off" for a solver that plans offload only, such as ``greedy``), and, with ``compare_modes``, the same
 solver also plans the budget offload only, recompute only and joint: ``offload_step_s``,
 ``recompute_step_s`` and ``joint_step_s`` (NaN where the solver does not plan that mode or no plan of

@@ -1,7 +1,7 @@
 """Synthetic profiles: a GPT-style training step built from shapes and FLOPs, without tracing anything.
 
-Tests and benchmarks need planner inputs of any size (a 48-layer model on a 2-core CPU box cannot be
-profiled for real), with realistic tensor sizes, op times and memory shape. :func:`synth_profile` writes
+Tests and benchmarks need planner inputs of any size (a 48-layer model cannot be profiled
+for real on a small CPU machine), with realistic tensor sizes, op times and memory shape. :func:`synth_profile` writes
 out the step of an N-layer decoder-only transformer (pre-LayerNorm, 4x MLP, GELU, no dropout):
 
 - forward: ``embed``; per layer ``ln1, qkv, attn, proj, add1, ln2, up, gelu, down, add2``; then
@@ -15,7 +15,7 @@ out the step of an N-layer decoder-only transformer (pre-LayerNorm, 4x MLP, GELU
   their last forward use), gradient temporaries of each backward op, and parameter gradients from the
   backward op that produces them to the end of the step.
 
-Rebuild recipes (issue #13): with ``recompute`` (the default) every saved activation carries the
+Rebuild recipes: with ``recompute`` (the default) every saved activation carries the
 profile's recompute columns, as a tracer would derive them from the graph: a rebuild reads saved tensors
 (and parameters) and re-runs the forward ops between them and the tensor, at those ops' profiled times.
 Norm outputs and statistics rebuild from the norm's input, GELU from the ``up`` output, matmul outputs
@@ -27,8 +27,8 @@ input, so recomputing every saved tensor of a block but its input is activation 
 
 Op times come from FLOPs (matmuls, attention) at ``flops_per_s`` and from bytes touched (norms, GELU,
 adds) at ``mem_bw_bytes_per_s``, plus ``op_overhead_us`` each. The defaults are tuned so the mid-size GPT
-measured in docs/measured_facts.md (6 layers, hidden 384, seq 512, batch 8: 0.84 s forward, 1.74 s backward,
-~101 MB saved per block, 685 MB saved in all) comes out close: see ``tests/planner/test_synth.py``.
+measured in docs/measured_facts.md (6 layers, hidden 384, seq 512, batch 8) comes out close to its measured
+op times and saved bytes: see ``tests/planner/test_synth.py``.
 
 The fingerprint is a hash of every parameter, so the same call gives the same profile, bit for bit.
 """

@@ -18,16 +18,16 @@ op boundaries only (a write starts when an op ends, a read when an op starts) on
 moment, so in nominal time each starts when issued and the FIFO simulator sees the same schedule.
 Benefits only fall as picks accumulate, so a lazy priority queue finds the best pick exactly.
 
-Phase 2 (repair, accepts stall; plain Algorithm 1 was seen to exceed the budget when I/O-bound):
+Phase 2 (repair, accepts stall; plain Algorithm 1 can exceed the budget when I/O-bound):
 while some op is over budget, make one more tensor absent there: widen an existing window or move a new
 tensor, choosing the option of least nominal stall, then one that adds no I/O, then the best fit for the
-excess (this order cut the summed stall of a 4/6/12-layer x 60-30% sweep from 0.47 s to 0.18 s; with the
-op order below, that sweep sums 0.10 s on the default hardware model). Ops are repaired from the outside
+excess (of the orders tried on sweeps of synthetic steps, the one that stalls least). Ops are repaired
+from the outside
 in: forward ops first, earliest first, then backward ops, latest first. A tensor made absent at forward
 op ``i`` stays absent up to the end of forward, and one made absent at backward op ``k`` from the end of
 forward up to ``k``, so each tensor is picked at most once per pass: at most two repairs per candidate.
-(Worst op first, as before, widened a window by one op per repair as the peak receded: the repairs grew
-with the square of the layers, 48,961 at 96 layers I/O-bound at 30%; now 581.)
+(Worst op first would widen a window by one op per repair as the peak recedes: the repairs would grow
+with the square of the layers.)
 
 Phase 3 (tidy): drop moves the budget no longer needs, then wait for each remaining write as late as
 the budget allows (a later wait never adds stall). The simulator judges the result.

@@ -18,8 +18,7 @@ two orders a transformer step suggests:
 In a transformer the earliest-produced tensors are the latest needed in backward, so both passes pick
 from the same end and a tensor moved once serves both. Only positions decide memory, so the plan meets
 the budget by construction (any budget at or above the smallest achievable peak); the simulator then
-says how much it stalls. It runs in O(candidates log candidates + ops) plus numpy slices: well under a
-second at 96 layers. The exact solver uses it as a start.
+says how much it stalls. It runs in O(candidates log candidates + ops) plus numpy slices. The exact solver uses it as a start.
 
 Recompute (``Problem.recompute``):
 
@@ -27,9 +26,8 @@ Recompute (``Problem.recompute``):
   recomputable tensors idle there that rebuild cheapest per byte until their bytes cover it; then
   re-count memory (rebuilds extend their inputs and hold intermediates) and repeat. No I/O at all.
   Which rebuilds fit depends on the order they are taken in (a rebuild extends its inputs' lives and
-  holds its intermediates), and the cheapest-first order follows the measured rebuild times: on the
-  test matrix's bf16 GPT under Inductor at 90% of its peak, those times with a fifth of noise defeated
-  it about half the time, and a CI run failed so. Where cheapest-first does not fit, orders that do
+  holds its intermediates), and the cheapest-first order follows the measured rebuild times, so the
+  noise of one profiling run can decide whether it fits. Where cheapest-first does not fit, orders that do
   not depend on timing are tried (latest producer first, earliest first, longest idle first), so
   whether a budget can be met does not turn on the noise of one profiling run.
 - ``"joint"``: rebuilding a tensor costs its ``recompute_us`` of compute; offloading it costs its write
@@ -41,7 +39,7 @@ Recompute (``Problem.recompute``):
   best-ranked tensors for k = 1, 2, 4, ... (on a slow disk every ratio is small and every threshold
   takes the whole set, which may not fit the budget), offload only and the recompute-only plan are
   judged by the simulator and the fastest plan within the budget is kept: about twenty-five
-  simulations, about a second at 48 layers.
+  simulations.
 """
 
 from __future__ import annotations
