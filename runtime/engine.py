@@ -7,13 +7,15 @@ is still there, verifies checksums, and turns every OS failure into a typed erro
 hit it. It never interprets a plan.
 
 :class:`Engine` is the public face and the place where the rules across threads and streams meet;
-it delegates to three collaborators, each in its own module:
+it delegates to four collaborators, each in its own module:
 
 - ``runtime.tier_set`` (:class:`TierSet`): the tiers by name and the offload directories under them;
 - ``runtime.key_table`` (:class:`KeyTable`): which bytes each key names, and when a new offload may
   share a stored region (Note: [Storage identity], Note: [No dedup after release]);
 - ``runtime.transfers`` (:class:`Transfers`): the I/O pool that runs each request chunk by chunk
-  (Note: [Buffers die on the caller's thread], Note: [Fetched buffers are torch memory]).
+  (Note: [Buffers die on the caller's thread], Note: [Fetched buffers are torch memory]);
+- ``runtime.device_checks`` (:class:`DeviceChecks`): the device checksums whose verdicts nobody read
+  yet (Note: [Device checks are read later]).
 
 The engine keeps the device rules below as methods of its own (``_order_*``, ``_keep_block_for_consumer``,
 ``_settle_device``, ``_check_on_device``), named so that tests can remove one and show what breaks; the
@@ -249,9 +251,9 @@ class Engine:
         self._stats = StatsCollector()
         self._dev: Device = device if device is not None else device_module.current()
         self.backend = choose_backend(cfg.backend, self._dev)
-        self._tiers = TierSet(cfg, self.backend, self._dev, tiers)
-        self._dirs = self._tiers.dirs  # the offload directories (one per SSD)
-        self.default_tier = self._tiers.default
+        self._tier_set = TierSet(cfg, self.backend, self._dev, tiers)
+        self._dirs = self._tier_set.dirs  # the offload directories (one per SSD)
+        self.default_tier = self._tier_set.default
         self._transfers = Transfers(
             device=self._dev,
             chunk_nbytes=cfg.chunk_nbytes,
@@ -259,10 +261,10 @@ class Engine:
             checksum=make_checksum(cfg.checksum),
             stats=self._stats,
             rules=_RulesForIOThreads(self),
-            chunk_path=self._tiers.chunk_path,
+            chunk_path=self._tier_set.chunk_path,
         )
         self._checks = DeviceChecks(  # Note: [Device checks are read later]
-            self._dev, self._stats, entries_lock=self._lock, chunk_path=self._tiers.chunk_path
+            self._dev, self._stats, entries_lock=self._lock, chunk_path=self._tier_set.chunk_path
         )
         # The pending checks and their lock, by the names the engine's rule (or a test's stand-in for
         # it) queues checks with.
@@ -286,7 +288,7 @@ class Engine:
     @property
     def tiers(self) -> dict[str, Tier]:
         """The engine's tiers by name ("host" always, "ssd" unless the backend is host, plus any plugged in)."""
-        return self._tiers.by_name
+        return self._tier_set.by_name
 
     def __enter__(self) -> Engine:
         return self
@@ -316,7 +318,7 @@ class Engine:
             UnsupportedTensorError, ConfigError: bad arguments.
         """
         validate_request(key, tensor)
-        target = self._tiers.get(tier)
+        target = self._tier_set.get(tier)
         self._settle()
         with self._lock:
             self._check_open()
@@ -608,9 +610,9 @@ class Engine:
                 self._settle_device(req)
                 req.buffer = None
         try:
-            self._tiers.close_tiers()
+            self._tier_set.close_tiers()
         finally:
-            self._tiers.close_dirs()
+            self._tier_set.close_dirs()
             _LIVE_ENGINES.discard(self)
             self._checks.deliver(wait=True)  # Note: [Device checks are read later]: never lost
 
@@ -621,7 +623,7 @@ class Engine:
         elapsed = max(1e-9, time.perf_counter() - self._stats.started)
         return self._stats.snapshot(
             backend=self.backend,
-            io_path=self._tiers.default_io_path(),
-            dirs=self._tiers.dir_stats(elapsed),
-            read_nbytes=self._tiers.read_nbytes(),
+            io_path=self._tier_set.default_io_path(),
+            dirs=self._tier_set.dir_stats(elapsed),
+            read_nbytes=self._tier_set.read_nbytes(),
         )
