@@ -14,8 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from teraio.runtime.device import Device, HostWait, PendingChecksum, host_wait
 from teraio.runtime.key_table import Entry
+from teraio.runtime.staging import DeviceIO
 from teraio.runtime.stats import StatsCollector
 from teraio.runtime.tiers.base import Chunk
 from teraio.runtime.transfers import _Request, checksum_error
@@ -37,8 +40,8 @@ class _DeviceCheck:
 class DeviceChecks:
     """The device checks of one engine whose verdicts nobody read yet.
 
-    ``pending`` is only ever changed in place under ``lock``, so code that holds the list (the engine's
-    rule that queues checks) always sees the live one.
+    ``pending`` is only ever changed in place under ``lock``, so code that holds the list (a stand-in for
+    the engine's rule that queues checks, in tests) always sees the live one.
 
     Args:
         device: the device whose events tell when a check ran.
@@ -62,8 +65,22 @@ class DeviceChecks:
         self.lock = threading.Lock()
         self.pending: list[_DeviceCheck] = []
 
-    def add(self, checks: list[_DeviceCheck]) -> None:
-        """Queue checks whose verdicts :meth:`deliver` reads later."""
+    def queue_read(
+        self, req: _Request, entry: Entry, idxs: list[int], buf: torch.Tensor, io: DeviceIO, keys: list[str]
+    ) -> None:
+        """Queue the checksum of each of a read's chunks ``idxs`` behind its copies on the I/O thread's read
+        stream; :meth:`deliver` reads the verdicts later."""
+        checks = []
+        for idx in idxs:
+            chunk = entry.placement.chunks[idx]
+            expected = entry.checksums[idx]
+            if expected is None:
+                continue
+            piece = buf[chunk.region_offset : chunk.region_offset + chunk.nbytes]
+            checks.append(
+                _DeviceCheck(io.checksum_async(piece, io.read_stream), expected, entry, chunk, keys, req)
+            )
+            del piece
         with self.lock:
             self.pending.extend(checks)
 

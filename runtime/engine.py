@@ -137,7 +137,7 @@ import torch
 from teraio.runtime import device as device_module
 from teraio.runtime.config import ResolvedConfig, RuntimeConfig
 from teraio.runtime.device import Device
-from teraio.runtime.device_checks import DeviceChecks, _DeviceCheck
+from teraio.runtime.device_checks import DeviceChecks
 from teraio.runtime.errors import ConfigError, EngineClosedError, UnknownKeyError
 from teraio.runtime.handle import Handle
 from teraio.runtime.integrity import make_checksum
@@ -266,8 +266,8 @@ class Engine:
         self._checks = DeviceChecks(  # Note: [Device checks are read later]
             self._dev, self._stats, entries_lock=self._lock, chunk_path=self._tier_set.chunk_path
         )
-        # The pending checks and their lock, by the names the engine's rule (or a test's stand-in for
-        # it) queues checks with.
+        # The pending checks and their lock under the engine's own names: a stand-in for
+        # ``_check_on_device`` (tests put old behaviours back that way) queues its checks through them.
         self._checks_lock = self._checks.lock
         self._device_checks = self._checks.pending
         _LIVE_ENGINES.add(self)
@@ -427,18 +427,7 @@ class Engine:
     # -- device checks (Note: [Device checks are read later]) ------------------------------------
     def _check_on_device(self, req, entry, idxs: list[int], buf, io: DeviceIO, keys) -> None:
         """Device bytes: queue each chunk's checksum behind its copies (Note: [Device checks are read later])."""
-        checks = []
-        for idx in idxs:
-            chunk = entry.placement.chunks[idx]
-            expected = entry.checksums[idx]
-            if expected is None:
-                continue
-            piece = buf[chunk.region_offset : chunk.region_offset + chunk.nbytes]
-            checks.append(
-                _DeviceCheck(io.checksum_async(piece, io.read_stream), expected, entry, chunk, keys, req)
-            )
-            del piece
-        self._checks.add(checks)
+        self._checks.queue_read(req, entry, idxs, buf, io, keys)
 
     def synchronize(self) -> None:
         """Wait for the device-side checks of every read so far and raise ``ChecksumError`` if one failed.

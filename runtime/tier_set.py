@@ -114,6 +114,7 @@ class TierSet:
         return str(self.dirs[chunk.dir_idx].data_path)
 
     def default_io_path(self) -> str:
+        """The I/O path of the default tier (e.g. "posix-odirect"), as the stats report it."""
         return self._tiers[self.default].io_path
 
     def dir_stats(self, elapsed_s: float) -> tuple[DirStats, ...]:
