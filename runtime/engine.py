@@ -6,6 +6,21 @@ the plan issued them), deduplicates storages offloaded twice, serves fetches fro
 is still there, verifies checksums, and turns every OS failure into a typed error at the request that
 hit it. It never interprets a plan.
 
+:class:`Engine` is the public face and the place where the rules across threads and streams meet;
+it delegates to four collaborators, each in its own module:
+
+- ``runtime.tier_set`` (:class:`TierSet`): the tiers by name and the offload directories under them;
+- ``runtime.key_table`` (:class:`KeyTable`): which bytes each key names, and when a new offload may
+  share a stored region (Note: [Storage identity], Note: [No dedup after release]);
+- ``runtime.transfers`` (:class:`Transfers`): the I/O pool that runs each request chunk by chunk
+  (Note: [Buffers die on the caller's thread], Note: [Fetched buffers are torch memory]);
+- ``runtime.device_checks`` (:class:`DeviceChecks`): the device checksums whose verdicts nobody read
+  yet (Note: [Device checks are read later]).
+
+The engine keeps the device rules below as methods of its own (``_order_*``, ``_keep_block_for_consumer``,
+``_settle_device``, ``_check_on_device``), named so that tests can remove one and show what breaks; the
+I/O threads reach them through ``transfers.DeviceRules``.
+
 Notes referenced in the code:
 
 Note: [Keepalive until the write completes]
@@ -14,44 +29,14 @@ Note: [Keepalive until the write completes]
     first) or ``drop``, so a caller that drops its tensor (or an allocator that reuses the buffer)
     cannot change the bytes mid-write. The key record keeps its own reference until ``release`` too.
 
-Note: [Storage identity]
-    Dedup and forwarding identify a storage by the Python storage object (torch preserves one object
-    per live StorageImpl) through a weak reference, never by data_ptr alone: a freed address is
-    reused by the next allocation. The ``_cdata`` pointer is only a dict key; a hit is confirmed by
-    ``ref() is storage``, and the version counter rejects a storage that was modified in place.
-
-Note: [No dedup after release]
-    A storage is deduplicated only while the entry's write still owns its source, i.e. before any of its
-    keys was released. After ``release`` the caller may reuse the memory for new data: Inductor binds a
-    later buffer to the same storage object (``buf9 = buf5  # reuse``) and its C++ kernels write through
-    raw pointers without bumping the version counter, and the graph ops offload a fresh view
-    (``whole_storage``) whose counter starts at 0 anyway. Matching such a storage to the old entry would
-    hand the new key the old bytes.
-
-Note: [Fetched buffers are torch memory]
-    A read's destination is an ordinary torch allocation made by the tier's ``new_buffer`` in the
-    caller's thread (prefetch or fetch): torch's allocator and its profiler then account for every
-    fetched byte (teraio measures a step's peak with the profiler's ``[memory]`` events, which are
-    recorded per thread), and the buffer is freed normally when the last tensor over it dies.
-
-Note: [Buffers die on the caller's thread]
-    I/O threads only borrow the tensors they read or write: a request's buffer is owned by the
-    request object (``_Request.buffer``), which only the caller's thread clears (``fetch`` takes a read
-    buffer, ``release``/``drop``/``close`` let a write's source go), and a worker drops its local
-    reference before it reports its chunk done. So the last reference to a buffer never dies on an
-    I/O thread. That matters beyond tidiness: the torch profiler records allocator events per thread,
-    so a free on an untracked thread is never seen and the measured peak would keep the buffer
-    forever (seen: +256 KiB on the tiny GPT's measured step, in about one run in six); on CUDA, the
-    caching allocator would recycle the block from a thread with no stream context.
-
 Note: [No lock in a finalizer or a signal handler]
     A finalizer (``weakref.finalize``, a weakref callback, ``__del__``) runs wherever the garbage
     collector or a reference count happens to hit zero, and a signal handler runs between two bytecodes
-    of the main thread: in both cases the interrupted frame may hold any lock of this module
+    of the main thread: in both cases the interrupted frame may hold any lock of the runtime
     (``OffloadDir._lock`` inside ``allocate``, a request's lock, the executor's shutdown lock inside
-    ``submit``), and taking it again on the same thread hangs forever (seen: the cyclic collector freed a
-    failed step's autograd graph inside ``OffloadDir.allocate``; its token finalizer called ``drop``,
-    which waited on the lock its own thread held). So neither ever takes a lock: a finalizer that wants a
+    ``submit``), and taking it again on the same thread hangs forever (a finalizer that calls ``drop``
+    from inside ``OffloadDir.allocate`` waits on the lock its own thread holds). So neither ever takes
+    a lock: a finalizer that wants a
     key gone calls :meth:`Engine.drop_later`, which only appends the key to a reentrant queue
     (``queue.SimpleQueue``, whose ``put`` is safe in finalizers), and every public call of the engine
     drains that queue first, from a normal context, before it takes a lock. The SIGTERM handler only
@@ -142,43 +127,38 @@ import os
 import queue
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from teraio.runtime import device as device_module
-from teraio.runtime.buffers import fetch_buffer
 from teraio.runtime.config import ResolvedConfig, RuntimeConfig
-from teraio.runtime.device import Device, HostWait, PendingChecksum, host_wait
-from teraio.runtime.errors import (
-    ChecksumError,
-    ConfigError,
-    EngineClosedError,
-    RuntimeIOError,
-    UnknownKeyError,
-    UnsupportedTensorError,
-)
+from teraio.runtime.device import Device
+from teraio.runtime.device_checks import DeviceChecks
+from teraio.runtime.errors import ConfigError, EngineClosedError, UnknownKeyError
 from teraio.runtime.handle import Handle
 from teraio.runtime.integrity import make_checksum
-from teraio.runtime.space import OffloadDir, install_sigterm_handler
-from teraio.runtime.staging import DeviceIO, ThreadStreams
-from teraio.runtime.stats import DirStats, RuntimeStats, StatsCollector, tb_per_day
-from teraio.runtime.tiers.base import (
-    Ability,
-    Chunk,
-    FileBacked,
-    GroupedReads,
-    Placement,
-    ReadPathCounts,
-    Tier,
+from teraio.runtime.key_table import (
+    Entry,
+    KeyRecord,
+    KeyTable,
+    new_entry,
+    rebuild,
+    span_nbytes,
+    validate_request,
+    version_of,
 )
-from teraio.runtime.tiers.host import HostTier
+from teraio.runtime.space import install_sigterm_handler
+from teraio.runtime.staging import DeviceIO
+from teraio.runtime.stats import RuntimeStats, StatsCollector
+from teraio.runtime.tier_set import TierSet, reserve_share
+from teraio.runtime.tiers.base import Tier
+from teraio.runtime.transfers import Transfers, _Request
+
+__all__ = ["Engine", "reserve_share"]
 
 log = logging.getLogger(__name__)
 
@@ -201,104 +181,40 @@ def _close_live_engines() -> None:
             log.warning("closing a teraio runtime engine at exit failed: %s", exc)
 
 
-def _version_of(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors have no version counter
-        return None
+def choose_backend(requested: str, device: Device) -> str:
+    """The I/O backend for ``requested``: itself, or for "auto" kvikio when a CUDA device with GPUDirect
+    Storage support and a usable kvikio are present, else posix; the choice is logged with its reason."""
+    if requested != "auto":
+        return requested
+    from teraio.runtime.tiers.gds import kvikio_status
+
+    if not (device.available() and device.supports_gds):
+        log.info("TERAIO_IO_BACKEND=auto chose posix: no CUDA device")
+        return "posix"
+    ok, reason = kvikio_status()
+    if not ok:
+        log.warning("TERAIO_IO_BACKEND=auto chose posix although CUDA is present: %s", reason)
+        return "posix"
+    log.info("TERAIO_IO_BACKEND=auto chose kvikio: CUDA device and kvikio present")
+    return "kvikio"
 
 
-def _span_nbytes(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range [lo, hi) of the storage that the view ``t`` can touch."""
-    itemsize = t.element_size()
-    lo = t.storage_offset() * itemsize
-    if t.numel() == 0:
-        return lo, lo
-    extent = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if s > 0)
-    return lo, lo + extent * itemsize
+class _RulesForIOThreads:
+    """The engine's device rules as the I/O threads call them (``transfers.DeviceRules``). Each call looks
+    the rule up on the engine at that moment, so a rule removed from :class:`Engine` (as the race tests
+    do) is removed for the I/O threads too."""
 
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
 
-@dataclass(eq=False)  # identity semantics: entries hold tensors
-class _Entry:
-    """One stored byte region of one storage, shared by every key that deduplicated onto it."""
+    def after_producer(self, io: DeviceIO, producer_event: Any) -> None:
+        self._engine._order_after_producer(io, producer_event)
 
-    tier: Tier
-    device: torch.device
-    on_device: bool  # accelerator memory: moved on I/O streams (Note: [CUDA ordering])
-    storage_ref: weakref.ref
-    storage_id: int
-    version: int | None
-    region_lo: int
-    nbytes: int
-    placement: Placement
-    write_handle: Handle
-    checksums: list[int | None]
-    keys: set[str] = field(default_factory=set)
-    write_req: _Request | None = None  # owns the source region until release/drop
-    read_req: _Request | None = None  # the read in flight or done, until a fetch takes its buffer
-    loaded_ref: weakref.ref | None = None  # storage of the last fetched buffer, while users hold it
-    last_read: _Request | None = None  # the read that filled it: its device events order later users
+    def after_allocation(self, io: DeviceIO, alloc_event: Any) -> None:
+        self._engine._order_after_allocation(io, alloc_event)
 
-
-@dataclass(eq=False)
-class _Key:
-    """What one key needs to rebuild its tensor: view metadata plus the in-memory reference."""
-
-    entry: _Entry | None  # None for zero-size tensors (nothing stored)
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    byte_offset: int  # of the view's first element in its storage
-    device: torch.device
-    tensor: torch.Tensor | None  # held until release (forwarding)
-
-
-class _Request:
-    """Counts down the chunks of one request and completes its handle.
-
-    ``buffer`` is the tensor the chunks read from or write into, cleared only by the caller's thread
-    (Note: [Buffers die on the caller's thread]).
-    """
-
-    def __init__(self, handle: Handle, nchunks: int, on_done, buffer: torch.Tensor) -> None:
-        self.handle = handle
-        self.buffer: torch.Tensor | None = buffer
-        self.remaining = nchunks
-        self.error: BaseException | None = None
-        self.lock = threading.Lock()
-        self.on_done = on_done
-        self.device_events: list[Any] = []  # one per chunk group of a device read, behind its copies
-        self.device_streams: list[Any] = []  # the read streams its copies were queued on
-
-    def add_device_stream(self, stream: Any) -> None:
-        with self.lock:
-            if not any(s is stream for s in self.device_streams):
-                self.device_streams.append(stream)
-
-    def add_device_event(self, event: Any) -> None:
-        with self.lock:
-            self.device_events.append(event)
-
-    def chunk_finished(self, exc: BaseException | None) -> None:
-        with self.lock:
-            if exc is not None and self.error is None:
-                self.error = exc
-            self.remaining -= 1
-            last = self.remaining == 0
-        if last:
-            self.on_done(self)
-
-
-@dataclass(eq=False)
-class _DeviceCheck:
-    """A device checksum of one read chunk whose verdict is read later (Note: [Device checks are read later])."""
-
-    pending: PendingChecksum
-    expected: int
-    entry: _Entry
-    chunk: Chunk
-    keys: list[str]
-    req: _Request
+    def check_on_device(self, req, entry, idxs: list[int], buf, io: DeviceIO, keys: list[str]) -> None:
+        self._engine._check_on_device(req, entry, idxs, buf, io, keys)
 
 
 class Engine:
@@ -325,87 +241,37 @@ class Engine:
             raise ConfigError("pass either a RuntimeConfig or keyword options, not both")
         self.config: ResolvedConfig = config.resolved()
         cfg = self.config
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards the key table and every entry's requests
         self._owner_pid = os.getpid()
-        self._keys: dict[str, _Key] = {}
-        self._offloading: set[str] = set()  # keys inside an offload() call right now
-        self._by_storage: dict[int, list[_Entry]] = {}
+        self._table = KeyTable()
+        self._keys = self._table.records  # key -> record (tests read entries through it)
         self._closed = False
         # Keys finalizers asked to drop (Note: [No lock in a finalizer or a signal handler]).
         self._deferred_drops: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._stats = StatsCollector()
-        self._checksum = make_checksum(cfg.checksum)
-        self._checks_lock = threading.Lock()
-        self._device_checks: list[_DeviceCheck] = []  # Note: [Device checks are read later]
-        self._dirs: list[OffloadDir] = []
         self._dev: Device = device if device is not None else device_module.current()
-        self._streams = ThreadStreams(self._dev, cfg.chunk_nbytes)
-        self.backend = self._choose_backend(cfg.backend)
-        host = HostTier(
-            chunk_nbytes=cfg.chunk_nbytes, capacity_nbytes=cfg.host_capacity_nbytes, device=self._dev
+        self.backend = choose_backend(cfg.backend, self._dev)
+        self._tier_set = TierSet(cfg, self.backend, self._dev, tiers)
+        self._dirs = self._tier_set.dirs  # the offload directories (one per SSD)
+        self.default_tier = self._tier_set.default
+        self._transfers = Transfers(
+            device=self._dev,
+            chunk_nbytes=cfg.chunk_nbytes,
+            io_threads=cfg.io_threads,
+            checksum=make_checksum(cfg.checksum),
+            stats=self._stats,
+            rules=_RulesForIOThreads(self),
+            chunk_path=self._tier_set.chunk_path,
         )
-        self._tiers: dict[str, Tier] = {host.name: host}
-        try:
-            if self.backend != "host":
-                ssd = self._open_ssd_tier()
-                self._tiers[ssd.name] = ssd
-            for name, plugged in (tiers or {}).items():
-                if plugged.name != name:
-                    raise ConfigError(
-                        f"tiers={{{name!r}: ...}}: the tier's name is {plugged.name!r}; use the same"
-                    )
-                self._tiers[name] = plugged
-        except BaseException:
-            for odir in self._dirs:
-                odir.close()
-            raise
-        self.default_tier = "host" if self.backend == "host" else "ssd"
-        self._pool = ThreadPoolExecutor(max_workers=cfg.io_threads, thread_name_prefix="teraio-io")
+        self._checks = DeviceChecks(  # Note: [Device checks are read later]
+            self._dev, self._stats, entries_lock=self._lock, chunk_path=self._tier_set.chunk_path
+        )
+        # The pending checks and their lock under the engine's own names: a stand-in for
+        # ``_check_on_device`` (tests put old behaviours back that way) queues its checks through them.
+        self._checks_lock = self._checks.lock
+        self._device_checks = self._checks.pending
         _LIVE_ENGINES.add(self)
         install_sigterm_handler()  # Note: [No lock in a finalizer or a signal handler]
-
-    # -- set-up ---------------------------------------------------------------------------------
-    def _choose_backend(self, requested: str) -> str:
-        if requested != "auto":
-            return requested
-        from teraio.runtime.tiers.gds import kvikio_status
-
-        if not (self._dev.available() and self._dev.supports_gds):
-            log.info("TERAIO_IO_BACKEND=auto chose posix: no CUDA device")
-            return "posix"
-        ok, reason = kvikio_status()
-        if not ok:
-            log.warning("TERAIO_IO_BACKEND=auto chose posix although CUDA is present: %s", reason)
-            return "posix"
-        log.info("TERAIO_IO_BACKEND=auto chose kvikio: CUDA device and kvikio present")
-        return "kvikio"
-
-    def _open_ssd_tier(self) -> Tier:
-        cfg = self.config
-        for base in cfg.dirs:
-            self._dirs.append(
-                OffloadDir(base, rank=cfg.rank, direct_io=cfg.direct_io, fault_injector=cfg.fault_injector)
-            )
-        if cfg.reserve_nbytes:
-            for odir in self._dirs:
-                odir.reserve(reserve_share(cfg.reserve_nbytes, len(self._dirs), cfg.chunk_nbytes))
-        if self.backend == "kvikio":
-            from teraio.runtime.tiers.gds import KvikioTier
-
-            return KvikioTier(
-                self._dirs,
-                chunk_nbytes=cfg.chunk_nbytes,
-                io_threads=cfg.io_threads,
-                fault_injector=cfg.fault_injector,
-            )
-        from teraio.runtime.tiers.posix import PosixTier
-
-        return PosixTier(
-            self._dirs,
-            chunk_nbytes=cfg.chunk_nbytes,
-            fault_injector=cfg.fault_injector,
-            bounce_reads=cfg.bounce_reads,
-        )
 
     @property
     def offload_paths(self) -> list[str]:
@@ -419,59 +285,28 @@ class Engine:
         uses it too, so that the fake device orders (and tests) its work the same way."""
         return self._dev
 
+    @property
+    def tiers(self) -> dict[str, Tier]:
+        """The engine's tiers by name ("host" always, "ssd" unless the backend is host, plus any plugged in)."""
+        return self._tier_set.by_name
+
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- helpers --------------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("the runtime engine is closed; create a new Engine")
 
-    def _tier(self, tier: str | None) -> Tier:
-        name = tier or self.default_tier
-        found = self._tiers.get(name)
-        if found is not None:
-            return found
-        if name == "ssd":
-            raise ConfigError("tier 'ssd' needs offload directories; this engine runs backend 'host'")
-        names = ", ".join(repr(n) for n in sorted({"ssd", *self._tiers}))
-        raise ConfigError(f"tier={tier!r} is not a tier: use {names} or None (the default tier)")
+    def _settle(self) -> None:
+        """What every request does first, holding no lock: drop the keys finalizers queued, and raise the
+        verdict of a device check that failed (Note: [Device checks are read later])."""
+        self._settle_deferred_drops()
+        self._checks.deliver(wait=False)
 
-    @property
-    def tiers(self) -> dict[str, Tier]:
-        """The engine's tiers by name ("host" always, "ssd" unless the backend is host, plus any plugged in)."""
-        return dict(self._tiers)
-
-    def _record(self, key: str) -> _Key:
-        rec = self._keys.get(key)
-        if rec is None:
-            raise UnknownKeyError(f"no offloaded tensor under key {key!r}: offload it first")
-        return rec
-
-    def _stall(self, seconds: float) -> None:
-        self._stats.add_stall(seconds)
-
-    @staticmethod
-    def _validate(key: str, tensor: torch.Tensor) -> None:
-        if not isinstance(key, str) or not key:
-            raise ConfigError(f"key must be a non-empty str, got {key!r}")
-        if not isinstance(tensor, torch.Tensor):
-            raise UnsupportedTensorError(
-                f"offload({key!r}) needs a torch.Tensor, got {type(tensor).__name__}"
-            )
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested:
-            raise UnsupportedTensorError(
-                f"offload({key!r}): only dense strided tensors can be offloaded, got layout {tensor.layout}"
-            )
-        if tensor.device.type not in ("cpu", "cuda"):
-            raise UnsupportedTensorError(
-                f"offload({key!r}): tensors on {tensor.device} are not supported (cpu or cuda only)"
-            )
-
-    # -- offload --------------------------------------------------------------------------------
+    # -- offload / release ----------------------------------------------------------------------
     def offload(self, key: str, tensor: torch.Tensor, tier: str | None = None) -> Handle:
         """Start writing ``tensor`` under ``key``; return at once with a handle on the write.
 
@@ -482,171 +317,80 @@ class Engine:
             OutOfSpaceError, TierCapacityError: no room for the bytes (nothing is registered then).
             UnsupportedTensorError, ConfigError: bad arguments.
         """
-        self._validate(key, tensor)
-        target = self._tier(tier)
-        self._settle_deferred_drops()
-        self._deliver_checks(wait=False)
+        validate_request(key, tensor)
+        target = self._tier_set.get(tier)
+        self._settle()
         with self._lock:
             self._check_open()
-            if key in self._offloading:
-                raise ConfigError(
-                    f"offload({key!r}) while another thread is offloading the same key: one request per "
-                    f"key at a time (use distinct keys, or wait for the first offload to return)"
-                )
-            self._offloading.add(key)
+            self._table.begin_offload(key)
         try:
             return self._offload(key, tensor, target)
         finally:
             with self._lock:
-                self._offloading.discard(key)
+                self._table.end_offload(key)
 
     def _offload(self, key: str, tensor: torch.Tensor, target: Tier) -> Handle:
         t = tensor.detach()
-        lo, hi = _span_nbytes(t)
+        lo, hi = span_nbytes(t)
         while True:
             with self._lock:
                 self._check_open()
-                old = self._keys.get(key)
-                if old is None:
+                if key not in self._table:
                     break
             self._drop_record(key)
         meta = dict(
-            dtype=t.dtype,
-            shape=tuple(t.shape),
-            stride=tuple(t.stride()),
-            byte_offset=lo,
-            device=t.device,
+            dtype=t.dtype, shape=tuple(t.shape), stride=tuple(t.stride()), byte_offset=lo, device=t.device
         )
         if t.numel() == 0:
             with self._lock:
-                self._keys[key] = _Key(entry=None, tensor=t, **meta)
+                self._table.add(key, KeyRecord(entry=None, tensor=t, **meta))
             return Handle.completed(key, "offload")
         storage = t.untyped_storage()
-        storage_id = storage._cdata
-        version = _version_of(t)
+        version = version_of(t)
         with self._lock:
-            entry = self._find_entry(storage, storage_id, version, target, t, lo, hi)
+            entry = self._table.find_shared(storage, version, target, t, lo, hi)
             if entry is not None:
                 entry.keys.add(key)
-                self._keys[key] = _Key(entry=entry, tensor=t, **meta)
+                self._table.add(key, KeyRecord(entry=entry, tensor=t, **meta))
                 self._stats.count("dedup_hits")
                 self._stats.count("dedup_saved_nbytes", hi - lo)
                 return entry.write_handle
-        # A region: the whole storage when the view covers at least half of it (so sibling views
-        # such as q/k/v of one qkv buffer dedup onto it), else only the view's own span.
-        storage_nbytes = storage.nbytes()
-        region_lo, region_hi = (0, storage_nbytes) if 2 * (hi - lo) >= storage_nbytes else (lo, hi)
-        nbytes = region_hi - region_lo
-        placement = target.allocate(nbytes)  # raises OutOfSpaceError / TierCapacityError now
-        self._stats.hold(target.name, nbytes)
-        region = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, region_lo, (nbytes,), (1,))
-        handle = Handle(key, "offload", self._stall)
-        entry = _Entry(
-            tier=target,
-            device=t.device,
-            on_device=self._dev.owns(t),
-            storage_ref=weakref.ref(storage),
-            storage_id=storage_id,
-            version=version,
-            region_lo=region_lo,
-            nbytes=nbytes,
-            placement=placement,
-            write_handle=handle,
-            checksums=[None] * len(placement.chunks),
-            keys={key},
-        )
+        # Raises OutOfSpaceError / TierCapacityError now, before anything is registered.
+        entry, region = new_entry(key, t, version, lo, hi, target, self._dev.owns(t), self._stats.add_stall)
+        self._stats.hold(target.name, entry.nbytes)
+        handle = entry.write_handle
         # The write request exists before the key is visible: a concurrent drop or release of this key
         # then waits for the write instead of freeing space a chunk is about to fill.
-        self._submit_write(entry, region)
+        self._transfers.submit_write(entry, region)  # Note: [Keepalive until the write completes]
         with self._lock:
-            self._by_storage.setdefault(storage_id, []).append(entry)
-            self._keys[key] = _Key(entry=entry, tensor=t, **meta)
+            self._table.add_entry(entry)
+            self._table.add(key, KeyRecord(entry=entry, tensor=t, **meta))
         return handle
 
-    def _find_entry(self, storage, storage_id, version, target, t, lo, hi) -> _Entry | None:
-        entries = self._by_storage.get(storage_id)
-        if not entries:
-            return None
-        entries[:] = [e for e in entries if e.storage_ref() is not None]
-        for e in entries:
-            if (
-                e.storage_ref() is storage  # Note: [Storage identity]
-                and e.write_req is not None
-                and e.write_req.buffer is not None  # Note: [No dedup after release]
-                and e.version == version
-                and e.tier is target
-                and e.region_lo <= lo
-                and hi <= e.region_lo + e.nbytes
-                and (lo - e.region_lo) % t.element_size() == 0
-                and not e.write_handle.failed()
-            ):
-                return e
-        return None
+    def release(self, key: str) -> None:
+        """Wait for ``key``'s write, then drop the engine's in-memory reference to its tensor.
 
-    def _submit_write(self, entry: _Entry, region: torch.Tensor) -> None:
-        tier = entry.tier
-        kind = f"{tier.name}.write"
-        event = None
-        if entry.on_device:  # Note: [CUDA ordering] (1): the producer's kernels may still be queued
-            event = self._dev.new_event()
-            self._dev.record(event, self._dev.current_stream(entry.device))
-        checksum = self._checksum
-
-        def on_done(req: _Request) -> None:
-            error = req.error
-            if error is None:
-                try:
-                    tier.finish_write(entry.placement)
-                except BaseException as exc:  # noqa: BLE001 - delivered through the handle
-                    error = exc
-            self._stats.finish(kind, entry.nbytes if error is None else 0)
-            if error is None:
-                req.handle.set_result(None)
-            else:
-                req.handle.set_exception(_typed(error, f"offload of {sorted(entry.keys)}"))
-
-        # Note: [Keepalive until the write completes]: the request owns the region until release/drop.
-        req = entry.write_req = _Request(entry.write_handle, len(entry.placement.chunks), on_done, region)
-        del region
-        self._stats.start(kind)
-        for idx, chunk in enumerate(entry.placement.chunks):
-            self._pool.submit(self._write_chunk, req, entry, idx, chunk, event, checksum)
-
-    def _write_chunk(self, req, entry, idx, chunk: Chunk, event, checksum) -> None:
-        exc: BaseException | None = None
-        region = req.buffer  # borrowed: Note: [Buffers die on the caller's thread]
-        try:
-            if req.error is None:  # a failed request skips its remaining chunks
-                io = self._io(entry)
-                if io is not None:
-                    self._order_after_producer(io, event)
-                pending = None
-                if checksum is not None:
-                    if io is None:
-                        entry.checksums[idx] = checksum(region.data_ptr() + chunk.region_offset, chunk.nbytes)
-                    else:  # on the write stream, before the tier's copies of the same bytes
-                        piece = region[chunk.region_offset : chunk.region_offset + chunk.nbytes]
-                        pending = io.checksum_async(piece, io.write_stream)
-                        del piece
-                entry.tier.write_chunk(entry.placement, chunk, region, io)
-                if pending is not None:
-                    # The tier waited for its own later copy on the write stream: already complete.
-                    with host_wait(HostWait.WRITE_SOURCE):
-                        self._dev.synchronize_event(pending.event)
-                    entry.checksums[idx] = pending.value()
-                    # Its 16 pinned bytes go back before the request completes: whoever waits on the write
-                    # then sees the allocator as the write left it (this thread's frame held them after).
-                    pending = None
-        except BaseException as e:  # noqa: BLE001 - delivered through the handle
-            exc = _without_locals(e)
-        del region
-        req.chunk_finished(exc)
+        Raises:
+            RuntimeIOError: the write failed; the tensor then stays in memory (fetch still works).
+        """
+        self._settle()
+        with self._lock:
+            self._check_open()
+            rec = self._table.record(key)
+            if rec.tensor is None or rec.entry is None:
+                if rec.entry is None:
+                    rec.tensor = None
+                return
+            entry = rec.entry
+            handle = entry.write_handle
+        handle.wait()
+        with self._lock:
+            if entry.write_req is not None:  # the write is done: its source may go
+                entry.write_req.buffer = None
+            if self._table.get(key) is rec:
+                rec.tensor = None
 
     # -- device ordering (Note: [CUDA ordering]); named so tests can show what removing each breaks --
-    def _io(self, entry: _Entry) -> DeviceIO | None:
-        """This I/O thread's stream and staging for the entry's device; None for host memory."""
-        return self._streams.get(entry.device) if entry.on_device else None
-
     def _order_after_producer(self, io: DeviceIO, producer_event: Any) -> None:
         """(1) The write's copies run after the kernels queued before ``offload`` returned."""
         io.order_write_after(producer_event)
@@ -668,39 +412,22 @@ class Engine:
         ``stream`` is the one the buffer was allocated for)."""
         self._dev.record_stream(buffer, stream)
 
-    # -- device checks (Note: [Device checks are read later]) ------------------------------------
-    def _deliver_checks(self, *, wait: bool) -> None:
-        """Read the verdicts of device checks whose event completed (all of them, waiting, with ``wait``)
-        and raise ``ChecksumError`` for the first mismatch (naming how many more there were)."""
-        with self._checks_lock:
-            if not self._device_checks:
-                return
-            if wait:
-                ready, self._device_checks = self._device_checks, []
-            else:
-                ready = [c for c in self._device_checks if self._dev.event_done(c.pending.event)]
-                if not ready:
-                    return
-                done = {id(c) for c in ready}
-                self._device_checks = [c for c in self._device_checks if id(c) not in done]
-        failed = []
-        for check in ready:
-            if wait:
-                with host_wait(HostWait.SYNCHRONIZE):
-                    self._dev.synchronize_event(check.pending.event)
-            if check.pending.value() != check.expected:
-                failed.append(check)
-        if not failed:
+    def _settle_device(self, req: _Request) -> None:
+        """Before an unfetched read buffer is let go: the allocator reuses its block only after every read
+        stream that queued copies into it reached this point (Note: [A read nobody fetched is settled
+        by the allocator]). No host wait; nothing to do for a fetched read or a write."""
+        with req.lock:
+            streams = list(req.device_streams)
+        buffer = req.buffer
+        if buffer is None or not streams or not self._dev.owns(buffer):
             return
-        self._stats.count("checksum_failures", len(failed))
-        with self._lock:
-            for check in failed:  # its buffer is not served to sibling keys any more
-                if check.entry.last_read is check.req:
-                    check.entry.loaded_ref = None
-                    check.entry.last_read = None
-        first = failed[0]
-        more = f"; {len(failed) - 1} more chunk(s) failed too" if len(failed) > 1 else ""
-        raise self._checksum_error(first.keys, first.chunk, "checked on the device after the read" + more)
+        for stream in streams:
+            self._dev.record_stream(buffer, stream)
+
+    # -- device checks (Note: [Device checks are read later]) ------------------------------------
+    def _check_on_device(self, req, entry, idxs: list[int], buf, io: DeviceIO, keys) -> None:
+        """Device bytes: queue each chunk's checksum behind its copies (Note: [Device checks are read later])."""
+        self._checks.queue_read(req, entry, idxs, buf, io, keys)
 
     def synchronize(self) -> None:
         """Wait for the device-side checks of every read so far and raise ``ChecksumError`` if one failed.
@@ -710,32 +437,7 @@ class Engine:
         """
         with self._lock:
             self._check_open()
-        self._deliver_checks(wait=True)
-
-    # -- release --------------------------------------------------------------------------------
-    def release(self, key: str) -> None:
-        """Wait for ``key``'s write, then drop the engine's in-memory reference to its tensor.
-
-        Raises:
-            RuntimeIOError: the write failed; the tensor then stays in memory (fetch still works).
-        """
-        self._settle_deferred_drops()
-        self._deliver_checks(wait=False)
-        with self._lock:
-            self._check_open()
-            rec = self._record(key)
-            if rec.tensor is None or rec.entry is None:
-                if rec.entry is None:
-                    rec.tensor = None
-                return
-            entry = rec.entry
-            handle = entry.write_handle
-        handle.wait()
-        with self._lock:
-            if entry.write_req is not None:  # the write is done: its source may go
-                entry.write_req.buffer = None
-            if self._keys.get(key) is rec:
-                rec.tensor = None
+        self._checks.deliver(wait=True)
 
     # -- prefetch / fetch -----------------------------------------------------------------------
     def prefetch(self, key: str) -> Handle:
@@ -746,133 +448,15 @@ class Engine:
         Raises:
             ChecksumError: an earlier device read failed its check (Note: [Device checks are read later]).
         """
-        self._settle_deferred_drops()
-        self._deliver_checks(wait=False)
+        self._settle()
         with self._lock:
             self._check_open()
-            rec = self._record(key)
-            entry = rec.entry
-            if entry is None or self._memory_copy(entry) is not None:
+            entry = self._table.record(key).entry
+            if entry is None or self._table.memory_copy(entry) is not None:
                 return Handle.completed(key, "prefetch")
             if entry.read_req is None:
-                entry.read_req = self._submit_read(key, entry)
+                entry.read_req = self._transfers.submit_read(key, entry)
             return entry.read_req.handle
-
-    def _memory_copy(self, entry: _Entry) -> tuple[torch.UntypedStorage, int] | None:
-        """A live storage holding the entry's bytes, and the storage byte offset of region start."""
-        for k in entry.keys:
-            other = self._keys.get(k)
-            if other is not None and other.tensor is not None:
-                return other.tensor.untyped_storage(), 0
-        if entry.loaded_ref is not None:
-            loaded = entry.loaded_ref()
-            if loaded is not None:
-                return loaded, entry.region_lo
-            entry.loaded_ref = None
-        return None
-
-    def _submit_read(self, key: str, entry: _Entry) -> _Request:
-        tier = entry.tier
-        kind = f"{tier.name}.read"
-        event = None
-        if entry.on_device:  # Note: [CUDA ordering]: allocated for the caller's stream
-            buf = self._dev.empty(entry.nbytes, entry.device)
-            event = self._dev.new_event()
-            self._dev.record(event, self._dev.current_stream(entry.device))
-        else:
-            buf = fetch_buffer(entry.nbytes)  # Note: [Fetched buffers are torch memory]
-        handle = Handle(key, "prefetch", self._stall)
-        keys = sorted(entry.keys)
-
-        def on_done(req: _Request) -> None:
-            self._stats.finish(kind, entry.nbytes if req.error is None else 0)
-            if req.error is None:
-                req.handle.set_result(None)  # the buffer stays with the request: fetch takes it
-            else:
-                req.handle.set_exception(_typed(req.error, f"read of {keys}"))
-
-        verify = self._checksum
-        if Ability.GROUPED_READS in tier.abilities and not entry.on_device:
-            groups = cast(GroupedReads, tier).group_chunks(entry.placement, self.config.io_threads)
-        else:
-            groups = [[i] for i in range(len(entry.placement.chunks))]
-        req = _Request(handle, len(groups), on_done, buf)
-        del buf
-        self._stats.start(kind)
-        for idxs in groups:
-            self._pool.submit(self._read_group, req, entry, idxs, event, verify, keys)
-        return req
-
-    def _read_group(self, req, entry, idxs: list[int], event, verify, keys) -> None:
-        exc: BaseException | None = None
-        buf = req.buffer  # borrowed: Note: [Buffers die on the caller's thread]
-        try:
-            if req.error is None:
-                io = self._io(entry)
-                if io is not None:
-                    req.add_device_stream(io.read_stream)  # before any copy: Note: [A read nobody ...]
-                    self._order_after_allocation(io, event)
-                if len(idxs) == 1:
-                    entry.tier.read_chunk(entry.placement, entry.placement.chunks[idxs[0]], buf, io)
-                else:  # only host buffers are grouped
-                    cast(GroupedReads, entry.tier).read_group(entry.placement, idxs, buf)
-                if io is None:
-                    self._verify(entry, idxs, buf, verify, keys)
-                else:
-                    if verify is not None:
-                        self._check_on_device(req, entry, idxs, buf, io, keys)
-                    # Note: [CUDA ordering] (3): fetch orders the consumer after the copies and checks
-                    done = self._dev.new_event()
-                    self._dev.record(done, io.read_stream)
-                    req.add_device_event(done)
-        except BaseException as e:  # noqa: BLE001 - delivered through the handle
-            exc = _without_locals(e)
-        del buf
-        req.chunk_finished(exc)
-
-    def _verify(self, entry, idxs: list[int], buf, verify, keys) -> None:
-        """Host bytes: ``verify`` (crc32c/xxhash) on the I/O thread, before the handle completes."""
-        for idx in idxs:
-            chunk = entry.placement.chunks[idx]
-            expected = entry.checksums[idx]
-            if verify is not None and expected is not None:
-                if verify(buf.data_ptr() + chunk.region_offset, chunk.nbytes) != expected:
-                    self._stats.count("checksum_failures")
-                    raise self._checksum_error(keys, chunk, "")
-
-    def _check_on_device(self, req, entry, idxs: list[int], buf, io: DeviceIO, keys) -> None:
-        """Device bytes: queue each chunk's checksum behind its copies (Note: [Device checks are read later])."""
-        checks = []
-        for idx in idxs:
-            chunk = entry.placement.chunks[idx]
-            expected = entry.checksums[idx]
-            if expected is None:
-                continue
-            piece = buf[chunk.region_offset : chunk.region_offset + chunk.nbytes]
-            checks.append(
-                _DeviceCheck(io.checksum_async(piece, io.read_stream), expected, entry, chunk, keys, req)
-            )
-            del piece
-        with self._checks_lock:
-            self._device_checks.extend(checks)
-
-    def _checksum_error(self, keys: list[str], chunk: Chunk, how: str) -> ChecksumError:
-        path = self._chunk_path(chunk)
-        return ChecksumError(
-            f"checksum mismatch for key {keys[0]!r}"
-            + (f" (shared with {keys[1:]})" if len(keys) > 1 else "")
-            + f": {path} at offset {chunk.file_offset}, {chunk.nbytes} bytes read back "
-            f"differ from those written{' (' + how + ')' if how else ''}; the device or filesystem "
-            "corrupted data",
-            key=keys[0],
-            path=path,
-            file_offset=chunk.file_offset,
-        )
-
-    def _chunk_path(self, chunk: Chunk) -> str:
-        if chunk.dir_idx < 0:
-            return "<host memory>"
-        return str(self._dirs[chunk.dir_idx].data_path)
 
     def fetch(self, key: str, *, exclusive: bool = False) -> torch.Tensor:
         """Return ``key``'s tensor with its dtype, shape, strides and bytes (from memory if still
@@ -887,33 +471,20 @@ class Engine:
             ChecksumError, DiskIOError, RuntimeIOError: the read failed (the key stays readable); or an
                 earlier device read failed its check (Note: [Device checks are read later]).
         """
-        self._settle_deferred_drops()
-        self._deliver_checks(wait=False)
+        self._settle()
         while True:
             with self._lock:
                 self._check_open()
-                rec = self._record(key)
+                rec = self._table.record(key)
                 entry = rec.entry
                 if entry is None:
                     return torch.empty_strided(rec.shape, rec.stride, dtype=rec.dtype, device=rec.device)
-                if rec.tensor is not None:
-                    self._stats.count("forwarded_fetches")
-                    self._stats.count("forwarded_nbytes", entry.nbytes)
-                    return rec.tensor.clone() if exclusive else rec.tensor  # still the caller's bytes
-                copy = self._memory_copy(entry)
-                if copy is not None:
-                    self._stats.count("forwarded_fetches")
-                    self._stats.count("forwarded_nbytes", entry.nbytes)
-                    loaded = entry.loaded_ref() if entry.loaded_ref is not None else None
-                    if copy[0] is loaded and entry.last_read is not None and entry.last_read.device_events:
-                        # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3), (5)).
-                        whole = torch.empty(0, dtype=torch.uint8, device=loaded.device).set_(loaded)
-                        self._order_before_consumer(rec.device, entry.last_read.device_events, whole)
-                    served = self._rebuild(rec, copy[0], copy[1])
+                served = self._served_from_memory(rec, entry)
+                if served is not None:
                     return served.clone() if exclusive else served  # others hold that buffer
                 req = entry.read_req
                 if req is None:
-                    req = entry.read_req = self._submit_read(key, entry)
+                    req = entry.read_req = self._transfers.submit_read(key, entry)
             try:
                 req.handle.wait()  # Note: [Fetch waits for the disk, never for the device]
             except BaseException:
@@ -924,7 +495,8 @@ class Engine:
                     req.buffer = None
                 raise
             with self._lock:
-                buf, req.buffer = req.buffer, None  # Note: [Buffers die on the caller's thread]
+                # Note: [Buffers die on the caller's thread] (runtime/transfers.py)
+                buf, req.buffer = req.buffer, None
                 if entry.read_req is req:
                     entry.read_req = None
                 if buf is not None:
@@ -937,14 +509,26 @@ class Engine:
             # A concurrent fetch of a sibling key took the buffer: look again (memory, or a new read).
         if req.device_events:
             self._order_before_consumer(rec.device, req.device_events, buf)
-        return self._rebuild(rec, buf.untyped_storage(), entry.region_lo)
+        return rebuild(rec, buf.untyped_storage(), entry.region_lo)
 
-    @staticmethod
-    def _rebuild(rec: _Key, storage: torch.UntypedStorage, storage_lo: int) -> torch.Tensor:
-        itemsize = torch.empty(0, dtype=rec.dtype).element_size()
-        offset_elems = (rec.byte_offset - storage_lo) // itemsize
-        out = torch.empty(0, dtype=rec.dtype, device=storage.device)
-        return out.set_(storage, offset_elems, rec.shape, rec.stride)
+    def _served_from_memory(self, rec: KeyRecord, entry: Entry) -> torch.Tensor | None:
+        """``rec``'s tensor from bytes still in memory (the caller's tensor until release, or a buffer a
+        fetch filled), or None. Holding the engine's lock."""
+        if rec.tensor is not None:
+            self._stats.count("forwarded_fetches")
+            self._stats.count("forwarded_nbytes", entry.nbytes)
+            return rec.tensor  # still the caller's bytes
+        copy = self._table.memory_copy(entry)
+        if copy is None:
+            return None
+        self._stats.count("forwarded_fetches")
+        self._stats.count("forwarded_nbytes", entry.nbytes)
+        loaded = entry.loaded_ref() if entry.loaded_ref is not None else None
+        if copy[0] is loaded and entry.last_read is not None and entry.last_read.device_events:
+            # Another stream may fetch the buffer a read filled: order it too (Note: [CUDA ordering] (3), (5)).
+            whole = torch.empty(0, dtype=torch.uint8, device=loaded.device).set_(loaded)
+            self._order_before_consumer(rec.device, entry.last_read.device_events, whole)
+        return rebuild(rec, copy[0], copy[1])
 
     # -- drop / close ---------------------------------------------------------------------------
     def drop(self, key: str, *, missing_ok: bool = False) -> None:
@@ -959,7 +543,7 @@ class Engine:
         self._settle_deferred_drops()
         with self._lock:
             self._check_open()
-            if key not in self._keys:
+            if key not in self._table:
                 if missing_ok:
                     return
                 raise UnknownKeyError(f"no offloaded tensor under key {key!r}: nothing to drop")
@@ -967,24 +551,14 @@ class Engine:
 
     def _drop_record(self, key: str) -> None:
         with self._lock:
-            rec = self._keys.pop(key, None)
-            if rec is None or rec.entry is None:
+            entry = self._table.unlink(key)
+            if entry is None:
                 return
-            entry = rec.entry
-            entry.keys.discard(key)
-            if entry.keys:
-                return
-            siblings = self._by_storage.get(entry.storage_id, [])
-            if entry in siblings:
-                siblings.remove(entry)
-            if not siblings:
-                self._by_storage.pop(entry.storage_id, None)
-            pending = [r for r in (entry.write_req, entry.read_req, entry.last_read) if r is not None]
-            entry.read_req = entry.write_req = entry.last_read = None
+            pending = entry.forget_requests()
         for req in pending:  # no chunk may still touch the space: wait for the host side of the I/O
             wait_futures([req.handle])  # Note: [Fetch waits for the disk, never for the device]
             self._settle_device(req)  # device copies: no wait (Note: [A read nobody fetched ...])
-            req.buffer = None  # Note: [Buffers die on the caller's thread]
+            req.buffer = None  # Note: [Buffers die on the caller's thread] (runtime/transfers.py)
         entry.tier.free(entry.placement)
         self._stats.hold(entry.tier.name, -entry.nbytes)
 
@@ -1006,23 +580,11 @@ class Engine:
                 return
             self._drop_record(key)
 
-    def _settle_device(self, req: _Request) -> None:
-        """Before an unfetched read buffer is let go: the allocator reuses its block only after every read
-        stream that queued copies into it reached this point (Note: [A read nobody fetched is settled
-        by the allocator]). No host wait; nothing to do for a fetched read or a write."""
-        with req.lock:
-            streams = list(req.device_streams)
-        buffer = req.buffer
-        if buffer is None or not streams or not self._dev.owns(buffer):
-            return
-        for stream in streams:
-            self._dev.record_stream(buffer, stream)
-
     def keys(self) -> list[str]:
         """The keys currently offloaded."""
         self._settle_deferred_drops()
         with self._lock:
-            return list(self._keys)
+            return list(self._table.records)
 
     def close(self) -> None:
         """Wait for in-flight I/O, then remove every file this engine created. Idempotent."""
@@ -1030,86 +592,27 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-            entries = {id(e): e for es in self._by_storage.values() for e in es}
-            entries.update({id(r.entry): r.entry for r in self._keys.values() if r.entry is not None})
-            self._keys.clear()
-            self._by_storage.clear()
-        self._pool.shutdown(wait=True)
-        for entry in entries.values():  # Note: [Buffers die on the caller's thread]
-            for req in (entry.write_req, entry.read_req, entry.last_read):
-                if req is not None:
-                    self._settle_device(req)
-                    req.buffer = None
+            entries = self._table.take_all()
+        self._transfers.shutdown()
+        for entry in entries:  # Note: [Buffers die on the caller's thread] (runtime/transfers.py)
+            for req in entry.requests():
+                self._settle_device(req)
+                req.buffer = None
         try:
-            for tier in self._tiers.values():
-                tier.close()
+            self._tier_set.close_tiers()
         finally:
-            for odir in self._dirs:
-                odir.close()
+            self._tier_set.close_dirs()
             _LIVE_ENGINES.discard(self)
-            self._deliver_checks(wait=True)  # Note: [Device checks are read later]: never lost
+            self._checks.deliver(wait=True)  # Note: [Device checks are read later]: never lost
 
     # -- stats ----------------------------------------------------------------------------------
     def stats(self) -> RuntimeStats:
         """A snapshot of the counters (see :class:`runtime.stats.RuntimeStats`)."""
         self._settle_deferred_drops()
         elapsed = max(1e-9, time.perf_counter() - self._stats.started)
-        default = self._tiers[self.default_tier]
-        files = [t for t in self._tiers.values() if Ability.FILES in t.abilities]
-        dir_io_path = cast(FileBacked, files[0]).dir_io_path if files else None
-        dirs = tuple(
-            DirStats(
-                path=str(d.base),
-                io_path=dir_io_path(i) if dir_io_path else "none",
-                bytes_written=d.usage.bytes_written,
-                bytes_read=d.usage.bytes_read,
-                file_capacity_nbytes=d.capacity_nbytes,
-                used_nbytes=d.allocator.used_nbytes,
-                peak_used_nbytes=d.allocator.peak_used_nbytes,
-                tb_written_per_day=tb_per_day(d.usage.bytes_written, elapsed),
-            )
-            for i, d in enumerate(self._dirs)
-        )
-        read_nbytes: dict[str, int] = {}
-        for tier in self._tiers.values():
-            if Ability.READ_PATH_COUNTS in tier.abilities:
-                for path, n in cast(ReadPathCounts, tier).read_nbytes.items():
-                    read_nbytes[path] = read_nbytes.get(path, 0) + n
         return self._stats.snapshot(
-            backend=self.backend, io_path=default.io_path, dirs=dirs, read_nbytes=read_nbytes
+            backend=self.backend,
+            io_path=self._tier_set.default_io_path(),
+            dirs=self._tier_set.dir_stats(elapsed),
+            read_nbytes=self._tier_set.read_nbytes(),
         )
-
-
-def reserve_share(reserve_nbytes: int, ndirs: int, chunk_nbytes: int) -> int:
-    """Bytes each of ``ndirs`` directories preallocates for a total reservation of ``reserve_nbytes``.
-
-    Requests are striped chunk by chunk onto the least-used directory (``runtime.tiers.posix``), so a
-    directory only grows while it holds no more than an even share; it can then exceed that share by
-    at most one chunk. An even share plus one chunk per directory therefore holds any set of requests
-    totalling ``reserve_nbytes`` without growing a file mid-step.
-    """
-    if ndirs <= 1:
-        return reserve_nbytes
-    return -(-reserve_nbytes // ndirs) + chunk_nbytes
-
-
-def _without_locals(exc: BaseException) -> BaseException:
-    """``exc`` with the local variables of its finished frames cleared (the lines stay printable): a
-    traceback kept by a handle must not keep the I/O buffers alive (Note: [Buffers die on the caller's
-    thread])."""
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:  # the exception and its causes
-        seen.add(id(link))
-        traceback.clear_frames(link.__traceback__)
-        link = link.__cause__ or link.__context__
-    return exc
-
-
-def _typed(exc: BaseException, what: str) -> BaseException:
-    """Keep the runtime's typed errors; wrap anything else so callers catch one base class."""
-    if isinstance(exc, RuntimeIOError):
-        return exc
-    wrapped = RuntimeIOError(f"{what} failed: {type(exc).__name__}: {exc}")
-    wrapped.__cause__ = exc
-    return wrapped

@@ -43,6 +43,10 @@ unnoticed. :class:`FakeDevice` implements :class:`teraio.runtime.device.Device` 
   wall-clock readings.
 
 Errors raised by queued work are collected in ``errors`` (tests assert it stays empty).
+
+The memory (the caching pool, pinned memory, the use-after-free check) is :class:`FakeMemory` in
+``runtime.fake_memory``; the host-blocked detector is :class:`HostWaitDetector` below; ``FakeDevice``
+ties them to the streams and events and is the one object tests hold.
 """
 
 from __future__ import annotations
@@ -52,39 +56,30 @@ import ctypes
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from teraio.runtime import device as device_module
-from teraio.runtime.buffers import aligned_buffer
 from teraio.runtime.device import HostWait, PendingChecksum, byte_checksum, pow2_ceil
+from teraio.runtime.fake_memory import POISON_BYTE, FakeMemory, FreedUnderQueuedWorkError
 
-POISON_BYTE = 0xA5  # what fresh fake device memory holds (real device memory is uninitialised)
+__all__ = [  # the memory's names stay importable from here, where tests and tools import the fake
+    "POISON_BYTE",
+    "FakeDevice",
+    "FakeEvent",
+    "FakeStream",
+    "FreedUnderQueuedWorkError",
+    "HostBlockedError",
+    "HostWaitDetector",
+    "HostWaitRecord",
+]
 
 
 class HostBlockedError(RuntimeError):
     """A thread waited on the fake device for work held back by a paused stream, without a reason."""
-
-
-class FreedUnderQueuedWorkError(RuntimeError):
-    """Device memory was freed (``resize_storage`` to fewer bytes) while a queued copy or checksum still
-    uses it, or a copy was queued on freed memory: on CUDA the block would go to the next allocation
-    at once and the late copy would read, or write, the new owner's bytes."""
-
-
-@dataclass(frozen=True)
-class _Touch:
-    """Device bytes a queued copy or checksum uses through their raw address, until its stream ran it."""
-
-    stream: FakeStream
-    seq: int
-    addr: int
-    nbytes: int
-    what: str
 
 
 @dataclass(frozen=True)
@@ -199,6 +194,11 @@ class FakeStream:
                 self.done_seq += 1
                 self._cond.notify_all()
 
+    def when_reached(self, op: Callable[[], None]) -> None:
+        """Run ``op`` when the stream gets to this point: bookkeeping (the allocator's), not stream work,
+        so none of a blocking stream's implicit waits."""
+        self._put(op)
+
     def paused(self) -> bool:
         return not self._run.is_set()
 
@@ -217,14 +217,77 @@ class FakeStream:
         self._queue.put(None)
 
 
-@dataclass(eq=False)
-class _PooledBlock:
-    """A pool block while a storage uses it: the stream it was allocated for, and the other streams
-    ``record_stream`` declared (the block returns to the pool once each of them reached the free)."""
+class HostWaitDetector:
+    """The fake's host-blocked detector (Note: [Every host wait has a reason], runtime/device.py).
 
-    block: torch.Tensor
-    stream: FakeStream
-    uses: set[FakeStream] = field(default_factory=set)
+    Logs every host wait in ``records``, counts the host threads blocked right now in ``waiters``, and
+    raises :class:`HostBlockedError` (also appended to ``errors``) for a wait that work held back by a
+    paused stream blocks, unless the waiting thread declared a reason with ``runtime.device.host_wait``.
+    """
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        self._errors = errors
+        self._lock = threading.Lock()
+        self.records: list[HostWaitRecord] = []  # every host wait, in order
+        self.waiters = 0  # host threads blocked in synchronize_event / synchronize_stream
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Count the calling thread among ``waiters`` while it blocks."""
+        with self._lock:
+            self.waiters += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.waiters -= 1
+
+    def held_by(
+        self, stream: FakeStream, seq: int, seen: set[tuple[int, int]] | None = None
+    ) -> FakeStream | None:
+        """The paused stream holding back op ``seq`` of ``stream`` (directly, or through the events its
+        wait ops wait for), or None when that op will run without anyone resuming a stream."""
+        seen = set() if seen is None else seen
+        if (id(stream), seq) in seen:
+            return None
+        seen.add((id(stream), seq))
+        with stream._cond:
+            if stream.done_seq >= seq:
+                return None
+            waits = [w for w in stream.waits if stream.done_seq < w[0] <= seq]
+        if stream.paused():
+            return stream
+        for _, event, generation in waits:
+            with event._cond:
+                if event._completed >= generation:
+                    continue
+                where = event._positions.get(generation)
+            if where is not None:
+                held = self.held_by(where[0], where[1], seen)
+                if held is not None:
+                    return held
+        return None
+
+    def check(self, targets: list[tuple[FakeStream, int]], what: str) -> None:
+        """Log a host wait for ops ``targets`` (stream, op number), and raise when paused work holds it
+        back and the thread declared no reason (Note: [Every host wait has a reason])."""
+        held = None
+        for stream, seq in targets:
+            held = self.held_by(stream, seq)
+            if held is not None:
+                break
+        reason = device_module.current_host_wait()
+        thread = threading.current_thread().name
+        with self._lock:
+            self.records.append(HostWaitRecord(thread, what, reason, held.name if held else None))
+        if held is not None and reason is None:
+            err = HostBlockedError(
+                f"host thread {thread!r} waits on {what}, which paused stream {held.name!r} holds back "
+                "(busy device work): a host wait with no reason from runtime.device.HostWait "
+                "(Note: [Every host wait has a reason])"
+            )
+            self._errors.append(err)
+            raise err
 
 
 class FakeDevice:
@@ -252,7 +315,6 @@ class FakeDevice:
         self.errors: list[BaseException] = []
         self.log: list[tuple[str, str]] = []  # (what, stream name) of every copy and kernel run
         self.stream_uses: list[tuple[int, str]] = []  # (address, stream name) of every record_stream
-        self.host_waits: list[HostWaitRecord] = []  # every host wait, in order
         self.queued: list[tuple[str, FakeStream, int]] = []  # (what, stream, op number) of each copy/kernel
         self._lock = threading.Lock()
         self._streams: list[FakeStream] = []
@@ -260,21 +322,9 @@ class FakeDevice:
         self._local = threading.local()
         # Handle 0 is CUDA's legacy default stream (what a driver call with a NULL stream means).
         self.default_stream = self._make_stream("default", paused=False)
-        self._device_storages: dict[int, weakref.ref] = {}
-        self._device_nbytes: dict[int, int] = {}  # storage _cdata -> bytes it holds now (resize_storage)
-        self._touches: list[_Touch] = []  # queued copies' and checksums' device bytes (resize checks)
-        self._blocks: list[
-            torch.Tensor
-        ] = []  # every pooled device block ever made (kept for the fake's life)
-        self._free_blocks: dict[tuple[FakeStream, int], list[torch.Tensor]] = {}  # (stream, nbytes)
-        self._pooled: dict[int, _PooledBlock] = {}  # storage _cdata -> its block, while it lives
-        self._pinned_storages: dict[int, weakref.ref] = {}
-        self.allocated_nbytes = 0
-        self.peak_allocated_nbytes = 0
-        self.pinned_allocated_nbytes = 0
-        self.host_waiters = 0  # host threads blocked in synchronize_event / synchronize_stream
-        self.on_alloc: Callable[[int, int], None] | None = None  # (address, nbytes) of new device memory
-        self.on_free: Callable[[int], None] | None = None
+        self.memory = FakeMemory(self.errors)  # device and pinned memory (runtime.fake_memory)
+        self._detector = HostWaitDetector(self.errors)
+        self.host_waits = self._detector.records  # every host wait, in order
 
     # -- test controls ---------------------------------------------------------------------------
     def _make_stream(self, name: str, paused: bool, blocking: bool = False) -> FakeStream:
@@ -382,8 +432,44 @@ class FakeDevice:
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
         """Declare CPU tensor ``t``'s storage device memory of this fake; return ``t``."""
-        self._register_device(t.untyped_storage())
+        self.memory.adopt(t.untyped_storage())
         return t
+
+    @property
+    def host_waiters(self) -> int:
+        """Host threads blocked in ``synchronize_event`` / ``synchronize_stream`` / ``synchronize`` now."""
+        return self._detector.waiters
+
+    # The memory's counters and hooks, where tests and the driver stand-in read and set them.
+    @property
+    def allocated_nbytes(self) -> int:
+        return self.memory.allocated_nbytes
+
+    @property
+    def peak_allocated_nbytes(self) -> int:
+        return self.memory.peak_allocated_nbytes
+
+    @property
+    def pinned_allocated_nbytes(self) -> int:
+        return self.memory.pinned_allocated_nbytes
+
+    @property
+    def on_alloc(self) -> Callable[[int, int], None] | None:
+        """Called with (address, nbytes) of new device memory (the driver stand-in registers it)."""
+        return self.memory.on_alloc
+
+    @on_alloc.setter
+    def on_alloc(self, hook: Callable[[int, int], None] | None) -> None:
+        self.memory.on_alloc = hook
+
+    @property
+    def on_free(self) -> Callable[[int], None] | None:
+        """Called with the address of device memory freed for good."""
+        return self.memory.on_free
+
+    @on_free.setter
+    def on_free(self, hook: Callable[[int], None] | None) -> None:
+        self.memory.on_free = hook
 
     def close(self) -> None:
         """Stop every stream thread (pending work still runs first)."""
@@ -391,20 +477,14 @@ class FakeDevice:
             s.close()
         for s in self.streams:
             s._thread.join(timeout=60)
-        if self.on_free is not None:
-            with self._lock:
-                blocks, self._blocks = self._blocks, []
-            for block in blocks:
-                self.on_free(block.data_ptr())
+        self.memory.release_blocks()
 
     # -- Device: streams and events ------------------------------------------------------------------
     def available(self) -> bool:
         return True
 
     def owns(self, t: torch.Tensor) -> bool:
-        storage = t.untyped_storage()
-        ref = self._device_storages.get(storage._cdata)
-        return ref is not None and ref() is storage
+        return self.memory.owns(t)
 
     def _current(self) -> FakeStream:
         return getattr(self._local, "stream", None) or self.default_stream
@@ -460,70 +540,13 @@ class FakeDevice:
 
         stream._put(op, waits_for=(event, generation))
 
-    @contextlib.contextmanager
-    def _host_waiting(self) -> Iterator[None]:
-        with self._lock:
-            self.host_waiters += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.host_waiters -= 1
-
-    def _held_by(
-        self, stream: FakeStream, seq: int, seen: set[tuple[int, int]] | None = None
-    ) -> FakeStream | None:
-        """The paused stream holding back op ``seq`` of ``stream`` (directly, or through the events its
-        wait ops wait for), or None when that op will run without anyone resuming a stream."""
-        seen = set() if seen is None else seen
-        if (id(stream), seq) in seen:
-            return None
-        seen.add((id(stream), seq))
-        with stream._cond:
-            if stream.done_seq >= seq:
-                return None
-            waits = [w for w in stream.waits if stream.done_seq < w[0] <= seq]
-        if stream.paused():
-            return stream
-        for _, event, generation in waits:
-            with event._cond:
-                if event._completed >= generation:
-                    continue
-                where = event._positions.get(generation)
-            if where is not None:
-                held = self._held_by(where[0], where[1], seen)
-                if held is not None:
-                    return held
-        return None
-
-    def _check_host_wait(self, targets: list[tuple[FakeStream, int]], what: str) -> None:
-        """The host-blocked detector (see the module docstring): log the wait, and raise when paused
-        work holds it back and the thread declared no reason (Note: [Every host wait has a reason])."""
-        held = None
-        for stream, seq in targets:
-            held = self._held_by(stream, seq)
-            if held is not None:
-                break
-        reason = device_module.current_host_wait()
-        thread = threading.current_thread().name
-        with self._lock:
-            self.host_waits.append(HostWaitRecord(thread, what, reason, held.name if held else None))
-        if held is not None and reason is None:
-            err = HostBlockedError(
-                f"host thread {thread!r} waits on {what}, which paused stream {held.name!r} holds back "
-                "(busy device work): a host wait with no reason from runtime.device.HostWait "
-                "(Note: [Every host wait has a reason])"
-            )
-            self.errors.append(err)
-            raise err
-
     def synchronize_event(self, event: FakeEvent) -> None:
         with event._cond:
             generation = event._recorded
             where = event._positions.get(generation)
         if where is not None:
-            self._check_host_wait([where], f"an event on stream {where[0].name!r}")
-        with self._host_waiting():
+            self._detector.check([where], f"an event on stream {where[0].name!r}")
+        with self._detector.waiting():
             event._wait_for(generation)
 
     def event_done(self, event: FakeEvent) -> bool:
@@ -535,108 +558,34 @@ class FakeDevice:
         return (end.time_s - start.time_s) * 1e3
 
     def synchronize_stream(self, stream: FakeStream) -> None:
-        self._check_host_wait([(stream, stream.enqueued_seq)], f"stream {stream.name!r}")
-        with self._host_waiting():
+        self._detector.check([(stream, stream.enqueued_seq)], f"stream {stream.name!r}")
+        with self._detector.waiting():
             stream.synchronize()
 
     def synchronize(self, device: torch.device) -> None:
         streams = self.streams
-        self._check_host_wait([(s, s.enqueued_seq) for s in streams], "every stream (device synchronize)")
-        with self._host_waiting():
+        self._detector.check([(s, s.enqueued_seq) for s in streams], "every stream (device synchronize)")
+        with self._detector.waiting():
             for s in streams:
                 s.synchronize()
 
     def raw_stream(self, stream: FakeStream) -> int:
         return stream.handle  # stream_for_handle maps it back (the driver stand-in's hooks use it)
 
-    # -- Device: memory ---------------------------------------------------------------------------
-    def _register_device(self, storage: torch.UntypedStorage, pooled: _PooledBlock | None = None) -> None:
-        """Account ``storage`` as device memory until it dies; a ``pooled`` block then returns to the pool."""
-        nbytes = storage.nbytes()
-        addr = storage.data_ptr()
-        with self._lock:
-            self._device_storages[storage._cdata] = weakref.ref(storage)
-            self._device_nbytes[storage._cdata] = nbytes
-            if pooled is not None:
-                self._pooled[storage._cdata] = pooled
-            self.allocated_nbytes += nbytes
-            self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
-        if pooled is None and self.on_alloc is not None:
-            self.on_alloc(addr, nbytes)
-        weakref.finalize(storage, self._device_freed, storage._cdata, addr)
-
-    def _device_freed(self, cdata: int, addr: int) -> None:
-        with self._lock:
-            self._device_storages.pop(cdata, None)
-            self.allocated_nbytes -= self._device_nbytes.pop(cdata, 0)
-            pooled = self._pooled.pop(cdata, None)
-        if pooled is not None:
-            self._return_block(pooled)
-        elif self.on_free is not None:
-            self.on_free(addr)
-
-    def _return_block(self, pooled: _PooledBlock) -> None:
-        """Back to its stream's pool at once, or, like CUDA's allocator with streams recorded on the block
-        (an event per stream at the free), once every recorded stream reached this point."""
-        key = (pooled.stream, pooled.block.numel())
-        left = [len(pooled.uses)]
-
-        def reached() -> None:
-            with self._lock:
-                left[0] -= 1
-                if left[0] <= 0:
-                    self._free_blocks.setdefault(key, []).append(pooled.block)
-
-        if not pooled.uses:
-            reached()
-        for stream in pooled.uses:
-            stream._put(reached)  # allocator bookkeeping, not stream work: no implicit waits
-
+    # -- Device: memory (runtime.fake_memory) -----------------------------------------------------
     def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """Device memory from a pool that behaves like CUDA's caching allocator: a block freed by the host
         is handed out again at once to an allocation on the stream it was allocated for (same size, last
         freed first) with its old bytes, even while kernels queued earlier still use it; a block on which
         ``record_stream`` declared other streams waits for them (see :meth:`record_stream`). Only a new
         block holds ``POISON_BYTE``."""
-        if nbytes == 0:
-            t = torch.empty(0, dtype=torch.uint8)
-            self._register_device(t.untyped_storage())
-            return t
-        stream = self._current()
-        with self._lock:
-            free = self._free_blocks.get((stream, nbytes))
-            block = free.pop() if free else None
-        if block is None:
-            block = aligned_buffer(nbytes)  # owned by the fake for its lifetime, like a cached segment
-            ctypes.memset(block.data_ptr(), POISON_BYTE, nbytes)
-            with self._lock:
-                self._blocks.append(block)
-            if self.on_alloc is not None:
-                self.on_alloc(block.data_ptr(), nbytes)
-        # A new storage object over the block: identity (and ``owns``) per allocation, memory reused.
-        t = torch.frombuffer((ctypes.c_char * nbytes).from_address(block.data_ptr()), dtype=torch.uint8)
-        self._register_device(t.untyped_storage(), _PooledBlock(block, stream))
-        return t
+        return self.memory.empty(nbytes, self._current())
 
     def empty_pinned(self, nbytes: int) -> torch.Tensor:
-        t = aligned_buffer(max(nbytes, 1))[:nbytes]
-        storage = t.untyped_storage()
-        held = self.pinned_nbytes(nbytes)
-        with self._lock:
-            self._pinned_storages[storage._cdata] = weakref.ref(storage)
-            self.pinned_allocated_nbytes += held
-        weakref.finalize(storage, self._pinned_freed, storage._cdata, held)
-        return t
-
-    def _pinned_freed(self, cdata: int, held: int) -> None:
-        with self._lock:
-            self._pinned_storages.pop(cdata, None)
-            self.pinned_allocated_nbytes -= held
+        return self.memory.empty_pinned(nbytes, held=self.pinned_nbytes(nbytes))
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        storage = t.untyped_storage()
-        ref = self._pinned_storages.get(storage._cdata)
-        return ref is not None and ref() is storage
+        return self.memory.is_pinned(t)
 
     def pinned_nbytes(self, nbytes: int) -> int:
         return pow2_ceil(nbytes)
@@ -652,13 +601,13 @@ class FakeDevice:
                 "not asynchronous: stage through pinned memory"
             )
         what = "copy D2H" if host and host[0] is dst else ("copy H2D" if host else "copy D2D")
-        self._check_allocated(what, dst, src)
+        self.memory.check_allocated(what, dst, src)
         dst_addr, src_addr = dst.data_ptr(), src.data_ptr()
         # Like a CUDA copy, hold raw addresses only of pool blocks (their memory lives as long as the
         # fake; a freed one may already belong to the next allocation when the copy runs). Pinned host
         # memory stays referenced (torch's host allocator keeps a block until its copy's event), and so
         # does adopted memory (the test's own tensors, not pooled).
-        keep = tuple(t for t in (dst, src) if not self._pooled_block(t))
+        keep = tuple(t for t in (dst, src) if not self.memory.pooled_block(t))
 
         def op() -> None:
             self.log.append((what, stream.name))
@@ -678,21 +627,7 @@ class FakeDevice:
         """Declare that op ``seq`` queued on ``stream`` uses ``nbytes`` at raw address ``addr`` until it
         ran (the driver stand-in's copies and the fake cuFile's transfers, which hold raw addresses):
         :meth:`resize_storage` refuses to free those bytes under it."""
-        if nbytes <= 0:
-            return
-        with self._lock:
-            self._touches = [x for x in self._touches if x.stream.done_seq < x.seq]
-            self._touches.append(_Touch(stream, seq, addr, nbytes, what))
-
-    def _check_allocated(self, what: str, *tensors: torch.Tensor) -> None:
-        """A copy or checksum queued on device memory whose storage was freed (resized to fewer bytes than
-        the tensor spans) raises :class:`FreedUnderQueuedWorkError` instead of touching freed memory."""
-        for t in tensors:
-            span = (t.storage_offset() + t.numel()) * t.element_size()
-            if self.owns(t) and t.numel() and t.untyped_storage().nbytes() < span:
-                err = FreedUnderQueuedWorkError(f"a {what} queued on device memory that was already freed")
-                self.errors.append(err)
-                raise err
+        self.memory.queued_use(stream, seq, addr, nbytes, what)
 
     def resize_storage(self, t: torch.Tensor, nbytes: int) -> None:
         """Resize an adopted tensor's storage object (pool blocks have a fixed size). Shrinking it while a
@@ -703,63 +638,22 @@ class FakeDevice:
         since its freed bytes go back to the C allocator at once and the late copy would touch freed
         memory. Growing fills the new bytes with ``POISON_BYTE`` (the old bytes stay, as torch's resize
         copies them)."""
-        storage = t.untyped_storage()
-        if not self.owns(t) or self._pooled_block(t):
-            raise ValueError(
-                "fake resize_storage: an adopted device tensor only (not host memory, not a pool block)"
-            )
-        cdata = storage._cdata
-        old_addr, old_nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes < old_nbytes:
-            with self._lock:
-                live = [
-                    x
-                    for x in self._touches
-                    if x.stream.done_seq < x.seq
-                    and x.addr < old_addr + old_nbytes
-                    and old_addr < x.addr + x.nbytes
-                ]
-            if live:
-                err = FreedUnderQueuedWorkError(
-                    f"device memory freed before its queued {live[0].what} on stream {live[0].stream.name} "
-                    f"ran ({len(live)} queued use(s)); it would read or write the block's next owner"
-                )
-                self.errors.append(err)
-                raise err
-        storage.resize_(nbytes)
-        with self._lock:
-            self.allocated_nbytes += nbytes - self._device_nbytes.get(cdata, 0)
-            self.peak_allocated_nbytes = max(self.peak_allocated_nbytes, self.allocated_nbytes)
-            self._device_nbytes[cdata] = nbytes
-        if nbytes > old_nbytes:
-            ctypes.memset(storage.data_ptr() + old_nbytes, POISON_BYTE, nbytes - old_nbytes)
-
-    def _pooled_block(self, t: torch.Tensor) -> bool:
-        storage = t.untyped_storage()
-        with self._lock:
-            pooled = self._pooled.get(storage._cdata)
-            ref = self._device_storages.get(storage._cdata)
-        return pooled is not None and ref is not None and ref() is storage
+        self.memory.resize_storage(t, nbytes)
 
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
         """Logged in ``stream_uses``; for a pool block, ``stream`` (unless it is the block's allocation
         stream) must reach the point of the free before the block is handed out again."""
-        storage = t.untyped_storage()
-        self.stream_uses.append((storage.data_ptr(), stream.name))
-        with self._lock:
-            pooled = self._pooled.get(storage._cdata)
-            ref = self._device_storages.get(storage._cdata)
-            if pooled is not None and ref is not None and ref() is storage and stream is not pooled.stream:
-                pooled.uses.add(stream)
+        self.stream_uses.append((t.untyped_storage().data_ptr(), stream.name))
+        self.memory.record_stream(t, stream)
 
     def checksum_async(self, t: torch.Tensor, stream: FakeStream) -> PendingChecksum:
         """The checksum "kernel" reads ``t`` through its raw address when the stream reaches it (a freed
         and reused pool block gives the new owner's bytes, as on CUDA); its result lands in 16 pinned
         bytes, and the returned event completes behind that copy."""
-        self._check_allocated("checksum", t)
+        self.memory.check_allocated("checksum", t)
         result = self.empty_pinned(16).view(torch.int64)
         addr, nbytes = t.data_ptr(), t.numel() * t.element_size()
-        keep_alive = [] if self._pooled_block(t) else [t]
+        keep_alive = [] if self.memory.pooled_block(t) else [t]
 
         def op() -> None:
             self.log.append(("checksum", stream.name))
@@ -779,11 +673,10 @@ class FakeDevice:
         return _CudaArray(t)
 
     def memory_allocated(self, device: torch.device) -> int:
-        return self.allocated_nbytes
+        return self.memory.allocated_nbytes
 
     def max_memory_allocated(self, device: torch.device) -> int:
-        return self.peak_allocated_nbytes
+        return self.memory.peak_allocated_nbytes
 
     def reset_peak_memory_stats(self, device: torch.device) -> None:
-        with self._lock:
-            self.peak_allocated_nbytes = self.allocated_nbytes
+        self.memory.reset_peak()

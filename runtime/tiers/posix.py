@@ -107,7 +107,7 @@ class PosixTier:
 
         Each chunk goes to the directory holding the fewest bytes (ties rotate), so no directory holds
         more than an even share of the live bytes plus one chunk: what ``Engine`` reserves per
-        directory (``runtime.engine.reserve_share``). Plain round-robin could put every large request on
+        directory (``runtime.tier_set.reserve_share``). Plain round-robin could put every large request on
         one directory when large and small requests alternate.
         """
         pieces = split_chunks(nbytes, self.chunk_nbytes)

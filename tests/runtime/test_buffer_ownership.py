@@ -14,7 +14,7 @@ import weakref
 import pytest
 import torch
 
-import teraio.runtime.engine as engine_module
+import teraio.runtime.transfers as engine_module
 from teraio.profiling.measure import MemoryRecorder
 
 

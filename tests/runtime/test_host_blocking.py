@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from teraio.runtime import Engine
-from teraio.runtime.engine import _DeviceCheck
+from teraio.runtime.device_checks import _DeviceCheck
 from teraio.runtime.errors import RuntimeIOError
 from teraio.runtime.fake_device import FakeDevice, HostBlockedError
 from teraio.runtime.staging import SlotRing, _Slot
