@@ -153,7 +153,7 @@ def _run_uninstrumented(
 ) -> tuple[Any, float]:
     """Run the graph's own generated code, as the FX-only compile does, or the compiler's ``kernels``
     for it (Note: [Calibrating on the compiler's own code] in teraio.graph.compilers): boxed, so each input
-    is freed after its last use (holding every saved tensor to the end made the step ~30% slower).
+    is freed after its last use (holding every saved tensor to the end makes the step slower).
 
     On CUDA the device is idle before the clock starts and again before it stops: the wall time is the
     graph's kernels, not earlier queued work nor only their launches.
@@ -196,7 +196,7 @@ class StepProfiler:
 
     Note: [Calibrated times]
     Timing op by op costs time of its own: the interpreter's dispatch per op, the clock reads. On small
-    ops that overhead dominates (the tiny GPT's summed op times came out 10x its real step), so a plan
+    ops that overhead dominates (the summed op times can be many times the real step), so a plan
     made from raw op times would expect compute to hide far more I/O than it can. When asked
     (``calibrate_next``), a step runs the partitioned graphs' own generated code, timed only as a whole,
     and the forward's and backward's op durations are scaled so their sums equal the median wall times
