@@ -182,7 +182,8 @@ def cpu_local_check(
     ``compute_reps`` repetitions). On a shared machine the load moves both sides; the second column
     compares the cost model with a machine in the state the profile saw."""
     from teraio.planner.costmodel import compute_model_from_dict, load_preset
-    from teraio.tools.estimate import SAVED_TENSOR_COLUMNS, build_target, capture_graphs, estimated_profile
+    from teraio.tools.estimate_target import build_target
+    from teraio.tools.estimated_profile import SAVED_TENSOR_COLUMNS, capture_graphs, estimated_profile
     from teraio.tools.profile_workload import profile_workload
     from teraio.tools.workloads import builtin_workload
 
@@ -248,7 +249,7 @@ def deepspeed_t5_3b() -> dict[str, Any]:
     """teraio's model-state accounting on DeepSpeed's documented ZeRO-3 example (t5-3b, 8 GPUs), with the
     parameters counted on a fake-tensor T5 built from t5-3b's config (no weights)."""
     from teraio.planner.model_states import model_states
-    from teraio.tools.estimate import build_target, count_parameters
+    from teraio.tools.estimate_target import build_target, count_parameters
 
     target = build_target("hf:t5-3b")
     total, largest = count_parameters(target.model)
@@ -419,7 +420,7 @@ def ssd_sweep(
     from teraio.planner.costmodel import load_preset
     from teraio.planner.profile import Profile
     from teraio.planner.whatif import plan_outcomes
-    from teraio.tools.estimate import io_seconds
+    from teraio.tools.estimate_report import io_seconds
 
     profile = Profile.load(out_dir / "profile")
     p = load_preset(preset)
@@ -910,7 +911,7 @@ def _published_section(r: dict[str, Any]) -> list[str]:
             "the SSD's bandwidth, since the activations' peak is at the end of forward |"
         )
     lines += [""]
-    from teraio.tools.estimate import HF_MODELS
+    from teraio.tools.estimate_target import HF_MODELS
 
     t5 = HF_MODELS["t5-3b"]
     lines += [

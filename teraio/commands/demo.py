@@ -191,8 +191,7 @@ def run(args: argparse.Namespace) -> int:
         check_output_file(args.out, overwrite=args.force, option="--out")
     if args.run_dir is not None:
         check_run_dir(args.run_dir)
-    # Every directory the run will write, written to now: a read-only --offload-dir failed after 32 s of
-    # profiling.
+    # Every directory the run will write, written to now, before any profiling (teraio.platform.preflight).
     if args.offload_dir is not None:
         check_writable_dir(args.offload_dir, option="--offload-dir")
     if args.run_dir is not None:

@@ -170,14 +170,14 @@ def compile_graph(
             Inductor's kernels and hand them to ``graph_compiler``.
 
     Note: [Calibrating on the compiler's own code]
-        The calibration steps time the partitioned graphs as the step will run them (Note: [Calibrated
-        times] in teraio.profiling.op_timing). On the FX-only path that is the GraphModule itself. Inductor fuses
-        the same graph into kernels that ran the tiny GPT's forward in 45% of the GraphModule's time,
-        so a profile calibrated on the GraphModule predicts the FX path's step, not Inductor's. So
-        profiling with calibration steps compiles each training graph once more, to the kernels the
-        step would run without a plan (a copy: Inductor's passes change the graph they compile, and
-        the profile describes the graph as partitioned). A plan's migration ops leave those kernels as
-        they are (Note: [Migration ops sit between kernels] in teraio.graph.kernel_boundaries).
+        The calibration steps time the partitioned graphs as the step will run them (Note: [Calibrated times]
+        in teraio.profiling.op_timing). On the FX-only path that is the GraphModule itself. Inductor fuses the
+        same graph into kernels that take a fraction of the GraphModule's time, so a profile calibrated on the
+        GraphModule predicts the FX path's step, not Inductor's. So profiling with calibration steps compiles
+        each training graph once more, to the kernels the step would run without a plan (a copy: Inductor's
+        passes change the graph they compile, and the profile describes the graph as partitioned). A plan's
+        migration ops leave those kernels as they are (Note: [Migration ops sit between kernels] in
+        teraio.graph.kernel_boundaries).
     """
     if inner == "eager":
         from torch._dynamo.backends.common import aot_autograd

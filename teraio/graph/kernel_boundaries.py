@@ -2,15 +2,14 @@
 
 Note: [Migration ops sit between kernels]
 Inductor turns runs of consecutive pointwise and reduction ops into one kernel (the C++ backend groups
-consecutive scheduler nodes by their outer loops; Triton fuses along dependencies); an extern call (a
-matmul, a convolution, attention, any op without a lowering) ends such a run. A ``teraio::`` op placed
-between two ops of one run is an extern call of its own and splits that kernel (seen on the built-in GPT:
-the embedding, its add and the first layer norm became two kernels), which changes what stays in
-registers and, in bf16, the rounding. So with ``inner="inductor"`` the profile's unit of scheduling is
-the *segment*: the ops of the graph up to and including the next extern op. A plan made on such a
-profile names segments, and the rewrite inserts migration ops only right after a segment's extern op (or
-at the start or end of a graph), where a kernel boundary already is. With the FX-only compiler nothing
-is fused and every op is a segment of its own.
+consecutive scheduler nodes by their outer loops; Triton fuses along dependencies); an extern call (a matmul,
+a convolution, attention, any op without a lowering) ends such a run. A ``teraio::`` op placed between two ops
+of one run is an extern call of its own and splits that kernel, which changes what stays in registers and, in
+bf16, the rounding. So with ``inner="inductor"`` the profile's unit of scheduling is the *segment*: the ops of
+the graph up to and including the next extern op. A plan made on such a profile names segments, and the
+rewrite inserts migration ops only right after a segment's extern op (or at the start or end of a graph),
+where a kernel boundary already is. With the FX-only compiler nothing is fused and every op is a segment of
+its own.
 """
 
 from __future__ import annotations

@@ -2,22 +2,21 @@
 
 Note: [The budget is of the graph that runs]
     The profile's memory timeline comes from a census taken while the partitioned FX graph runs op by op
-    (``teraio.profiling.op_timing``). Inductor does not run that graph: it fuses pointwise ops into kernels (their
-    intermediates never exist), allocates each kernel's outputs before the kernel runs, reuses buffers,
-    and in backward allocates gradient buffers early and frees inputs at its own points. On small
-    single-graph models its no-offload peak came out 10-15% above the FX census's, so plans made on the
-    census went over the budget by as much, and a percentage budget was taken of a peak the step never
-    had. So on the Inductor path one profiling step runs Inductor's own kernels for the unplanned graph
-    under the torch profiler, and its allocation events give the live bytes of every segment (the ops
-    up to and including the next extern call: Note: [Migration ops sit between kernels] in
-    teraio.graph.kernel_boundaries). The extern calls themselves (matmuls, convolutions, attention) appear in the
-    profiler's event tree with their input shapes, so each is matched to the graph's extern op of the
-    same family whose input shapes it starts with (the earliest such op not yet matched): the window of
-    the timeline that ends with an extern event is the memory of the segment that extern op ends. The
-    match tolerates Inductor's own order, which differs from the graph's in backward (it calls weight
-    gradients' matmuls late, after the convolutions' backward that come later in the graph). The
-    profile's ``other_bytes`` then carry what the census did not see, and the planner, the budget and
-    the prediction all describe the kernels' memory.
+    (``teraio.profiling.op_timing``). Inductor does not run that graph: it fuses pointwise ops into kernels
+    (their intermediates never exist), allocates each kernel's outputs before the kernel runs, reuses buffers,
+    and in backward allocates gradient buffers early and frees inputs at its own points. So its no-offload
+    peak can lie above the FX census's, plans made on the census then go over the budget by as much, and a
+    percentage budget is taken of a peak the step never has. So on the Inductor path one profiling step runs
+    Inductor's own kernels for the unplanned graph under the torch profiler, and its allocation events give
+    the live bytes of every segment (the ops up to and including the next extern call: Note: [Migration ops
+    sit between kernels] in teraio.graph.kernel_boundaries). The extern calls themselves (matmuls,
+    convolutions, attention) appear in the profiler's event tree with their input shapes, so each is matched
+    to the graph's extern op of the same family whose input shapes it starts with (the earliest such op not
+    yet matched): the window of the timeline that ends with an extern event is the memory of the segment that
+    extern op ends. The match tolerates Inductor's own order, which differs from the graph's in backward (it
+    calls weight gradients' matmuls late, after the convolutions' backward that come later in the graph). The
+    profile's ``other_bytes`` then carry what the census did not see, and the planner, the budget and the
+    prediction all describe the kernels' memory.
 
     When the extern events do not match the graph's extern ops one to one (a compiler pass that merged
     or split matmuls, a profiler that missed an event), the mapping is refused and the census is kept,

@@ -133,12 +133,11 @@ _INFLIGHT: dict[tuple[int, str], int] = {}
 
 
 # Note: [Exact layout of offloaded tensors]
-# The backward rebuilds saved views from the fetched bytes with the strides the graph's fake tensors
-# promise. Inductor is free to give a buffer another layout (a clone came out as strides
-# (4096, 16, 1, 64) where the graph says (4096, 1024, 64, 1): reading those bytes back with the promised
-# strides gave silently wrong gradients). So ``offload`` takes the buffer as it is (flexible_layout: no
-# compiler copies) and, when its layout is not the promised one, writes a copy in the promised layout;
-# the engine owns that copy until the write is done, so no keepalive is needed for it.
+# The backward rebuilds saved views from the fetched bytes with the strides the graph's fake tensors promise.
+# Inductor is free to give a buffer another layout, and reading its bytes back with the promised strides would
+# give silently wrong gradients. So ``offload`` takes the buffer as it is (flexible_layout: no compiler
+# copies) and, when its layout is not the promised one, writes a copy in the promised layout; the engine owns
+# that copy until the write is done, so no keepalive is needed for it.
 @torch.library.custom_op("teraio::offload", mutates_args=(), tags=(torch.Tag.flexible_layout,))
 def offload(
     x: torch.Tensor, anchors: list[torch.Tensor], key: str, engine: int, stride: list[int]

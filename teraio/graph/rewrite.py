@@ -94,7 +94,7 @@ def _materialized(gm: fx.GraphModule) -> set[fx.Node]:
     Note: [Anchors must not change fusion] An anchor is an input of a custom op, and a custom op's
     inputs must be real buffers: anchoring on a value Inductor would have fused away (a pointwise
     intermediate) forces it to be written out, which changes the kernels and, in bf16, the rounding,
-    and keeps a buffer alive that the plan never counted (seen: Inductor steps 9-28% over budget).
+    and keeps a buffer alive that the plan never counted (the step then goes over its budget).
     Graph outputs are buffers too, but not safe anchors: a gradient (a backward output) is often a
     reduction Inductor fuses with the ops that follow it, and a migration op between the two splits
     that kernel. Extern results are computed by a call of their own, so nothing fuses across them. The

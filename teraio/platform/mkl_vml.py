@@ -1,20 +1,15 @@
 """Resolve MKL VML's kernel dispatch before any concurrent use, so a fresh process computes the same bits.
 
 Note: [MKL VML's first concurrent call]
-    On CPU, ATen hands contiguous float32 and float64 unary ops (``sqrt``, ``exp``, ``log``, ``tanh``,
-    ...) to MKL's vector math library, split across the intra-op threads (2048 elements per thread at
-    least). The oneMKL bundled with the torch wheels (2024.2, the version ``torch.__config__.show()``
-    prints) picks each function's kernel on that function's first call. When the first call of a
-    function in a process runs on two threads at once, one thread can run a low-accuracy kernel (the
-    AVX2 "enhanced performance" one, about 12 correct bits) on its whole share, although ATen asks for
-    high accuracy. Later calls are correct. So a fresh process may compute one op of its first step
-    differently from every later run: PyTorch issue 188792 (open, with a fix proposed in pull request
-    188791; oneMKL 2025.0 and later do not race).
-
-    It made ``tests/teraio/test_states.py::test_checkpoint_loads_in_a_fresh_process`` fail now and
-    then: the resumed process's first ``exp_avg_sq.sqrt()`` of the embedding weight came out, on one
-    thread's half, as MKL's AVX2 low-accuracy kernel computes it
-    (benchmarks/results/states_resume_flake_202611.md has the evidence).
+    On CPU, ATen hands contiguous float32 and float64 unary ops (``sqrt``, ``exp``, ``log``, ``tanh``, ...) to
+    MKL's vector math library, split across the intra-op threads (2048 elements per thread at least). The
+    oneMKL bundled with the torch wheels (2024.2, the version ``torch.__config__.show()`` prints) picks each
+    function's kernel on that function's first call. When the first call of a function in a process runs on
+    two threads at once, one thread can run a low-accuracy kernel (the AVX2 "enhanced performance" one, about
+    12 correct bits) on its whole share, although ATen asks for high accuracy. Later calls are correct. So a
+    fresh process may compute one op of its first step differently from every later run: PyTorch issue 188792
+    (open, with a fix proposed in pull request 188791; oneMKL 2025.0 and later do not race). Evidence:
+    benchmarks/results/states_resume_flake_202611.md.
 
     teraio promises the same bits as the loop without it, and resuming in a fresh process is part of
     that promise; so constructing a backend calls :func:`warm_up_mkl_vml` first: each such op once, on

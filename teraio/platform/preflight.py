@@ -1,11 +1,10 @@
 """Checks before long work: every directory an option names is tested for writing before profiling.
 
-``teraio demo`` profiles and calibrates for half a minute before its first offload file is written, and
-a backend profiles for several steps: a read-only offload directory (a read-only mount, a full disk, a
-directory of another user) found only then costs the whole run (seen: ``demo --offload-dir`` on a
-read-only filesystem failed after 32 s of profiling). So the CLI commands (and the backend, for its
-``offload_dirs`` and ``run_dir``) call :func:`check_writable_dir` first, for every directory an option
-names, and fail in one line before any work.
+``teraio demo`` profiles and calibrates for half a minute before its first offload file is written, and a
+backend profiles for several steps: a read-only offload directory (a read-only mount, a full disk, a directory
+of another user) found only then costs the whole run. So the CLI commands (and the backend, for its
+``offload_dirs`` and ``run_dir``) call :func:`check_writable_dir` first, for every directory an option names,
+and fail in one line before any work.
 
 The test writes for real: ``os.access`` is not enough, since root passes every permission check and
 nothing but a write finds a full disk. It creates an unnamed file in the directory (``O_TMPFILE``: it

@@ -1,12 +1,12 @@
 """Measure what an offload directory can really do, and write it down as the planner's HardwareModel.
 
-The planner's predictions are only as good as its bandwidth figures, and disks differ (docs/measured_facts.md:
-this project's virtio disk writes 1.3-2.3 GB/s but reads 0.7-1.25 GB/s, varying run to run). So
-``teraio calibrate DIR`` times, in one run: the runtime engine's own write and read of a test tensor
-(``runtime.Engine`` with the posix backend: what offloading will actually achieve, chunking and
-staging copies included) and raw aligned ``O_DIRECT`` pwrite/pread of the same size (the disk's
-baseline), plus the latency of one 4 KiB request through the engine (and, for reference, one raw
-direct request). Medians of several repeats go into the SSD tier of a HardwareModel. A directory on tmpfs/ramfs is flagged: offloading there saves no memory.
+The planner's predictions are only as good as its bandwidth figures, and disks differ, even from run to run
+(docs/measured_facts.md). So ``teraio calibrate DIR`` times, in one run: the runtime engine's own write and
+read of a test tensor (``runtime.Engine`` with the posix backend: what offloading will actually achieve,
+chunking and staging copies included) and raw aligned ``O_DIRECT`` pwrite/pread of the same size (the disk's
+baseline), plus the latency of one 4 KiB request through the engine (and, for reference, one raw direct
+request). Medians of several repeats go into the SSD tier of a HardwareModel. A directory on tmpfs/ramfs is
+flagged: offloading there saves no memory.
 """
 
 from __future__ import annotations
@@ -64,16 +64,15 @@ class Calibration:
     #: spend on a transfer (waking up, the request's bookkeeping, the checksum, the system calls) is
     #: taken from compute as surely as the calls on the compute thread are; and under compute each
     #: costs more than alone (the GIL passes between threads, a parallel op waits for the core an I/O
-    #: thread took, caches refill). For a page, the I/O threads' CPU was half as much again as the
-    #: calls, and the round trip made inside a block of small ops cost 1.5x both together. So on a
-    #: CPU-only machine the figure is that one: measured as the extra time of blocks of small ops that
-    #: make a round trip against the same blocks without (``_round_trips_under_compute``), with the
-    #: calls and the I/O threads' CPU (measured alone) as the fallback. A model with many small tensors
-    #: moves mostly pages. The blocks include pointwise ops wide enough that every intra-op thread takes
-    #: part, as a model's step does: after such an op torch's OpenMP threads spin on their cores for a
-    #: while, so an I/O thread that wakes then competes with them, and small ops alone (the first
-    #: version) left that cost out and priced a transfer at about half what a running step paid. With
-    #: an accelerator computing, the host's I/O threads overlap it and only the calls count. The backend
+    #: thread took, caches refill), so a round trip made inside a block of small ops costs more than
+    #: the calls and the I/O threads' CPU together. So on a CPU-only machine the figure is that one:
+    #: measured as the extra time of blocks of small ops that make a round trip against the same
+    #: blocks without (``_round_trips_under_compute``), with the calls and the I/O threads' CPU
+    #: (measured alone) as the fallback. A model with many small tensors moves mostly pages. The
+    #: blocks include pointwise ops wide enough that every intra-op thread takes part, as a model's
+    #: step does: after such an op torch's OpenMP threads spin on their cores for a while, so an I/O
+    #: thread that wakes then competes with them, and small ops alone leave that cost out. With an
+    #: accelerator computing, the host's I/O threads overlap it and only the calls count. The backend
     #: replaces this figure with the profiled graph's own where it can measure it (Note: [Pricing
     #: transfers under the model's own compute] in teraio.profiling.transfer_probe).
     cpu_s_per_transfer: float = 0.0
@@ -438,8 +437,8 @@ def calibrate(
             write_bw = nbytes / statistics.median(writes)
             read_bw = nbytes / statistics.median(reads)
             # The latency a transfer really pays: one page through the engine (request, I/O thread,
-            # checksum, completion), not the disk alone, which was several times less here. With many
-            # small tensors (a small model) this fixed cost is most of the I/O time.
+            # checksum, completion), not the disk alone. With many small tensors (a small model) this
+            # fixed cost is most of the I/O time.
             small_w, small_r, _ = _engine_round_trip(d, PAGE_NBYTES, LATENCY_REPEATS, checksum)
             samples["engine_page_write_s"], samples["engine_page_read_s"] = small_w, small_r
             direct_lat_w, direct_lat_r = lat_w, lat_r

@@ -120,8 +120,8 @@ def own_peak_bytes(events: list[AllocationEvent], end_ns: int | None = None) -> 
 _END_MARK = "teraio::measure_end"
 
 # ------------------------------------------------------------------------------ one session at a time
-# torch's profiler does not nest: a second session started on top of a first one corrupts both (seen:
-# wrong gradients with two overlapping sessions). Every measurement in the process takes this claim.
+# torch's profiler does not nest: a second session started on top of a first one corrupts both. Every
+# measurement in the process takes this claim.
 _SESSION_LOCK = threading.Lock()
 _session_owner: object | None = None
 
@@ -155,9 +155,7 @@ def release_profiler(owner: object) -> None:
 #     2.13: ThreadLocalSubqueue::TorchOpStorage::materialize, inside _disable_profiler). So a record
 #     function that starts while session 1 records and ends while session 2 records, session 1 having
 #     stopped in between, writes into freed heap memory: whatever reused it is corrupted, and the process
-#     dies later, usually where kineto frees its trace (~ProfilerResult, ~MemoryTraceLogger, free(0x1): the
-#     1 is the thread id). valgrind shows the writes, and a script without teraio crashes in every run
-#     (benchmarks/results/gan_two_backends_crash_202611.md).
+#     dies later (benchmarks/results/gan_two_backends_crash_202611.md has the evidence).
 #
 #     teraio's sessions that span calls (a step's measurement, a kernel-memory step) start in one
 #     compiled call and stop in a later one: the stop runs inside record functions that started while
@@ -405,12 +403,10 @@ class MemoryRecorder:
 # Note: [A profiler session's results die before the next session starts]
 #     torch.profiler.profile keeps bound methods of itself in a dict (its schedule's action map), so a
 #     finished session is only freed by the cyclic garbage collector, at whatever allocation triggers it:
-#     often while a later session records. The core dumps of loops with two backends measuring in turn
-#     died there (SIGSEGV or SIGABRT in ~MemoryTraceLogger or ~ProfilerResult), which is why the results
-#     are dropped by hand as soon as their events have been read; the event tree keeps what it needs on
-#     its own. That destruction was where the corruption was found, not its cause: record functions
-#     ending under another session wrote into freed memory earlier (Note: [A session never ends under
-#     another session's record functions]).
+#     often while a later session records, where freeing it is where corrupted memory shows. So the
+#     results are dropped by hand as soon as their events have been read; the event tree keeps what it
+#     needs on its own. The corruption itself comes from record functions ending under another session
+#     (Note: [A session never ends under another session's record functions]).
 def _release_session(prof: torch.profiler.profile) -> None:
     inner = prof.profiler
     if inner is not None:

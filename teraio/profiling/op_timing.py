@@ -25,17 +25,10 @@ from torch.utils._pytree import tree_leaves
 
 from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
 from teraio.graph.kernel_boundaries import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
-from teraio.graph.kernel_memory import (
-    BWD_MARK,
-    FWD_MARK,
-    KernelMemory,
-    MappingError,
-    expected_externs,
-    segment_memory,
-)
+from teraio.graph.kernel_memory import KernelMemory
 from teraio.planner.profile import Profile, make_profile
-from teraio.profiling import forward_count
 from teraio.profiling.clock import Clock
+from teraio.profiling.kernel_memory_step import KernelMemoryStep
 from teraio.profiling.transfer_probe import TransferProbe
 
 
@@ -160,7 +153,7 @@ def _run_uninstrumented(
 ) -> tuple[Any, float]:
     """Run the graph's own generated code, as the FX-only compile does, or the compiler's ``kernels``
     for it (Note: [Calibrating on the compiler's own code] in teraio.graph.compilers): boxed, so each input
-    is freed after its last use (holding every saved tensor to the end made the step ~30% slower).
+    is freed after its last use (holding every saved tensor to the end makes the step slower).
 
     On CUDA the device is idle before the clock starts and again before it stops: the wall time is the
     graph's kernels, not earlier queued work nor only their launches.
@@ -203,7 +196,7 @@ class StepProfiler:
 
     Note: [Calibrated times]
     Timing op by op costs time of its own: the interpreter's dispatch per op, the clock reads. On small
-    ops that overhead dominates (the tiny GPT's summed op times came out 10x its real step), so a plan
+    ops that overhead dominates (the summed op times can be many times the real step), so a plan
     made from raw op times would expect compute to hide far more I/O than it can. When asked
     (``calibrate_next``), a step runs the partitioned graphs' own generated code, timed only as a whole,
     and the forward's and backward's op durations are scaled so their sums equal the median wall times
@@ -245,14 +238,7 @@ class StepProfiler:
         #: Note: [The budget is of the graph that runs] in teraio.graph.kernel_memory. Set by the runner: the next
         #: forward (and its backward) runs the kernels under the profiler for their memory timeline.
         self.memory_next = False
-        self.kernel_memory: KernelMemory | None = None
-        #: Why the kernels' memory is not used (the census is), once that is known; None otherwise.
-        self.kernel_memory_note: str | None = None
-        self._memory_recorder: Any = None  # a measured step's recorder, stopped outside backward
-        self._memory_attempts = 0
-        # The process's forward count (teraio.lifecycle.registry) when the kernel-memory step's forward began and
-        # when its backward ended: equal when no other forward ran in between.
-        self._memory_calls = self._memory_calls_end = -1
+        self._memory = KernelMemoryStep(self.analysis, self.segmentation, device)
 
     @property
     def last_forward_calibrated(self) -> bool:
@@ -277,9 +263,11 @@ class StepProfiler:
         }
         if self.memory_next and self.fwd_runs and self._kernels:
             self.memory_next = False
-            rec = self._start_memory_recorder()
+            rec = self._memory.start()
             if rec is not None:
-                return self._run_kernel_memory_fwd(rec, args_list)
+                out = self._memory.run_forward(rec, self._kernels[False], args_list)
+                self._last_fwd = GraphRun(uninstrumented=True, kernel_memory=True)
+                return out
         if self.calibrate_next and self.fwd_runs:
             self.calibrate_next = False
             probed = self.probe_next if self.probe is not None else 0
@@ -315,11 +303,7 @@ class StepProfiler:
         fwd = self._pending.pop(invocation, None) if invocation is not None else None
         if fwd is not None and fwd.kernel_memory:
             self.last_backward_calibrated = False
-            with torch.profiler.record_function(BWD_MARK):
-                out = self._kernels[True](args_list)
-            self._memory_recorder.mark_end()  # stopped outside backward: Note: [Profiler state inside backward]
-            self._memory_calls_end = forward_count.forward_calls()
-            return out
+            return self._memory.run_backward(self._kernels[True], args_list)
         self.last_backward_calibrated = fwd is not None and fwd.uninstrumented
         if fwd is not None and fwd.uninstrumented:
             gm = self._probed_graphs(fwd.probed)[1] if fwd.probed else self.step.bw_gm
@@ -339,109 +323,50 @@ class StepProfiler:
         return out
 
     # ------------------------------------------------------------ Note: [The budget is of the graph that runs]
-    #: Attempts at measuring the kernels' memory (the profiler may be busy with another measurement)
-    #: before the census is used instead.
-    MEMORY_ATTEMPTS = 3
+    # The measurement itself is a KernelMemoryStep's (teraio.profiling.kernel_memory_step); the runner asks
+    # and steers it through the profiler.
+    MEMORY_ATTEMPTS = KernelMemoryStep.MEMORY_ATTEMPTS
+
+    @property
+    def kernel_memory(self) -> KernelMemory | None:
+        """The kernels' measured memory timeline, once measured."""
+        return self._memory.timeline
+
+    @property
+    def kernel_memory_note(self) -> str | None:
+        """Why the kernels' memory is not used (the census is), once that is known; None otherwise."""
+        return self._memory.note
 
     @property
     def kernel_memory_settled(self) -> bool:
         """Whether profiling may end as far as the kernels' memory goes: it was measured, given up, or a
         step that measured it ended and is read when the profile is built."""
-        return (
-            not self._kernels
-            or self.kernel_memory is not None
-            or self.kernel_memory_note is not None
-            or self.kernel_memory_ended
-        )
+        return not self._kernels or self._memory.settled
 
     @property
     def wants_kernel_memory(self) -> bool:
         """Whether a step should still measure the kernels' memory timeline."""
-        return (
-            bool(self._kernels)
-            and self.kernel_memory is None
-            and self.kernel_memory_note is None
-            and self._memory_recorder is None
-        )
-
-    def _start_memory_recorder(self) -> Any:
-        """A started recorder of allocation events, or None when another measurement holds the profiler
-        (given up after ``MEMORY_ATTEMPTS``: the census stands)."""
-        from teraio.profiling.measure import MemoryRecorder, ProfilerBusyError
-
-        rec = MemoryRecorder(self.device, timeline=True, record_shapes=True)
-        try:
-            rec.start()
-        except ProfilerBusyError:
-            self._memory_attempts += 1
-            if self._memory_attempts >= self.MEMORY_ATTEMPTS:
-                self.kernel_memory_note = "the torch profiler was busy with another measurement"
-            return None
-        return rec
-
-    def _run_kernel_memory_fwd(self, rec: Any, args_list: list[Any]) -> Any:
-        self._memory_recorder = rec
-        self._memory_calls = forward_count.forward_calls()
-        try:
-            with torch.profiler.record_function(FWD_MARK):
-                out = self._kernels[False](args_list)
-        except BaseException:
-            self._memory_recorder = None
-            rec.stop()
-            raise
-        self._last_fwd = GraphRun(uninstrumented=True, kernel_memory=True)
-        return out
+        return bool(self._kernels) and self._memory.wanted
 
     def abandon_kernel_memory(self) -> None:
         """Stop a kernel-memory step's recorder without reading it (the backend is closing): the process's
         profiler session and stderr go back to the process."""
-        rec, self._memory_recorder = self._memory_recorder, None
-        if rec is not None:
-            rec.stop()
+        self._memory.abandon()
 
     @property
     def memory_step_running(self) -> bool:
         """A kernel-memory step's forward ran and its backward has not ended yet."""
-        return self._memory_recorder is not None and not self._memory_recorder.marked
+        return self._memory.running
 
     @property
     def kernel_memory_ended(self) -> bool:
         """A kernel-memory step's backward ended; :meth:`finish_kernel_memory` reads it (outside backward)."""
-        return self._memory_recorder is not None and self._memory_recorder.marked
+        return self._memory.ended
 
     def finish_kernel_memory(self, abandoned: bool = False) -> None:
-        """Stop a kernel-memory step's recorder (outside backward) and map its timeline onto the segments.
-
-        The timeline is kept only when the step ran this graph alone, with no other forward of any
-        backend in the process between its forward and its backward (their memory would count as this
-        graph's); ``abandoned``: its forward never got its backward. Otherwise the next step measures
-        again.
-        """
-        rec, self._memory_recorder = self._memory_recorder, None
-        if rec is None:
-            return
-        rec.stop()
-        if abandoned or not rec.marked or self._memory_calls_end != self._memory_calls:
-            self._memory_attempts += 1
-            if self._memory_attempts >= self.MEMORY_ATTEMPTS:
-                self.kernel_memory_note = (
-                    f"in {self._memory_attempts} steps the graph never ran alone to its backward (other "
-                    "forwards ran inside its step, or its output was dropped without a backward)"
-                )
-            return
-        from teraio.profiling.measure import allocations_under
-
-        seg = self.segmentation
-        a = self.analysis
-        try:
-            self.kernel_memory = segment_memory(
-                rec.events,
-                allocations_under(rec.events, self.device),
-                expected_externs(a.fw_ops, seg.fw_last),
-                expected_externs(a.bw_ops, seg.bw_last),
-            )
-        except MappingError as exc:
-            self.kernel_memory_note = str(exc)
+        """Stop a kernel-memory step's recorder (outside backward) and map its timeline onto the segments
+        (``KernelMemoryStep.finish``: kept only when the step ran this graph alone)."""
+        self._memory.finish(abandoned)
 
     def add_outside_sample(self, outside_s: float) -> None:
         """The time outside the graphs of the calibration step that just ended (teraio.lifecycle.outside_time). A
@@ -492,59 +417,23 @@ class StepProfiler:
         runs = runs[:n]
         return runs[1:] if n > 1 else runs
 
-    def build_profile(self, extra_meta: dict[str, Any] | None = None) -> Profile:
-        """The Profile of the recorded steps (median op durations over the measured steps)."""
-        if self.steps_recorded == 0:
-            raise RuntimeError("no complete forward+backward step was recorded")
-        a = self.analysis
-        fwd, bwd = self._measured(self.fwd_runs), self._measured(self.bwd_runs)
-        fwd_us = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
-        bwd_us = [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
-        scales = {"fwd": 1.0, "bwd": 1.0}
-        calibrated = self.calibrated_wall_s()
-        if calibrated is not None:  # Note: [Calibrated times]
-            for phase, us, wall_s in (("fwd", fwd_us, calibrated[0]), ("bwd", bwd_us, calibrated[1])):
-                if sum(us) > 0:
-                    scales[phase] = min(1.0, wall_s * 1e6 / sum(us))
-            fwd_us = [d * scales["fwd"] for d in fwd_us]
-            bwd_us = [d * scales["bwd"] for d in bwd_us]
-        durations = fwd_us + bwd_us
-        ops_of = [*a.fw_ops, *a.bw_ops]
-        # Memory is deterministic: the census of the first step is the step's memory timeline, each op
-        # with what it allocates and frees inside itself on top.
-        live = [
-            int(b) + int(t)
-            for run in (self.fwd_runs[0], self.bwd_runs[0])
-            for b, t in zip(run.live_bytes, run.transient_bytes or [0] * len(run.live_bytes))
-        ]
-        # Rows per segment (one op each on the FX-only path): durations add up, memory is the segment's
-        # highest, and every index counts segments.
-        seg = self.segmentation
-        at = seg.segment_of
-        num_fwd = seg.num_fwd
-        ops_nodes = [
-            ("fwd" if i < num_fwd else "bwd", ops_of[seg.members(i)[-1]]) for i in range(seg.num_total)
-        ]
-        seg_duration = [sum(durations[j] for j in seg.members(i)) for i in range(seg.num_total)]
-        seg_live = [max(live[j] for j in seg.members(i)) for i in range(seg.num_total)]
-        after_fwd = int(self.fwd_runs[0].live_bytes[-1]) if self.fwd_runs[0].live_bytes else 0
-        kmem = self.kernel_memory
-        if kmem is not None and len(kmem.segment_live_bytes) != seg.num_total:
-            self.kernel_memory_note = f"the kernels' timeline has {len(kmem.segment_live_bytes)} segments, the graph {seg.num_total}"
-            kmem = None
-        if kmem is not None:  # Note: [The budget is of the graph that runs] in teraio.graph.kernel_memory
-            seg_live = list(kmem.segment_live_bytes)
-            after_fwd = kmem.after_fwd_bytes
-
+    def _tensor_rows(
+        self, durations: list[float], params: frozenset[int]
+    ) -> tuple[list[dict[str, Any]], list[int]]:
+        """The Profile's ``tensors`` table, one row per saved storage with its uses by segment index, and
+        the bytes of saved activations alive at each segment (the rest of a segment's memory is
+        ``other_bytes``). ``params``: the forward placeholders that are parameters."""
         from teraio.graph.recompute import recipes, recompute_columns
 
+        a = self.analysis
+        seg = self.segmentation
+        at = seg.segment_of
         # How each saved activation could be rebuilt in backward (teraio.graph.recompute), at profiled cost.
-        params = frozenset(i for i, kind in enumerate(self.input_kinds or []) if kind == "param")
         rebuild = recompute_columns(a, recipes(self.step, a, params), durations)
         kinds = self.input_kinds or []
         fw_placeholders = [n for n in self.step.fw_gm.graph.nodes if n.op == "placeholder"]
         tensor_rows = []
-        activation_alive = [0] * len(ops_nodes)
+        activation_alive = [0] * seg.num_total
         for g in a.groups:
             if g.placeholder is not None:
                 pos = fw_placeholders.index(g.placeholder)
@@ -575,6 +464,53 @@ class StepProfiler:
             if kind == "activation":
                 for i in range(max(producer, 0), last_use + 1):
                     activation_alive[i] += g.nbytes
+        return tensor_rows, activation_alive
+
+    def build_profile(self, extra_meta: dict[str, Any] | None = None) -> Profile:
+        """The Profile of the recorded steps (median op durations over the measured steps)."""
+        if self.steps_recorded == 0:
+            raise RuntimeError("no complete forward+backward step was recorded")
+        a = self.analysis
+        fwd, bwd = self._measured(self.fwd_runs), self._measured(self.bwd_runs)
+        fwd_us = [statistics.median(r.duration_ns[i] for r in fwd) / 1e3 for i in range(len(a.fw_ops))]
+        bwd_us = [statistics.median(r.duration_ns[i] for r in bwd) / 1e3 for i in range(len(a.bw_ops))]
+        scales = {"fwd": 1.0, "bwd": 1.0}
+        calibrated = self.calibrated_wall_s()
+        if calibrated is not None:  # Note: [Calibrated times]
+            for phase, us, wall_s in (("fwd", fwd_us, calibrated[0]), ("bwd", bwd_us, calibrated[1])):
+                if sum(us) > 0:
+                    scales[phase] = min(1.0, wall_s * 1e6 / sum(us))
+            fwd_us = [d * scales["fwd"] for d in fwd_us]
+            bwd_us = [d * scales["bwd"] for d in bwd_us]
+        durations = fwd_us + bwd_us
+        ops_of = [*a.fw_ops, *a.bw_ops]
+        # Memory is deterministic: the census of the first step is the step's memory timeline, each op
+        # with what it allocates and frees inside itself on top.
+        live = [
+            int(b) + int(t)
+            for run in (self.fwd_runs[0], self.bwd_runs[0])
+            for b, t in zip(run.live_bytes, run.transient_bytes or [0] * len(run.live_bytes))
+        ]
+        # Rows per segment (one op each on the FX-only path): durations add up, memory is the segment's
+        # highest, and every index counts segments.
+        seg = self.segmentation
+        num_fwd = seg.num_fwd
+        ops_nodes = [
+            ("fwd" if i < num_fwd else "bwd", ops_of[seg.members(i)[-1]]) for i in range(seg.num_total)
+        ]
+        seg_duration = [sum(durations[j] for j in seg.members(i)) for i in range(seg.num_total)]
+        seg_live = [max(live[j] for j in seg.members(i)) for i in range(seg.num_total)]
+        after_fwd = int(self.fwd_runs[0].live_bytes[-1]) if self.fwd_runs[0].live_bytes else 0
+        kmem = self.kernel_memory
+        if kmem is not None and len(kmem.segment_live_bytes) != seg.num_total:
+            self._memory.note = f"the kernels' timeline has {len(kmem.segment_live_bytes)} segments, the graph {seg.num_total}"
+            kmem = None
+        if kmem is not None:  # Note: [The budget is of the graph that runs] in teraio.graph.kernel_memory
+            seg_live = list(kmem.segment_live_bytes)
+            after_fwd = kmem.after_fwd_bytes
+
+        params = frozenset(i for i, kind in enumerate(self.input_kinds or []) if kind == "param")
+        tensor_rows, activation_alive = self._tensor_rows(durations, params)
         ops_rows = [
             {
                 "idx": i,

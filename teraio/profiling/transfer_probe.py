@@ -1,30 +1,27 @@
 """Price a transfer under the model's own compute: calibration steps that also move pages.
 
 Note: [Pricing transfers under the model's own compute]
-On a CPU-only step the time a transfer costs is mostly contention: the compute thread's calls into
-the migration ops, and the I/O threads taking cores from torch's intra-op threads (Note: [A transfer's
-CPU on a CPU-only step] in teraio.profiling.disk_calibration). How much depends on the compute around it, and blocks of
-synthetic ops price it only roughly: on the built-in tiny GPT their figure moved by a factor of 1.7
-from one calibration to the next while one plan's measured overhead held within a few percent
-(benchmarks/results/demo_2c24g-virtio_202611.md, session 8). So where it can, the backend prices
-moving tensors on the profiled graph itself. After the calibration steps, ``PROBE_STEPS`` more
-alternate between the graph as it is and a copy whose FX code also makes page round trips through the
-same ``teraio::`` ops a plan calls, spread over the forward (offload, then its wait half a slot later)
-and the backward (prefetch, then its fetch). The probed steps alternate between three variants,
-because the price has three parts. One round trip of a page and ``MIN_ROUND_TRIPS`` or more
-separate a part per transfer from a part per step: a step's first transfer costs more than the next
-ones (it wakes the I/O path), and a step making one round trip paid about twice per transfer what
-one making four did. The larger count again with pages of ``BYTES_PAGE_NBYTES`` adds a part per
-byte (the I/O threads' copies and checksums taking a core from the step), which the built-in model
-otherwise takes from the demo model's megabyte tensors. The median extra time of each variant over
-the plain step just before it gives three points, and they give the planner the three parts of the
-price: ``cpu_s_per_transfer``, ``cpu_s_per_step_with_io`` and ``cpu_s_per_byte``. It needs the
-graph's own Python code (the FX-only path: an Inductor-compiled graph has no place to call from)
-and a step short enough that a few dozen round trips show above the step's noise; elsewhere the
-synthetic blocks stand. The pages are the probe's own: the model's tensors, its RNG and its
-statistics are untouched, so a probed step computes exactly what a plain one does, and the plain
-steps between the probed ones calibrate the op times as before (Note: [Calibrated times] in
-teraio.profiling.op_timing).
+On a CPU-only step the time a transfer costs is mostly contention: the compute thread's calls into the
+migration ops, and the I/O threads taking cores from torch's intra-op threads (Note: [A transfer's CPU on a
+CPU-only step] in teraio.profiling.disk_calibration). How much depends on the compute around it, and blocks of
+synthetic ops price it only roughly: their figure moves from one calibration to the next far more than a
+plan's measured overhead does (benchmarks/results/demo_2c24g-virtio_202611.md). So where it can, the backend
+prices moving tensors on the profiled graph itself. After the calibration steps, ``PROBE_STEPS`` more
+alternate between the graph as it is and a copy whose FX code also makes page round trips through the same
+``teraio::`` ops a plan calls, spread over the forward (offload, then its wait half a slot later) and the
+backward (prefetch, then its fetch). The probed steps alternate between three variants, because the price has
+three parts. One round trip of a page and ``MIN_ROUND_TRIPS`` or more separate a part per transfer from a part
+per step: a step's first transfer costs more than the next ones (it wakes the I/O path), so a step making one
+round trip pays more per transfer than one making several. The larger count again with pages of
+``BYTES_PAGE_NBYTES`` adds a part per byte (the I/O threads' copies and checksums taking a core from the
+step), which the built-in model otherwise takes from the demo model's megabyte tensors. The median extra time
+of each variant over the plain step just before it gives three points, and they give the planner the three
+parts of the price: ``cpu_s_per_transfer``, ``cpu_s_per_step_with_io`` and ``cpu_s_per_byte``. It needs the
+graph's own Python code (the FX-only path: an Inductor-compiled graph has no place to call from) and a step
+short enough that a few dozen round trips show above the step's noise; elsewhere the synthetic blocks stand.
+The pages are the probe's own: the model's tensors, its RNG and its statistics are untouched, so a probed step
+computes exactly what a plain one does, and the plain steps between the probed ones calibrate the op times as
+before (Note: [Calibrated times] in teraio.profiling.op_timing).
 """
 
 from __future__ import annotations
@@ -109,9 +106,9 @@ class ProbeVariant:
 
 def probe_variants(round_trips: int) -> tuple[ProbeVariant, ProbeVariant, ProbeVariant]:
     """The three variants of a probe whose larger count is ``round_trips``. The per-byte one waits a
-    whole slot: a page of ``BYTES_PAGE_NBYTES`` takes about 0.2 ms to write on the machines measured,
-    as long as half a slot of the tiny GPT's forward, and a wait that stalls would price the stall as
-    CPU (the planner models stalls from the bandwidths)."""
+    whole slot: a page of ``BYTES_PAGE_NBYTES`` can take as long to write as half a slot of a short
+    step's forward, and a wait that stalls would price the stall as CPU (the planner models stalls
+    from the bandwidths)."""
     return (
         ProbeVariant(1),
         ProbeVariant(round_trips),

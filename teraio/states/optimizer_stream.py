@@ -1,8 +1,14 @@
 """The optimizer step streamed through memory: the stock optimizer's own step, one chunk of parameters at
 a time, with the reads of the next chunk and the writes of the previous one in flight meanwhile.
 
+Where a chunk closes is ``teraio.states.step_chunks``; the updates made inside backward, and their commit
+by ``opt.step()``, are ``teraio.states.update_in_backward``'s. :class:`StreamedStep` holds the records on
+disk and the step over them, and offers the in-backward updates the same moves its own step makes
+(the stock step narrowed to some parameters, a write to the other slot, the commit, the rollback).
+
 Note: [The step streams in backward order]
-    Chunks are cut (by bytes of gradients and states) from the parameters in the order their gradients
+    Chunks are cut (by bytes of gradients and states: Note: [Small parameters ride with their
+    neighbours] in teraio.states.step_chunks) from the parameters in the order their gradients
     arrived in the first backward: the last layers first, the first layers last. The first layers are
     then the last ones updated and written, the ones still in memory when the step returns, and the ones
     the next forward needs first (ZeRO-Infinity's swapper and DeepCompile stream in a fixed order too;
@@ -14,17 +20,6 @@ Note: [Three chunks in memory]
     chunk i, starts chunk i's writes, and only then waits for chunk i-1's writes and frees chunk i-1. So at
     most chunks i-1 (writing), i (updating) and i+1 (reading) hold memory, and a chunk's reads overlap
     the update of the one before it and the writes of the one before that.
-
-Note: [Small parameters ride with their neighbours]
-    A chunk closes when the next parameter would take it past ``chunk_bytes``, or past its largest
-    parameter's bytes when one alone is larger, by more than an eighth of ``chunk_bytes``. Without that
-    slack, a model whose weights are each a chunk or more (a 2048-wide GPT's MLP weights make 256 MiB
-    chunks at 64 MiB) cuts every bias and norm into a chunk of its own between two large ones; the read
-    ahead of one chunk (Note: [Three chunks in memory]) then covers a few KiB, and the disk stood idle
-    while a large chunk was updated, then the update waited for the next large chunk's whole read
-    (measured on the 8-layer GPT of benchmarks/bench_states.py: no disk request in flight for 34% of
-    ``opt.step()``). Which chunk a parameter is updated in does not change its update: each parameter's
-    step reads only its own gradient and states.
 
 Note: [A step commits all of its states or none]
     Each state tensor has two slots on disk. A step reads every state from its committed slot and writes
@@ -60,14 +55,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import torch
 
+from teraio.states.errors import StatesError
 from teraio.states.params import ParamResidency, param_key
+from teraio.states.step_chunks import Chunk, StepLog, cut_chunks
 from teraio.states.store import Kind, Record, Residency, TensorStore
+from teraio.states.update_in_backward import InBackwardUpdates
+
+__all__ = [
+    "RESIDENT_STATE_KEYS",
+    "Chunk",
+    "Consistency",
+    "StepLog",
+    "StreamedStep",
+    "cut_chunks",
+    "narrowed",
+    "slot_of",
+    "state_key",
+]
 
 
 class Consistency(Enum):
@@ -88,61 +97,6 @@ def state_key(param_idx: int, name: str, slot: int) -> str:
 
 def slot_of(key: str) -> int:
     return int(key.rsplit("/", 1)[1])
-
-
-@dataclass
-class Chunk:
-    """Parameters updated together, by their index in the optimizer's parameter order."""
-
-    param_idxs: list[int]
-    nbytes: int
-
-
-def cut_chunks(order: list[int], nbytes_of: Callable[[int], int], chunk_bytes: int) -> list[Chunk]:
-    """Consecutive runs of ``order``: each of at most ``chunk_bytes``, or its largest parameter's bytes
-    when larger, plus up to an eighth of ``chunk_bytes`` of small neighbours (Note: [Small parameters
-    ride with their neighbours])."""
-    slack_bytes = chunk_bytes // 8
-    chunks: list[Chunk] = []
-    cur: list[int] = []
-    cur_bytes = 0
-    cur_largest_bytes = 0
-    for idx in order:
-        n = nbytes_of(idx)
-        limit_bytes = max(chunk_bytes, cur_largest_bytes, n) + slack_bytes
-        if cur and cur_bytes + n > limit_bytes:
-            chunks.append(Chunk(cur, cur_bytes))
-            cur, cur_bytes, cur_largest_bytes = [], 0, 0
-        cur.append(idx)
-        cur_bytes += n
-        cur_largest_bytes = max(cur_largest_bytes, n)
-    if cur:
-        chunks.append(Chunk(cur, cur_bytes))
-    return chunks
-
-
-@dataclass
-class StepLog:
-    """What one streamed step did (for tests and stats)."""
-
-    chunks: list[list[int]] = field(default_factory=list)
-    chunk_bytes: list[int] = field(default_factory=list)
-    updated_chunks: int = 0
-    #: Updated chunks with a resident parameter (updated in place, no copy on disk to go back to).
-    updated_resident_chunks: int = 0
-
-
-@dataclass
-class _InBackward:
-    """Note: [The optimizer step inside backward]: what the updates of one backward did so far."""
-
-    updated: set[int] = field(default_factory=set)
-    touched: list[Record] = field(default_factory=list)
-    loads: list[list[Record]] = field(default_factory=list)
-    snapshots: list[dict[int, dict[str, Any]]] = field(default_factory=list)
-    writing: list[Record] = field(default_factory=list)
-    writing_bytes: int = 0
-    log: StepLog = field(default_factory=StepLog)
 
 
 @contextmanager
@@ -185,7 +139,7 @@ class StreamedStep:
         #: Test seam: called with the chunk's position before its stock step.
         self.before_chunk_update: Callable[[int], None] | None = None
         # Note: [The optimizer step inside backward]: the step in progress inside backward.
-        self._ib: _InBackward | None = None
+        self._in_backward = InBackwardUpdates(self)
         #: Note: [When a parameter is resident] in teraio.states.params (None: parameters stay resident).
         self.residency: ParamResidency | None = None
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: parameters
@@ -213,7 +167,7 @@ class StreamedStep:
             if isinstance(k, str) and isinstance(v, torch.Tensor) and k not in RESIDENT_STATE_KEYS
         ]
 
-    def _reconcile(self, idx: int) -> list[Record]:
+    def reconcile(self, idx: int) -> list[Record]:
         """Records for the state tensors the stock step left in ``opt.state[p]`` (new on the first step,
         or objects it replaced), marked changed: they are written next."""
         out = []
@@ -231,14 +185,14 @@ class StreamedStep:
     @property
     def updating_in_backward(self) -> bool:
         """Note: [The optimizer step inside backward]: updates made in backward await their commit."""
-        return self._ib is not None
+        return self._in_backward.active
 
     def keep(self, idxs: frozenset[int]) -> None:
         """Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: the states of
         the parameters ``idxs`` stay in memory from now on (read back, their disk slots dropped); those of
         the parameters the plan kept before go to disk now (written to slot 0 and committed there), so
         the next step finds every offloaded state with a committed copy. Call between steps only."""
-        if self._ib is not None:
+        if self._in_backward.active:
             raise RuntimeError(
                 "the states' residency changes between steps, not during an update in backward"
             )
@@ -292,20 +246,20 @@ class StreamedStep:
     def _step_nbytes(self, idx: int, grad_rec: Record | None) -> int:
         p = self.params[idx]
         grad_nbytes = grad_rec.nbytes if grad_rec is not None else p.numel() * p.element_size()
-        param_nbytes = self._param_record(idx) is not None and p.numel() * p.element_size()
+        param_nbytes = self.param_record(idx) is not None and p.numel() * p.element_size()
         return param_nbytes + grad_nbytes + self.state_footprint(idx)[1]
 
     def cut(self, order: list[int], grad_record: Callable[[int], Record | None]) -> list[Chunk]:
         """The chunks a step over the parameters ``order`` streams (Note: [Three chunks in memory])."""
         return cut_chunks(order, lambda i: self._step_nbytes(i, grad_record(i)), self.chunk_bytes)
 
-    def _param_record(self, idx: int) -> Record | None:
+    def param_record(self, idx: int) -> Record | None:
+        """The record of ``params[idx]`` when it is offloaded (teraio.states.params); None: resident."""
         return None if self.residency is None else self.residency.records.get(idx)
 
     # -- the step ----------------------------------------------------------------------------------
     def check_usable(self) -> None:
-        from teraio.states.errors import StatesError
-
+        """Refuse a step after one that failed and left the parameters ahead of the states."""
         if self.consistency is Consistency.PARAMETERS_AHEAD:
             raise StatesError(
                 self.failure or "a failed optimizer step left the parameters ahead of the states"
@@ -331,7 +285,7 @@ class StreamedStep:
         for c in chunks:
             recs = [r for i in c.param_idxs for r in self.records_of(i)]
             recs += [g for i in c.param_idxs if (g := grad_record(i)) is not None]
-            recs += [r for i in c.param_idxs if (r := self._param_record(i)) is not None]
+            recs += [r for i in c.param_idxs if (r := self.param_record(i)) is not None]
             loads.append(recs)
         touched: list[Record] = []  # state records whose memory or staged slot this step changed
         snapshots: list[dict[int, dict[str, Any]]] = []
@@ -347,132 +301,67 @@ class StreamedStep:
                     if r.kind is Kind.OPTIMIZER_STATE:
                         touched.append(r)
                     self.store.load(r)
-                snapshots.append(self._snapshot(c.param_idxs))
+                snapshots.append(self.snapshot(c.param_idxs))
                 if self.before_chunk_update is not None:
                     self.before_chunk_update(pos)
-                with narrowed(self.opt, set(c.param_idxs), self.by_id):
-                    log.updated_chunks += 1
-                    if any(self._param_record(i) is None for i in c.param_idxs):
-                        log.updated_resident_chunks += 1
-                    raw_step()
+                self.update_narrowed(c.param_idxs, raw_step, log)
                 for i in c.param_idxs:
-                    if (prec := self._param_record(i)) is not None:  # updated in place: to its other slot
+                    if (prec := self.param_record(i)) is not None:  # updated in place: to its other slot
                         touched.append(prec)
                         self.store.mark_changed(prec)
-                        other = 1 - slot_of(prec.saved_key) if prec.saved_key is not None else 0
-                        self.store.write(prec, param_key(i, other))
+                        self.write_staged(i, prec)
                         written[pos].append(prec)
-                    for rec in self._reconcile(i):
+                    for rec in self.reconcile(i):
                         if rec not in touched:
                             touched.append(rec)
-                        other = 1 - slot_of(rec.saved_key) if rec.saved_key is not None else 0
-                        self.store.write(rec, state_key(i, rec.name, other))
+                        self.write_staged(i, rec)
                         written[pos].append(rec)
                 for r in loads[pos]:
                     if r.kind is Kind.GRADIENT and r.residency is Residency.SAVED:
                         self.store.evict(r)  # unchanged by the step: its disk copy is still valid
                 if pos >= 1:
-                    self._finish_chunk(written[pos - 1])
+                    self.finish_writes(written[pos - 1])
             if chunks:
                 # Note: [When a parameter is resident]: the last chunk's parameters (the first layers)
                 # stay for the next forward.
-                self._finish_chunk(written[-1], keep_parameters=True)
+                self.finish_writes(written[-1], keep_parameters=True)
         except BaseException as exc:
-            self._roll_back(touched, loads, snapshots, log, exc)
+            self.roll_back(touched, loads, snapshots, log, exc)
             raise
-        self._commit(touched)
+        self.commit(touched)
+
+    def update_narrowed(self, idxs: list[int], raw_step: Callable[[], Any], log: StepLog) -> None:
+        """Run the stock step (``raw_step``) on the parameters ``idxs`` alone, counted in ``log``."""
+        with narrowed(self.opt, set(idxs), self.by_id):
+            log.updated_chunks += 1
+            if any(self.param_record(i) is None for i in idxs):
+                log.updated_resident_chunks += 1
+            raw_step()
+
+    def write_staged(self, idx: int, rec: Record) -> None:
+        """Start writing ``rec`` (a state or the parameter of ``params[idx]``, changed by the step) to its
+        slot other than the committed one (Note: [A step commits all of its states or none])."""
+        other = 1 - slot_of(rec.saved_key) if rec.saved_key is not None else 0
+        key = param_key(idx, other) if rec.kind is Kind.PARAMETER else state_key(idx, rec.name, other)
+        self.store.write(rec, key)
 
     # -- Note: [The optimizer step inside backward] ------------------------------------------------
     def update_in_backward(
         self, idx: int, raw_step: Callable[[], Any], prefetch_next: int | None, window_bytes: int
     ) -> None:
-        """Update ``params[idx]`` now (its gradient is complete), free its gradient, write its states."""
-        from teraio.states.errors import StatesError
-
-        self.check_usable()
-        ib = self._ib
-        if ib is None:
-            ib = self._ib = _InBackward()
-            self.store.reset_window_peak()
-        if idx in ib.updated:
-            exc = StatesError(
-                "optimizer_in_backward updates each parameter once its gradient is complete: call "
-                "opt.step() after every backward (no gradient accumulation), or set optimizer_in_backward=False"
-            )
-            self._fail_in_backward(exc)
-            raise exc
-        try:
-            recs = self.records_of(idx)
-            for r in recs:
-                ib.touched.append(r)
-                self.store.load(r)
-            prec = self._param_record(idx)
-            if prec is not None:  # held since its backward (ParamResidency.hook_backward): no read
-                ib.touched.append(prec)
-                self.store.load(prec)
-            ib.loads.append(recs)
-            ib.snapshots.append(self._snapshot([idx]))
-            with narrowed(self.opt, {idx}, self.by_id):
-                ib.log.updated_chunks += 1
-                if prec is None:
-                    ib.log.updated_resident_chunks += 1
-                raw_step()
-            ib.updated.add(idx)
-            ib.log.chunks.append([idx])
-            self.params[idx].grad = None  # used: freed now
-            for rec in self._reconcile(idx):
-                if rec not in ib.touched:
-                    ib.touched.append(rec)
-                other = 1 - slot_of(rec.saved_key) if rec.saved_key is not None else 0
-                self.store.write(rec, state_key(idx, rec.name, other))
-                ib.writing.append(rec)
-                ib.writing_bytes += rec.nbytes
-            if prec is not None:
-                self.store.mark_changed(prec)
-                other = 1 - slot_of(prec.saved_key) if prec.saved_key is not None else 0
-                self.store.write(prec, param_key(idx, other))
-                ib.writing.append(prec)
-                ib.writing_bytes += prec.nbytes
-                assert self.residency is not None
-                self.residency.updated_in_backward(idx)
-            ib.log.chunk_bytes.append(sum(r.nbytes for r in self.records_of(idx)))
-            if prefetch_next is not None:
-                for r in self.records_of(prefetch_next):
-                    self.store.prefetch(r)
-            while ib.writing and (ib.writing_bytes > window_bytes or self.store.write_done(ib.writing[0])):
-                rec = ib.writing.pop(0)
-                ib.writing_bytes -= rec.nbytes
-                self._finish_chunk([rec])
-        except BaseException as exc:
-            self._fail_in_backward(exc)
-            raise
+        """Update ``params[idx]`` now (its gradient is complete), free its gradient, write its states
+        (``teraio.states.update_in_backward``)."""
+        self._in_backward.update(idx, raw_step, prefetch_next, window_bytes)
 
     def commit_in_backward(self) -> bool:
         """``opt.step()`` after a backward that updated parameters: wait for the writes and commit (False:
         no update ran since the last commit)."""
-        ib = self._ib
-        if ib is None:
-            return False
-        try:
-            self._finish_chunk(ib.writing)
-        except BaseException as exc:
-            self._fail_in_backward(exc)
-            raise
-        self._ib = None
-        self.last = ib.log
-        self._commit(ib.touched)
-        if self.residency is not None:
-            self.residency.release_held_for_update()  # parameters that got no gradient
-        return True
+        return self._in_backward.commit()
 
-    def _fail_in_backward(self, exc: BaseException) -> None:
-        ib, self._ib = self._ib, None
-        if ib is not None:
-            self._roll_back(ib.touched, ib.loads, ib.snapshots, ib.log, exc)
-        if self.residency is not None:
-            self.residency.release_held_for_update()
-
-    def _finish_chunk(self, recs: list[Record], keep_parameters: bool = False) -> None:
+    # -- Note: [A step commits all of its states or none] ------------------------------------------
+    def finish_writes(self, recs: list[Record], keep_parameters: bool = False) -> None:
+        """Wait for the writes of ``recs`` and free their memory (parameters that a graph still computes
+        with, or ``keep_parameters``, stay)."""
         for rec in recs:
             self.store.finish_write(rec)
         for rec in recs:
@@ -484,7 +373,7 @@ class StreamedStep:
         """A graph running now computes with this parameter (it is freed when that graph releases it)."""
         return self.residency is not None and self.residency.uses.get(self.by_id[id(rec.tensor)], 0) > 0
 
-    def _commit(self, touched: list[Record]) -> None:
+    def commit(self, touched: list[Record]) -> None:
         """Note: [A step commits all of its states or none]: every write finished; switch the slots."""
         old = [(r.saved_key, r.staged_key) for r in touched if r.staged_key is not None]
         for rec in touched:
@@ -499,7 +388,7 @@ class StreamedStep:
             if previous is not None and previous != new:
                 self.store.drop_key(previous)
 
-    def _snapshot(self, idxs: list[int]) -> dict[int, dict[str, Any]]:
+    def snapshot(self, idxs: list[int]) -> dict[int, dict[str, Any]]:
         """The resident state entries of these parameters before their update (None: no state yet)."""
         snap: dict[int, dict[str, Any]] = {}
         for i in idxs:
@@ -517,7 +406,7 @@ class StreamedStep:
             }
         return snap
 
-    def _roll_back(
+    def roll_back(
         self,
         touched: list[Record],
         loads: list[list[Record]],

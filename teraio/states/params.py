@@ -22,17 +22,16 @@ Note: [When a parameter is resident]
     an edit under ``no_grad``) is seen by its version counter when it is freed and written first.
 
 Note: [A parameter eager code uses stays resident]
-    A parameter a compiled graph takes may also be used by a module that runs eagerly: weights tied between
-    a compiled block and an eager head, a submodule the loop also calls on its own. (A graph break inside a
-    module's forward does not make Dynamo run that module eagerly: checked on torch 2.13, its parameters
-    stayed offloaded.) Eager code reads the tensor's storage directly, and its autograd keeps it for a
-    backward no teraio hook sees, so such a parameter must stay in memory. Every module owning an
-    offloadable parameter gets a forward pre-hook that does nothing while Dynamo traces it (it is not part
-    of any graph) and, when the module runs eagerly, brings its offloaded parameters back into memory for
-    good: their disk copies are dropped, they leave the residency (the streamed step then treats them as
-    resident parameters), and no graph adopts them again; a log line names them. A parameter whose update is
-    written but not committed yet (an in-backward step before ``opt.step()``) is held in memory until the
-    commit and leaves then.
+    A parameter a compiled graph takes may also be used by a module that runs eagerly: weights tied between a
+    compiled block and an eager head, a submodule the loop also calls on its own. (A graph break inside a
+    module's forward does not make Dynamo run that module eagerly.) Eager code reads the tensor's storage
+    directly, and its autograd keeps it for a backward no teraio hook sees, so such a parameter must stay in
+    memory. Every module owning an offloadable parameter gets a forward pre-hook that does nothing while
+    Dynamo traces it (it is not part of any graph) and, when the module runs eagerly, brings its offloaded
+    parameters back into memory for good: their disk copies are dropped, they leave the residency (the
+    streamed step then treats them as resident parameters), and no graph adopts them again; a log line names
+    them. A parameter whose update is written but not committed yet (an in-backward step before
+    ``opt.step()``) is held in memory until the commit and leaves then.
 
 Note: [Reading an offloaded parameter]
     Code outside the compiled graphs must not read an offloaded parameter's tensor directly (modules

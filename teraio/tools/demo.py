@@ -195,16 +195,14 @@ def round_steps_for(methods: list[_Method], cfg: DemoConfig) -> int:
     """Timed steps of one method in a row per round: ``cfg.round_steps``, or by the step time.
 
     Note: [Timing runs of steps]
-    A user trains one model, step after step; the demo trains several in one process. Interleaving
-    them one step each per round cancels the shared machine's slow and fast periods, which matters on
-    steps of seconds (the demo model's), but on steps of milliseconds each step then starts on another
-    model's cache contents and after another model's I/O, which no user's loop and no profile sees:
-    on the tiny GPT, no offload's forward+backward took 9% longer interleaved step by step than in runs
-    of four in the same processes, and a teraio plan's 6% (medians of six processes; benchmarks/results,
-    session 9). So on short steps each method runs ``SHORT_STEP_ROUND_STEPS`` timed steps in a row per
-    round, after one untimed switch step that absorbs the change of model; the rounds still alternate
-    the methods every few milliseconds, so drift still falls on all alike. Every method runs the same
-    steps (the switch steps train too), so the losses still compare batch for batch.
+    A user trains one model, step after step; the demo trains several in one process. Interleaving them one
+    step each per round cancels the shared machine's slow and fast periods, which matters on steps of seconds
+    (the demo model's), but on steps of milliseconds each step then starts on another model's cache contents
+    and after another model's I/O, which no user's loop and no profile sees, and runs measurably slower than
+    in runs of a few steps of one model. So on short steps each method runs ``SHORT_STEP_ROUND_STEPS`` timed
+    steps in a row per round, after one untimed switch step that absorbs the change of model; the rounds still
+    alternate the methods every few milliseconds, so drift still falls on all alike. Every method runs the
+    same steps (the switch steps train too), so the losses still compare batch for batch.
     """
     if cfg.round_steps is not None:
         return cfg.round_steps
@@ -248,13 +246,11 @@ def _row(m: _Method, ref: _Method | None) -> dict[str, Any]:
     """One method's figures (docs/cli.md lists the keys).
 
     Note: [Predicted against measured overhead]
-    A plan predicts its step from the profiling steps, taken seconds before the timed rounds; on a
-    shared machine the speed of a small step drifts by a fifth or more over seconds (the built-in tiny
-    GPT: medians of 25 steps between 4.7 and 6.8 ms within 7 s of one process, nothing else running),
-    so measured/predicted mixes that drift with the model's error. The overhead the plan adds to the
-    same profile (``predicted_overhead``: predicted step over the profiled step without migration, minus
-    1) against the paired forward+backward overhead measured in the rounds (``fwd_bwd_overhead``)
-    compares the part the plan decides, free of that drift.
+    A plan predicts its step from the profiling steps, taken seconds before the timed rounds; on a shared
+    machine the speed of a small step drifts over seconds, so measured/predicted mixes that drift with the
+    model's error. The overhead the plan adds to the same profile (``predicted_overhead``: predicted step over
+    the profiled step without migration, minus 1) against the paired forward+backward overhead measured in the
+    rounds (``fwd_bwd_overhead``) compares the part the plan decides, free of that drift.
     """
     stats = m.backend.stats()
     plan = m.backend.runners[0].plan if m.backend.runners else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from teraio.states.optimizer_stream import cut_chunks
+from teraio.states.step_chunks import cut_chunks
 
 CHUNK = 64 << 20
 

@@ -13,12 +13,10 @@ import torch
 from teraio.errors import UserInputError
 from teraio.planner.costmodel import load_preset
 from teraio.planner.lifetimes import analyse
-from teraio.tools.estimate import (
-    HF_MODELS,
+from teraio.tools.estimate_target import HF_MODELS, build_target, count_parameters
+from teraio.tools.estimated_profile import (
     SAVED_TENSOR_COLUMNS,
-    build_target,
     capture_graphs,
-    count_parameters,
     estimated_profile,
     flop_formulas,
     gradient_storages,
