@@ -49,6 +49,12 @@ SKIPPED_COMMANDS: dict[str, str] = {
 
 # (regex, replacement, applies to "python" | "shell", why). ``{work}`` is the document's scratch directory.
 SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        r"^make demo\b",
+        "teraio demo --model tiny --steps 2 --solver greedy --methods no-offload,teraio",
+        "shell",
+        "the demo config trains for minutes; the tiny GPT exercises the same path",
+    ),
     (r"builtin:demo\b", "builtin:tiny", "shell", "the demo GPT takes minutes to profile"),
     (
         r"--solver ilp --time-limit 60\b",
@@ -90,18 +96,6 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
         "the default measures 3 x 256 MiB each way; raw O_DIRECT only, because the runtime engine's "
         "measurements (pricing transfers under compute: 45 s of CPU here) are run and checked by "
         "tests/teraio/test_cli_planner.py's calibrate test",
-    ),
-    (
-        # After the calibrate substitution above, which would otherwise rewrite the calibrate here.
-        r"^make demo\b",
-        "teraio calibrate --size 4MiB --block 1MiB --repeats 1 --raw-only {work} -o {work}/demo-hw.json && "
-        "teraio demo --model tiny --steps 2 --solver greedy --methods no-offload,teraio "
-        "--hardware {work}/demo-hw.json",
-        "shell",
-        "the demo config trains for minutes; the tiny GPT exercises the same path. Its planning uses the "
-        "scratch disk timed with raw O_DIRECT instead of the demo's own calibration, whose pricing of "
-        "transfers under compute costs 30 s of CPU and which tests/teraio/test_cli_demo.py's JSON test "
-        "runs and checks (twice)",
     ),
     (r"/nvme(\d)/teraio", r"{work}/nvme\1", "any", "scratch directories stand in for NVMe mounts"),
     (
