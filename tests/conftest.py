@@ -13,6 +13,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -94,6 +95,24 @@ def pytest_collection_modifyitems(config, items) -> None:
         return (2, 0)
 
     items.sort(key=rank)  # stable: file order within each rank
+
+
+# Note: [Each test starts with the same environment]
+#     Library code that tests run in-process may set environment variables for the rest of the process:
+#     ``teraio.cli.main`` sets THP_MEM_ALLOC_ENABLE=1 (torch reads it at its first allocation, long past in
+#     a worker, but every subprocess a later test starts inherits it, and reads fetched tensors on another
+#     path), ``teraio estimate`` sets HF_HUB_OFFLINE. What a test sees must not depend on which tests its
+#     xdist worker ran before, so each variable a test added, changed or removed is put back after it
+#     (only those: the rest of the environment is never rewritten under threads that may read it).
+@pytest.fixture(autouse=True)
+def environment_put_back() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
+    for name in [n for n in os.environ if n not in before]:
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 @pytest.fixture

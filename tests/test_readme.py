@@ -71,6 +71,13 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
         "Inductor, and tests/teraio/test_distributed.py runs FSDP2 per block",
     ),
     (
+        r"\btorchrun --nproc_per_node=",
+        "torchrun --standalone --nproc_per_node=",
+        "shell",
+        "without it every single-node job on the machine rendezvouses on port 29500: another test run's "
+        "job (or any process) there fails this one or joins it; --standalone takes a port the kernel picks",
+    ),
+    (
         r"\bteraio estimate (hf:\S+)",
         r"teraio estimate \1 --layers 1 --seq 128 --time-limit 5",
         "shell",
@@ -84,9 +91,11 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
     ),
     (
         r"\bteraio calibrate ",
-        "teraio calibrate --size 16MiB --repeats 1 ",
+        "teraio calibrate --size 16MiB --repeats 1 --raw-only ",
         "shell",
-        "the default measures 3 x 256 MiB each way",
+        "the default measures 3 x 256 MiB each way; raw O_DIRECT only, because the runtime engine's "
+        "measurements (pricing transfers under compute: 45 s of CPU here) are run and checked by "
+        "tests/teraio/test_cli_planner.py's calibrate test",
     ),
     (r"/nvme(\d)/teraio", r"{work}/nvme\1", "any", "scratch directories stand in for NVMe mounts"),
     (

@@ -1,10 +1,11 @@
 """Fetched tensors are ordinary torch allocations the torch profiler sees, and both O_DIRECT read
 paths (straight into an aligned torch allocation, or through a bounce buffer) return exact bytes.
 
-The profiler check is written without teraio: it sums the ``[memory]`` events of
-``prof.profiler.kineto_results.events()`` in start order, the method teraio uses to measure a step's
-peak on CPU (docs/measured_facts.md). The direct path needs torch to page-align its allocations, which it does
-only when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation: that runs in a subprocess.
+The profiler check is written without teraio: it reads the allocation events (address and size) of
+``prof.profiler.kineto_results.experimental_event_tree()``, the events teraio measures a step's peak on
+CPU with (docs/measured_facts.md), and looks for the fetched buffer's own allocation at its address (Note:
+[What else the profiled window sees]). The direct path needs torch to page-align its allocations, which it
+does only when ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation: that runs in a subprocess.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import profile
 
 from teraio.runtime import Engine
@@ -28,17 +30,25 @@ from .conftest import make_config
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _memory_events(prof) -> list[tuple[int, int]]:
-    events = prof.profiler.kineto_results.events()
-    return sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-
-
-def _running_sums(prof) -> list[int]:
-    total, sums = 0, []
-    for _, nbytes in _memory_events(prof):
-        total += nbytes
-        sums.append(total)
-    return sums
+# Note: [What else the profiled window sees]
+#     A profiled window records every allocation and free of this thread, not only the fetch's: the
+#     garbage collector, or anything else that runs in the process (an earlier test's tensors under
+#     xdist), may free inside the window a block torch had seen allocated in an earlier window, and a
+#     sum over the window then comes out short (it did, by 4,096 bytes: ``([3995900], 3999996)``). So
+#     the checks look at the fetched buffer's own address: the last event there must be its allocation,
+#     of exactly its bytes, whatever else the window holds. A buffer torch's allocator did not hand out
+#     (an mmap wrapped by torch.frombuffer) has no event at its address, and fails them.
+def _events_at(prof, ptr: int) -> list[int]:
+    """The sizes of the allocations (> 0) and frees (< 0) the window recorded at address ``ptr``, in time
+    order (Note: [What else the profiled window sees])."""
+    found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        kind, fields = event.typed
+        if kind == _EventType.Allocation and fields.ptr == ptr:
+            found.append((event.start_time_ns, fields.alloc_size))
+    return [nbytes for _, nbytes in sorted(found)]
 
 
 def test_profiler_method_does_not_see_mmap_buffers():
@@ -46,10 +56,11 @@ def test_profiler_method_does_not_see_mmap_buffers():
     nbytes = 3 << 20
     with profile(profile_memory=True) as prof:
         foreign = aligned_buffer(nbytes)
-    assert sum(n for _, n in _memory_events(prof)) < nbytes
+    seen = _events_at(prof, foreign.data_ptr())
+    assert not seen or seen[-1] < 0, seen  # no live allocation at the mmap's address
     with profile(profile_memory=True) as prof:
         own = torch.empty(nbytes, dtype=torch.uint8)
-    assert _running_sums(prof)[-1] >= nbytes
+    assert _events_at(prof, own.data_ptr())[-1:] == [nbytes]
     del foreign, own
 
 
@@ -65,15 +76,17 @@ def test_fetched_bytes_are_seen_by_torch_profiler(make_engine, prefetch):
         out = eng.fetch("t")
     assert out.data_ptr() != t.data_ptr()  # really read back
     assert torch.equal(out, t)
-    sums = _running_sums(prof)
-    assert sums and sums[-1] >= out.nbytes, (sums[-1:], out.nbytes)
     # The buffer is exactly the tensor's bytes (teraio's fetch op clones anything larger).
     assert out.untyped_storage().nbytes() == out.nbytes and out.storage_offset() == 0
+    # Allocated by torch inside the window, and still alive at its end.
+    seen = _events_at(prof, out.data_ptr())
+    assert seen[-1:] == [out.nbytes], (seen, out.nbytes)
     del out
     with profile(profile_memory=True) as prof:
         out = eng.fetch("t")  # the key still reads back after the first buffer died
+        ptr = out.data_ptr()
         del out
-    assert _running_sums(prof)[-1] <= 0  # freed normally: the free is seen too
+    assert _events_at(prof, ptr)[-2:] == [t.nbytes, -t.nbytes]  # freed normally: the free is seen too
 
 
 def test_bounce_path_roundtrip_bit_exact(tmp_path):
@@ -122,7 +135,18 @@ _CHILD = textwrap.dedent(
     import json, sys
     import torch
     from torch.profiler import profile
+    from torch._C._profiler import _EventType
     from teraio.runtime import Engine, RuntimeConfig
+
+    def events_at(prof, ptr):  # the test module's _events_at: Note: [What else the profiled window sees]
+        found, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            event = stack.pop()
+            stack.extend(event.children)
+            kind, fields = event.typed
+            if kind == _EventType.Allocation and fields.ptr == ptr:
+                found.append((event.start_time_ns, fields.alloc_size))
+        return [nbytes for _, nbytes in sorted(found)]
 
     base = sys.argv[1]
     cfg = RuntimeConfig(backend="posix", dirs=[base + "/ssd0", base + "/ssd1"], direct_io=True,
@@ -138,13 +162,12 @@ _CHILD = textwrap.dedent(
         for i, t in enumerate(tensors):
             with profile(profile_memory=True) as prof:
                 out = eng.fetch(f"k{i}")
-            events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]")
-            report["seen"].append(sum(n for _, n in events) >= out.nbytes)
+            storage = out.untyped_storage()
+            report["seen"].append(events_at(prof, storage.data_ptr())[-1:] == [storage.nbytes()])
             report["ok"].append(torch.equal(out, t) and out.stride() == t.stride())
-            report["aligned"].append(out.untyped_storage().data_ptr() % 4096 == 0)
-            report["nbytes"].append(out.untyped_storage().nbytes())
-            del out
+            report["aligned"].append(storage.data_ptr() % 4096 == 0)
+            report["nbytes"].append(storage.nbytes())
+            del out, storage
         s = eng.stats()
     report.update(direct=s.direct_read_nbytes, bounced=s.bounced_read_nbytes, path=s.read_path,
                   read=sum(d.bytes_read for d in s.dirs))

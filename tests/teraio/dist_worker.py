@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ def _files_under(path: str) -> list[str]:
 def worker(
     rank: int,
     world: int,
-    port: int,
+    rendezvous: str,
     mode: str,
     enableds: list[bool | tuple[str, bool, dict[str, Any]]],
     out_dir: str,
@@ -45,8 +46,10 @@ def worker(
     """Train once per value of ``enableds`` in this process (one process start for every run). A value is
     ``enabled``, or ``(name, enabled, more_options)`` for runs of one job that differ in their options;
     each run's result is ``{mode}-{int(enabled)}-{rank}.json`` or ``{mode}-{name}-{rank}.json``."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    os.environ["LOCAL_RANK"] = str(rank)
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
     torch.use_deterministic_algorithms(True)
     for run in enableds:
         name, enabled, more = (str(int(run)), run, {}) if isinstance(run, bool) else run
@@ -163,12 +166,11 @@ def _train(
     Path(out_dir, out_name).write_text(json.dumps(result))
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous_file(directory: Path) -> str:
+    """Where one job's ranks meet: a file of its own (torch's FileStore), not a TCP port. A port found
+    free and handed to the job could be taken by any other process on the machine (another test run's
+    job) before rank 0 bound it, and a job that reuses a file would read the last one's keys."""
+    return (Path(directory) / f"rendezvous-{uuid.uuid4().hex}").resolve().as_uri()
 
 
 def scratch() -> str:

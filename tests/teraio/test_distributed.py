@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 
-from .dist_worker import free_port, worker
+from .dist_worker import rendezvous_file, worker
 from .shared import once_per_run
 
 WORLD = 2
@@ -28,7 +28,8 @@ def _run(mode: str, enableds: list, tmp_path: Path, **options) -> list[list[dict
     options["offload_dirs_resolved"] = [[d.format(local_rank=r, rank=r) for d in dirs] for r in range(WORLD)]
     out = tmp_path / "results"
     out.mkdir(exist_ok=True)
-    mp.spawn(worker, args=(WORLD, free_port(), mode, enableds, str(out), options), nprocs=WORLD, join=True)
+    args = (WORLD, rendezvous_file(tmp_path), mode, enableds, str(out), options)
+    mp.spawn(worker, args=args, nprocs=WORLD, join=True)
     return _results(out, mode, enableds)
 
 
