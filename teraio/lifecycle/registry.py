@@ -39,6 +39,13 @@ def backends() -> list[Any]:
         return sorted(_backends, key=lambda b: b.backend_id)
 
 
+def finish_measurements_everywhere() -> None:
+    """Read every live backend's measurements whose steps ended (outside any backward only): the torch
+    profiler's session is the process's one, so a backend about to plan or measure frees it for all."""
+    for b in backends():
+        b.finish_recorders()
+
+
 def process_stats() -> list[dict[str, Any]]:
     """What each live backend of the process holds and did, one entry each, oldest first: its id, run
     directory, graphs, forward invocations in flight (their saved tensors held between forward and
