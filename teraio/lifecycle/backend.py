@@ -36,13 +36,14 @@ from teraio.lifecycle.outside_time import OutsideTimer
 from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.pricing import TransferPricing
 from teraio.lifecycle.ranks import RankAgreement
+from teraio.lifecycle.results import backend_stats, io_stats
 from teraio.lifecycle.run_dir import RunDirError
 from teraio.lifecycle.run_record import RunRecord, load_plans
 from teraio.lifecycle.runner import GraphRunner
 from teraio.lifecycle.shapes import ShapeDispatch, is_dynamic
 from teraio.lifecycle.step_planner import StepPlanner
 from teraio.lifecycle.step_stats import StepStats
-from teraio.lifecycle.steps import Invocation, StepRecord, StepTracker, invocation_ordinals
+from teraio.lifecycle.steps import Invocation, StepRecord, StepTracker
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
@@ -190,7 +191,9 @@ class TeraioBackend:
     # ---------------------------------------------------------------------------------- lifecycle
     def advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish measurements, plan, compile."""
-        self.tracker.settle()  # forwards abandoned since the last call end (Note: [Invocations are autograd nodes])
+        # Forwards abandoned since the last call end (Note: [Invocations are autograd nodes] in
+        # teraio.lifecycle.steps).
+        self.tracker.settle()
         # The torch profiler's session is the process's one (and holds stderr while it runs): whatever
         # measurement of any backend ended is read now, so none holds it past the next forward.
         process.finish_measurements_everywhere()
@@ -198,11 +201,13 @@ class TeraioBackend:
         step = self.tracker.current_step
         if step is None or step.complete:
             replan = self.outside_memory.replan_wanted
-            if self.ranks.active():  # Note: [Ranks agree at the start of every step]
+            # Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks
+            if self.ranks.active():
                 ready_here = any(r.phase is Phase.PLANNING for r in self.runners)
                 agreed = self.ranks.reduce([1.0 if ready_here else 0.0, -1.0 if replan else 0.0], "min")
                 self._ranks_ready, replan = agreed[0] >= 1.0, agreed[1] < 0
-            if replan:  # Note: [Memory outside the graphs is measured and planned for]
+            # Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.measurement
+            if replan:
                 self.outside_memory.take_replan()
                 for r in self.runners:
                     if r.is_training and r.profile is not None and r.phase is Phase.RUNNING:
@@ -217,7 +222,8 @@ class TeraioBackend:
         with self._lock:
             if runner.phase is not Phase.PLANNING:
                 return
-            self.pricing.collect_probes()  # Note: [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe
+            # Note: [Pricing transfers under the model's own compute] in teraio.profiling.transfer_probe
+            self.pricing.collect_probes()
             for r in self.runners:
                 if r.phase is Phase.PLANNING and r.profiler is not None and r.profile is None:
                     r.finish_kernel_memory()
@@ -341,7 +347,7 @@ class TeraioBackend:
         # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
         # by-products] in teraio.lifecycle.run_dir).
         def line() -> dict[str, Any]:
-            io = self._io_stats()
+            io = io_stats(self.engine)
             return {
                 "step": step.index,
                 "step_s": step_s,
@@ -353,117 +359,10 @@ class TeraioBackend:
 
         self.record.append_stats(line)
 
-    def _io_stats(self) -> dict[str, Any]:
-        if self.engine is None:
-            return {"offloaded_bytes": 0, "prefetched_bytes": 0, "stall_s": 0.0}
-        st = self.engine.stats()
-        written = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".write"))
-        read = sum(v.nbytes for k, v in st.transfers.items() if k.endswith(".read"))
-        return {
-            "offloaded_bytes": written,
-            "prefetched_bytes": read,
-            "stall_s": st.stall_s,
-            "io_backend": st.backend,
-            "io_path": st.io_path,
-        }
-
     def stats(self) -> dict[str, Any]:
-        """What the backend did, for the model it trained last, per model, and per graph.
-
-        Note: [Models of one backend] in teraio.lifecycle.step_stats. The top-level figures describe the model of
-        the latest complete step (``model`` indexes ``models``): ``running_steps`` and ``step_s`` (the
-        median wall time of its steps that ran every graph's final compilation), its latest measured
-        peak and the prediction for that same step, the bytes it moves per step. ``steps`` counts every
-        complete training step of the backend (a step runs every forward in flight to its backward or its
-        end), and the I/O figures are the backend's totals since the start. ``models`` has the same
-        figures for each model the backend compiled.
-        """
-        self.tracker.settle()
-        self.measurement.finish()
-        self.measurement.read_step_times(wait=True)
-        models = self.step_stats.models(self._parameter_links())
-        summaries = [
-            {"model": i, **self.step_stats.summary(m, self._moved_bytes_of)} for i, m in enumerate(models)
-        ]
-        last = self.step_stats.last_kind
-        current = next((x for x, m in zip(summaries, models) if last is not None and last <= m), None)
-        graphs = [
-            {
-                "graph": r.graph_id,
-                "phase": r.phase.value,
-                "invocations": r.invocations,
-                "moved_bytes_per_invocation": r.plan.moved_bytes if r.plan else 0,
-                # Note: [A graph called several times per step is planned per call] in
-                # teraio.lifecycle.step_planner: per call of a step, when its calls have plans of their own
-                # (the first is ``moved_bytes_per_invocation``).
-                "moved_bytes_by_call": [p.moved_bytes for _, p in sorted(r.plans.items())],
-                "predicted_peak_bytes": r.plan.predicted_peak_bytes if r.plan else None,
-                "predicted_step_s": r.plan.predicted_step_s if r.plan else None,
-                "profiled_s": r.profile.meta.get("step_s") if r.profile is not None else None,
-                "memory_from": r.profile.meta.get("memory_from") if r.profile is not None else None,
-                # Forwards from lines of the loop whose outputs are never backpropagated, run without the
-                # plan (Note: [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards).
-                "unplanned_calls": r.unplanned_calls,
-            }
-            for r in self.runners
-        ]
-        if current is not None:
-            kind = max(
-                (k for k in self.step_stats.kinds if k <= models[current["model"]]),
-                key=lambda k: self.step_stats.kinds[k].steps,
-            )
-            calls = self.step_stats.kinds[kind].last_calls
-            top = {k: v for k, v in current.items() if k not in ("graphs", "steps")}
-            if top["predicted_peak_bytes"] is None:  # not measured yet: the prediction for its latest step
-                top["predicted_peak_bytes"] = self.planner.predicted_peak(calls)
-        else:
-            calls = []
-            top = {
-                "model": None,
-                "running_steps": 0,
-                "step_s": None,
-                "measured_peak_bytes": None,
-                "predicted_peak_bytes": self.predicted_step_peak_bytes,
-                "measured_step": None,
-                "measure_note": None,
-                "moved_bytes_per_step": 0,
-            }
-        planned = _forward_plans(calls)
-        io = self._io_stats()
-        return {
-            "steps": self.tracker.completed_steps,
-            "graphs": len(self.runners),
-            **top,
-            "predicted_step_s": sum(p.predicted_step_s for p in planned) if planned else None,
-            "phase": [r.phase.value for r in self.runners],
-            "models": summaries,
-            "per_graph": graphs,
-            **io,
-            **io_bytes_by_kind(io, self.states),
-            # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency
-            "whole_step": self.whole_step.stats() if self.whole_step is not None else None,
-        }
-
-    def _parameter_links(self) -> list[frozenset[int]]:
-        """Graphs that compute with the same parameters (one model's shapes, a graph Dynamo recompiled)."""
-        by_param: dict[int, set[int]] = {}
-        for r in self.runners:
-            for p in r.parameter_ids:
-                by_param.setdefault(p, set()).add(r.graph_id)
-        return [frozenset(g) for g in by_param.values() if len(g) > 1]
-
-    def _moved_bytes_of(self, calls: list[tuple[Any, str, int]]) -> int:
-        """Bytes a step with these calls moves: each forward's plan, when the backend runs plans."""
-        if not self.cfg.enabled:
-            return 0
-        return sum(p.moved_bytes for p in _forward_plans(calls))
-
-
-def _forward_plans(calls: list[tuple[Any, str, int]]) -> list[Plan]:
-    """The plan each forward of a step with these calls runs (its graph's plan for that call)."""
-    ordinals = invocation_ordinals(calls)
-    plans = (g.plan_for(ordinals.get(i, 0)) for g, k, i in calls if k == "fwd")
-    return [p for p in plans if p is not None]
+        """What the backend did, for the model it trained last, per model, and per graph
+        (teraio.lifecycle.results.backend_stats)."""
+        return backend_stats(self)
 
 
 _CUDAGRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -185,7 +185,8 @@ class StepMeasurement:
         self.whole_step = whole_step
         self.predicted_peak = predicted_peak
         self.on_step_time = on_step_time  # in step order; may run in a backward hook
-        self.forward_calls = 0  # this backend's forwards (Note: [A measured step belongs to one backend])
+        # This backend's forwards (Note: [A measured step belongs to one backend] in teraio.lifecycle.step_stats).
+        self.forward_calls = 0
         self._measure_counts_start = self._measure_counts_end = (0, 0)
         self._measured_calls: list[tuple[Any, Any, int]] = []
         self._measure = MeasureState.WAITING

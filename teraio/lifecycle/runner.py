@@ -346,7 +346,9 @@ class GraphRunner:
         if not never_backpropagated:
             self.backend.maybe_start_measurement()
         compiled = self._compiled
-        if self._compiled_for:  # Note: [A graph called several times per step is planned per call]
+        if (
+            self._compiled_for
+        ):  # Note: [A graph called several times per step is planned per call] (step_planner)
             ordinal = sum(1 for g, k, _ in step.calls if g is self and k == "fwd")
             compiled = self._compiled_for.get(ordinal, compiled)
         if never_backpropagated and self.rewrite is not None:
