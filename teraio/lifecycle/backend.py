@@ -80,7 +80,7 @@ class TeraioBackend:
         self._engine: Any = None  # teraio.graph.ops.RegisteredEngine: the one the plans' ops call
         self.plans_from_file: list[Plan] = []
         self.inductor_options: dict[str, Any] = {}  # torch.compile's mode and options, for inner="inductor"
-        self.backend_id = process.register(self)  # the process-wide view: teraio.process_stats()
+        self.backend_id = process.new_id()  # in the process-wide view: teraio.process_stats()
         # Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks
         self.ranks = RankAgreement()
         self._ranks_ready = False
@@ -126,6 +126,7 @@ class TeraioBackend:
             predicted_peak=self.planner.predicted_peak,
             on_step_time=self._append_stats,
         )
+        process.register(self)
 
     # ---------------------------------------------------------------------------- torch.compile API
     def __call__(
