@@ -60,6 +60,27 @@ def unregister_engine(engine_id: int) -> None:
         _ENGINES.pop(engine_id, None)
 
 
+class RegisteredEngine:
+    """An engine reachable from graph ops by ``id`` until :meth:`close`, which closes the engine and takes
+    it off the registry together (also on leaving a ``with`` block): no id outlives its engine's owner."""
+
+    def __init__(self, engine: object) -> None:
+        self.engine = engine
+        self.id = register_engine(engine)
+
+    def close(self) -> None:
+        try:
+            self.engine.close()  # type: ignore[attr-defined]
+        finally:
+            unregister_engine(self.id)
+
+    def __enter__(self) -> RegisteredEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def get_engine(
     engine_id: int,
 ):  # -> runtime.Engine (untyped here: ops must not import teraio.runtime eagerly)

@@ -3,7 +3,7 @@
 The calibration steps (Note: [Calibrated times] in teraio.profiling.op_timing) time each graph's generated code as
 a whole. What a user times around ``loss = model(x); loss.backward()`` is more: the compiled function's
 wrappers around the forward and the backward, the loop's code between them, the autograd engine
-starting a backward and accumulating gradients after it. On a small model that is a quarter of the
+starting a backward and accumulating gradients after it. On a small model that is a large part of the
 step, and a prediction made of op times alone misses it (Note: [Time outside the graphs] in
 teraio.planner.lifetimes).
 

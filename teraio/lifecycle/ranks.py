@@ -3,8 +3,7 @@
 Each rank profiles and plans for its own memory (the planner is rank-agnostic: a rank's Profile in, its
 Plan out). What the ranks must agree on is *when*: a rank that recompiles its graphs with a plan while
 another is still profiling runs different code in the same step, and a rank that refuses a budget while
-the others go on leaves them waiting in the next collective forever (DeepSpeed's issue 7611 is that hang,
-with ranks that profiled and recompiled at different steps).
+the others go on leaves them waiting in the next collective forever.
 
 Note: [Ranks agree at the start of every step]
     At the first training forward of every step (no invocation in flight: between steps, never inside

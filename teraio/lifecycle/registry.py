@@ -19,12 +19,17 @@ _backends: weakref.WeakSet[Any] = weakref.WeakSet()
 _ids = itertools.count(0)
 
 
-def register(backend: Any) -> int:
-    """Add a backend to the process-wide view (held weakly: a backend nobody uses leaves it); returns its
-    id in this process."""
+def new_id() -> int:
+    """A backend's id in this process, taken as its construction starts (in order of construction)."""
+    with _lock:
+        return next(_ids)
+
+
+def register(backend: Any) -> None:
+    """Add a constructed backend to the process-wide view (held weakly: a backend nobody uses leaves it).
+    Only once constructed: the view calls its public methods (``finish_recorders``, ``stats``)."""
     with _lock:
         _backends.add(backend)
-        return next(_ids)
 
 
 def unregister(backend: Any) -> None:
@@ -37,6 +42,13 @@ def backends() -> list[Any]:
     """The live backends, oldest first."""
     with _lock:
         return sorted(_backends, key=lambda b: b.backend_id)
+
+
+def finish_measurements_everywhere() -> None:
+    """Read every live backend's measurements whose steps ended (outside any backward only): the torch
+    profiler's session is the process's one, so a backend about to plan or measure frees it for all."""
+    for b in backends():
+        b.finish_recorders()
 
 
 def process_stats() -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 A plan is exact for the shapes it was made for (sizes, offsets, bytes moved), so a graph Dynamo traced
 with symbolic shapes (``dynamic=True``, or automatic dynamic after a shape changed) gets one
-:class:`~teraio.lifecycle.backend.GraphRunner` per concrete shape, up to ``max_shapes``.
+:class:`~teraio.lifecycle.runner.GraphRunner` per concrete shape, up to ``max_shapes``.
 
 Note: [Specialising a symbolic graph]
     Each concrete shape compiles a copy of Dynamo's graph in which every symbolic input is replaced by
@@ -38,7 +38,8 @@ import torch
 from torch import fx
 
 if TYPE_CHECKING:
-    from teraio.lifecycle.backend import GraphRunner, TeraioBackend
+    from teraio.lifecycle.backend import TeraioBackend
+    from teraio.lifecycle.runner import GraphRunner
 
 log = logging.getLogger("teraio")
 
@@ -207,7 +208,7 @@ class ShapeDispatch:
 
     def _specialised(self, args: tuple[Any, ...]) -> _Alias:
         gm, kept = specialize(self.gm, args, self.scalars)
-        runner = self.backend._new_runner(gm, static_examples(tuple(args[i] for i in kept)))
+        runner = self.backend.new_runner(gm, static_examples(tuple(args[i] for i in kept)))
         return _Alias(runner, kept)
 
     def _twin(self, args: tuple[Any, ...]) -> _Alias | None:

@@ -11,8 +11,8 @@ Note: [Models of one backend]
 
 Note: [A measured step belongs to one backend]
     The torch profiler sees every allocation of the process. A step of this backend during which another
-    backend's graphs ran (two models whose forwards interleave) would count their memory as this step's:
-    seen at 2.6x the prediction. So a measurement records how many forwards the process and this backend
+    backend's graphs ran (two models whose forwards interleave) would count their memory as this step's,
+    far above the prediction. So a measurement records how many forwards the process and this backend
     made while it ran (``teraio.lifecycle.registry``), and is discarded and tried again on a later step when another
     backend's forward ran inside it; after ``MAX_FOREIGN_ATTEMPTS`` such steps a model is reported
     unmeasured, with the reason.

@@ -21,7 +21,7 @@ Note: [Invocations are autograd nodes]
 
 A step begins at a training forward when no invocation is in flight and ends when the last in-flight
 invocation has finished (backward ran, or its graph was freed). The sequence of graph calls of the last
-complete step is what the budget composes (``teraio.budget``).
+complete step is what the budget composes (``teraio.planner.budget_split``).
 """
 
 from __future__ import annotations
@@ -33,16 +33,14 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from teraio.profiling.measure import settle_profiler_barriers
 
-
-class CallKind(Enum):
-    FWD = "fwd"
-    BWD = "bwd"
+#: What a call of a step is, as the planner's step composition (teraio.planner.budget_split) reads it.
+CallKind = Literal["fwd", "bwd"]
 
 
 class InvocationEnd(Enum):
@@ -145,7 +143,7 @@ class StepTracker:
             step = self._current
             assert step is not None, "end_forward without begin_forward"
             inv = Invocation(next(self._ids), graph, step.index, site=site)
-            step.calls.append((graph, CallKind.FWD, inv.id))
+            step.calls.append((graph, "fwd", inv.id))
             if node is None:
                 inv.end = InvocationEnd.ABANDONED
                 step.abandoned += 1
@@ -179,7 +177,7 @@ class StepTracker:
         with self._lock:
             step = self._current
             if step is not None and step.index == inv.step:
-                step.calls.append((inv.graph, CallKind.BWD, inv.id))
+                step.calls.append((inv.graph, "bwd", inv.id))
             if inv.end is None:
                 inv.end = InvocationEnd.BACKWARD
                 ended = True
@@ -228,18 +226,18 @@ class StepTracker:
             self._on_step_end(step)
 
 
-def invocation_ordinals(calls: list[tuple[Any, Any, int]]) -> dict[int, int]:
+def invocation_ordinals(calls: list[tuple[Any, CallKind, int]]) -> dict[int, int]:
     """Per invocation id in a step's calls: how many forwards of its graph came before it in that step.
 
-    Note: [A graph called several times per step is planned per call] in teraio.lifecycle.backend: the ordinal
-    picks the call's plan. ``calls`` may hold several steps one after the other (each kind of step the
+    Note: [A graph called several times per step is planned per call] in teraio.lifecycle.step_planner: the
+    ordinal picks the call's plan. ``calls`` may hold several steps one after the other (each kind of step the
     backend saw): counting restarts whenever a step's first forward comes (nothing in flight).
     """
     ordinals: dict[int, int] = {}
     seen: dict[Any, int] = {}
     in_flight: set[int] = set()
     for graph, kind, inv in calls:
-        if getattr(kind, "value", kind) == "fwd":
+        if kind == "fwd":
             if not in_flight:
                 seen.clear()  # a new step
             ordinals[inv] = seen.get(graph, 0)

@@ -233,12 +233,9 @@ def _registered_engine(directory: Path, checksum: bool) -> Iterator[int]:
     from teraio.runtime.config import RuntimeConfig
     from teraio.runtime.engine import Engine
 
-    with Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum)) as engine:
-        eid = teraio.graph.ops.register_engine(engine)
-        try:
-            yield eid
-        finally:
-            teraio.graph.ops.unregister_engine(eid)
+    engine = Engine(RuntimeConfig(dirs=[str(directory)], backend="posix", checksum=checksum))
+    with teraio.graph.ops.RegisteredEngine(engine) as registered:
+        yield registered.id
 
 
 def _op_calls(directory: Path, repeats: int, checksum: bool = True) -> tuple[list[float], list[float]]:

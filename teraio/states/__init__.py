@@ -36,18 +36,11 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
     engine on the backend's offload directories, I/O backend, checksum and runtime options."""
     if cfg.states != "offload" or not cfg.enabled:
         return None
-    from teraio.lifecycle.ranks import rank_info
-    from teraio.runtime import RuntimeConfig
+    from teraio.lifecycle.engines import runtime_config
     from teraio.runtime.config import parse_nbytes
     from teraio.states.offload import StateOffload
 
-    io_backend = "host" if set(cfg.tiers) == {"host"} else cfg.io_backend
-    runtime = RuntimeConfig(
-        dirs=cfg.offload_dirs_for(rank_info()) or (),
-        backend=io_backend,
-        checksum=cfg.checksum,
-        **{"rank": rank_info().rank, **cfg.runtime_options},
-    )
+    runtime = runtime_config(cfg)
     return StateOffload(
         cfg.optimizer,
         runtime_config=runtime,

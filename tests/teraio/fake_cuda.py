@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from teraio.lifecycle import backend as lifecycle
+from teraio.lifecycle import runner as lifecycle
 from teraio.runtime import device as runtime_device
 from teraio.runtime.fake_device import FakeDevice
 

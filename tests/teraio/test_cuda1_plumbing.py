@@ -21,7 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved
 from teraio.graph.rewrite import apply_plan
-from teraio.lifecycle import backend as lifecycle
+from teraio.lifecycle import runner as lifecycle
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.solve import solve
 from teraio.runtime import device as runtime_device

@@ -16,7 +16,8 @@ import teraio
 import teraio.profiling.disk_calibration
 import teraio.profiling.op_timing as profiler_module
 from teraio.errors import UserInputError
-from teraio.lifecycle.backend import Phase, TeraioBackend, _device_of, check_compile_mode
+from teraio.lifecycle.backend import Phase, TeraioBackend, check_compile_mode
+from teraio.lifecycle.runner import _device_of
 from teraio.planner.hardware import HardwareError
 from teraio.profiling.op_timing import profiling_split
 

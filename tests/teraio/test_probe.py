@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import fx
 
-import teraio.lifecycle.backend
+import teraio.lifecycle.runner_profiling
 import teraio.profiling.disk_calibration
 from teraio.graph.ops import register_engine, unregister_engine
 from teraio.lifecycle.backend import TeraioBackend
@@ -213,7 +213,7 @@ def _quick_calibration(monkeypatch, tmp_path):
     """The backend's calibration at small sizes, and every graph short enough to probe whatever the
     machine's speed (a loaded CI machine can stretch a small model's step past the limit, and whether
     to probe is a wall-clock decision); returns the offload directory."""
-    monkeypatch.setattr(teraio.lifecycle.backend, "round_trips_for", lambda step_s: MIN_ROUND_TRIPS)
+    monkeypatch.setattr(teraio.lifecycle.runner_profiling, "round_trips_for", lambda step_s: MIN_ROUND_TRIPS)
     real = teraio.profiling.disk_calibration.calibrate
     monkeypatch.setattr(
         teraio.profiling.disk_calibration,
