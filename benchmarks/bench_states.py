@@ -2,7 +2,7 @@
 
 A GPT of about 2 billion parameters (hidden 2048, 40 layers: 8 GB of fp32 weights, 8 GB of gradients and
 16 GB of AdamW moments, 32 GB of training state on a 24 GiB machine) trains for a few steps with
-``teraio.backend(states="offload", optimizer=opt, offload_gradients=True)``: the moments and the
+``teraio.backend(states=teraio.States(optimizer=opt, gradients=True))``: the moments and the
 gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. By default
 (``--offload-parameters``, kept for older scripts) the blocks' weights are on disk between their uses too
 (``offload_parameters=True``) and each block is compiled on its own (the embedding and head, run eagerly,
@@ -325,21 +325,21 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     be = teraio.backend(
         inner="eager",
-        profile_steps=1,
-        measure_memory=False,
+        profiling=teraio.Profiling(steps=1, measure_memory=False),
         # --budget: the whole step's (Note: [The whole-step budget keeps some states in memory] in
         # teraio.states.residency); the greedy plans the activations (an ILP over a 2B-parameter profile would
         # spend the run's time planning).
         memory_budget=spec.get("budget"),
         solver="greedy",
-        states="offload",
-        optimizer=opt,
-        # Updated inside backward, a gradient is freed at once: there is none to offload.
-        offload_gradients=not spec["optimizer_in_backward"],
-        optimizer_in_backward=spec["optimizer_in_backward"],
-        offload_parameters=spec["offload_parameters"],
-        model=model if spec["offload_parameters"] else None,
-        states_chunk_bytes=spec["chunk_bytes"],
+        states=teraio.States(
+            optimizer=opt,
+            # Updated inside backward, a gradient is freed at once: there is none to offload.
+            gradients=not spec["optimizer_in_backward"],
+            optimizer_in_backward=spec["optimizer_in_backward"],
+            parameters=spec["offload_parameters"],
+            model=model if spec["offload_parameters"] else None,
+            chunk_bytes=spec["chunk_bytes"],
+        ),
         offload_dirs=[spec["dir"]],
         io_backend="posix",
     )

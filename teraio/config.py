@@ -451,11 +451,11 @@ def _fold_deprecated(options: dict[str, Any]) -> dict[str, Any]:
             _refuse_mixed("solver", moved["solver"])
         if isinstance(current, str):
             _check_solver_name(current, "solver")
-            out["solver"] = Solver(name=current, **moved["solver"])
+            out["solver"] = _built_from_flat(Solver, "solver", flat, name=current, **moved["solver"])
     if moved["profiling"]:
         if "profiling" in out:
             _refuse_mixed("profiling", moved["profiling"])
-        out["profiling"] = Profiling(**moved["profiling"])
+        out["profiling"] = _built_from_flat(Profiling, "profiling", flat, **moved["profiling"])
     if moved["states"] or offload:
         current = out.get("states")
         if current is not None and not isinstance(current, str):  # a States (a bad string fails later)
@@ -466,6 +466,20 @@ def _fold_deprecated(options: dict[str, Any]) -> dict[str, Any]:
 
             out["states"] = States(**moved["states"])
     return out
+
+
+def _built_from_flat(cls: type[Any], group: str, flat: dict[str, Any], **kwargs: Any) -> Any:
+    """``cls(**kwargs)``; a refused value is named as the user wrote it (``solver_workers``, not
+    ``Solver.workers``): the messages of the objects start with ``Class.field``."""
+    try:
+        return cls(**kwargs)
+    except UserInputError as exc:
+        message = str(exc)
+        for name, (g, f) in DEPRECATED_OPTIONS.items():
+            prefix = f"{cls.__name__}.{f} "
+            if g == group and name in flat and message.startswith(prefix):
+                raise UserInputError(name + " " + message[len(prefix) :]) from None
+        raise
 
 
 def _refuse_mixed(group: str, moved: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import teraio
 from teraio.errors import TeraioError
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.budget import BudgetError
@@ -42,8 +43,7 @@ def test_offload_is_bit_identical_with_each_solver(name: str, solver: str, tmp_p
     be = TeraioBackend(
         inner="eager",
         memory_budget="auto",
-        solver=solver,
-        time_limit=10,
+        solver=teraio.Solver(name=solver, time_limit=10),
         offload_dirs=[str(tmp_path)],
         checksum=True,
     )
