@@ -1,16 +1,14 @@
 """teraio: train PyTorch models whose activations do not fit in memory, with planned offload.
 
 Use ``torch.compile(model, backend="teraio")`` or ``torch.compile(model, backend=teraio.backend(...))``.
-Imports are lazy so that ``teraio --help`` does not pay for importing torch: the option objects
-(:mod:`teraio.config`) import nothing heavy, the backend and the states load torch when asked for.
+Imports are lazy so that ``teraio --help`` does not pay for importing torch, and importing
+``teraio.planner`` loads nothing else of teraio: every name below is loaded when it is first asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
-
-from teraio.config import BackendConfig, Profiling, Solver, make_config
 
 __version__ = "0.1.0"
 
@@ -28,14 +26,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from teraio.config import IOBackendName, OnPlanMismatch, TierName
+    from teraio.config import BackendConfig, IOBackendName, OnPlanMismatch, Profiling, Solver, TierName
     from teraio.graph.compilers import InnerCompiler
     from teraio.lifecycle.backend import TeraioBackend, default_backend
     from teraio.states.config import States
 
-#: The signature's defaults, by identity: an argument left at its default is not "given" (so a deprecated
-#: flat name may still fill that object, and mixing the two is refused only when both are written).
-_DEFAULT_PROFILING = Profiling()
+#: The default tiers, by identity: left at its default, ``tiers`` is not passed on (BackendConfig's own).
 _DEFAULT_TIERS = ("ssd",)
 
 
@@ -48,7 +44,7 @@ def backend(
     checksum: bool = True,
     states: States | None = None,
     solver: Solver | str = "ilp",
-    profiling: Profiling = _DEFAULT_PROFILING,
+    profiling: Profiling | None = None,
     inner: InnerCompiler = "inductor",
     enabled: bool = True,
     plan: str | None = None,
@@ -73,7 +69,8 @@ def backend(
         states: ``teraio.States(optimizer=opt, ...)``: the optimizer's gradients and states (and
             parameters) on disk, its step streamed; None: they stay in memory.
         solver: ``teraio.Solver(...)``, or a solver's name for ``Solver(name=...)``.
-        profiling: ``teraio.Profiling(...)``: how graphs are measured before they are planned.
+        profiling: ``teraio.Profiling(...)``: how graphs are measured before they are planned; None:
+            ``teraio.Profiling()``, the defaults.
         inner: the compiler of the rewritten graphs: "inductor" or "eager" (FX only).
         enabled: False profiles only and never offloads.
         plan: a plan file or directory (``teraio plan``) to use instead of planning.
@@ -88,6 +85,7 @@ def backend(
         UserInputError: an option is refused (one line naming it and what to write instead).
         TypeError: an option teraio does not know.
     """
+    from teraio.config import make_config
     from teraio.lifecycle.backend import TeraioBackend
 
     given: dict[str, Any] = {
@@ -107,7 +105,7 @@ def backend(
     }
     if tiers is not _DEFAULT_TIERS:
         given["tiers"] = tiers
-    if profiling is not _DEFAULT_PROFILING:
+    if profiling is not None:  # None: the defaults, which deprecated flat names may still fill
         given["profiling"] = profiling
     return TeraioBackend(make_config(**given, **deprecated))
 
@@ -134,6 +132,10 @@ def __getattr__(name: str) -> Any:
         import teraio.lifecycle.backend as lifecycle
 
         return getattr(lifecycle, name)
+    if name in ("BackendConfig", "Solver", "Profiling"):
+        import teraio.config as config
+
+        return getattr(config, name)
     if name == "States":
         from teraio.states.config import States
 

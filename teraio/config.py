@@ -426,7 +426,7 @@ def _fold_deprecated(options: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in options.items() if k not in DEPRECATED_OPTIONS}
     flat = {k: v for k, v in options.items() if k in DEPRECATED_OPTIONS}
     offload = False
-    if out.get("states") in ("keep", "offload"):  # the old spelling of the states switch
+    if isinstance(out.get("states"), str) and out["states"] in ("keep", "offload"):  # the old spelling
         offload = out["states"] == "offload"
         new = "states=teraio.States(optimizer=opt)" if offload else "states=None (the default)"
         _warn_deprecated(f"states={out['states']!r} is deprecated: use {new}")
