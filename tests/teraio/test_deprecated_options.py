@@ -186,3 +186,27 @@ def test_config_json_records_one_object_per_concern() -> None:
     assert recorded["profiling"] == {"steps": 1, "measure_memory": True, "max_shapes": 8}
     assert "runtime_options" not in recorded and recorded["memory_budget"] == "50%"
     assert json.loads(json.dumps(BackendConfig().recorded()))["states"] is None
+
+
+def test_run_dirs_of_either_shape_are_recognised_as_teraios(tmp_path) -> None:
+    """config.json's reader (teraio.lifecycle.run_dir): a run directory this release writes is teraio's,
+    and so is one an earlier release wrote with the flat shape (``profile_steps``, ``solver`` a name)."""
+    from teraio.lifecycle.run_dir import is_teraio_run_dir
+
+    new, old = tmp_path / "new", tmp_path / "old"
+    new.mkdir()
+    old.mkdir()
+    recorded = BackendConfig(run_dir=str(new)).recorded()
+    (new / "config.json").write_text(json.dumps({**recorded, "run_id": "0" * 16}))
+    flat = {
+        "memory_budget": None,
+        "offload_dirs": None,
+        "solver": "ilp",
+        "profile_steps": 3,
+        "inner": "eager",
+    }
+    (old / "config.json").write_text(json.dumps({**flat, "run_dir": str(old), "run_id": "1" * 16}))
+    assert is_teraio_run_dir(new) and is_teraio_run_dir(old)
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "config.json").write_text(json.dumps({"solver": "ilp", "lr": 0.1}))
+    assert not is_teraio_run_dir(tmp_path / "foreign")
