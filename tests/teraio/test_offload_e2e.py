@@ -56,7 +56,7 @@ def test_offload_is_bit_identical_with_each_solver(name: str, solver: str, tmp_p
     plan = be.runners[0].plan
     assert plan is not None and plan.decisions, "the plan moved nothing: the test would prove nothing"
     # Every running step moved the planned bytes (profiling steps move nothing).
-    running_steps = STEPS - be.cfg.profile_steps
+    running_steps = STEPS - be.cfg.profiling.steps
     assert stats["offloaded_bytes"] == running_steps * plan.moved_bytes
     assert stats["prefetched_bytes"] == running_steps * plan.moved_bytes
 
