@@ -1,14 +1,14 @@
-"""Training a GPT whose training state does not fit in memory: ``states="offload"`` (issue 23).
+"""Training a GPT whose training state does not fit in memory: ``teraio.States`` (issue 23).
 
 A GPT of about 2 billion parameters (hidden 2048, 40 layers: 8 GB of fp32 weights, 8 GB of gradients and
 16 GB of AdamW moments, 32 GB of training state on a 24 GiB machine) trains for a few steps with
-``teraio.backend(states="offload", optimizer=opt, offload_gradients=True)``: the moments and the
-gradients live on disk between their uses and ``opt.step()`` streams them chunk by chunk. By default
+``teraio.backend(states=teraio.States(optimizer=opt, gradients=True))``: the moments and the gradients
+live on disk between their uses and ``opt.step()`` streams them chunk by chunk. By default
 (``--offload-parameters``, kept for older scripts) the blocks' weights are on disk between their uses too
-(``offload_parameters=True``) and each block is compiled on its own (the embedding and head, run eagerly,
-stay), as the issue asks of every inactive tensor. ``--keep-parameters`` keeps the parameters resident
-and compiles the whole model as one graph: the weights are then the floor of the peak, and every
-gradient arrives at once at the end of the compiled backward.
+(``teraio.States(parameters=True)``) and each block is compiled on its own (the embedding and head, run
+eagerly, stay), as the issue asks of every inactive tensor. ``--keep-parameters`` keeps the parameters
+resident and compiles the whole model as one graph: the weights are then the floor of the peak, and
+every gradient arrives at once at the end of the compiled backward.
 
 One run, in this order, on the same directory:
 
@@ -20,18 +20,18 @@ One run, in this order, on the same directory:
    update of one resident layer, timed and multiplied by the layer count, plus the embedding and head);
 3. the training, in a fresh child process (so its peak resident memory, ``VmHWM``, is its own): the
    backend with ``inner="eager"`` (an Inductor compile of a 2B-parameter graph takes far too long on 2
-   cores), ``profile_steps=1`` and ``memory_budget=None`` (activations are not offloaded: at batch 1 and
-   128 tokens they are well under 1 GB; nothing is planned). The first step compiles and profiles and is
-   reported apart; the step time is the median of the steps after it.
+   cores), ``teraio.Profiling(steps=1)`` and ``memory_budget=None`` (activations are not offloaded: at
+   batch 1 and 128 tokens they are well under 1 GB; nothing is planned). The first step compiles and
+   profiles and is reported apart; the step time is the median of the steps after it.
 
 ``--budget B`` gives the backend a ``memory_budget`` of ``B`` for the whole step (parameters,
 gradients, optimizer states and activations): the plan keeps in memory the weights and moments that fit
 (Note: [The whole-step budget keeps some states in memory] in teraio.states.residency), and the I/O lower
 bound counts only what it leaves on disk.
 
-``--optimizer-in-backward`` updates each parameter inside backward (``optimizer_in_backward=True``): no
-gradient is offloaded, and with the parameters on disk (the default) a block's weights are updated while
-its backward holds them, so the step reads none.
+``--optimizer-in-backward`` updates each parameter inside backward
+(``teraio.States(optimizer_in_backward=True)``): no gradient is offloaded, and with the parameters on disk
+(the default) a block's weights are updated while its backward holds them, so the step reads none.
 
 The training process keeps freed memory for reuse (``--cpu-malloc retain``, the default, as ``teraio
 demo`` does; Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc): on this project's VM memory
@@ -325,21 +325,21 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     be = teraio.backend(
         inner="eager",
-        profile_steps=1,
-        measure_memory=False,
+        profiling=teraio.Profiling(steps=1, measure_memory=False),
         # --budget: the whole step's (Note: [The whole-step budget keeps some states in memory] in
         # teraio.states.residency); the greedy plans the activations (an ILP over a 2B-parameter profile would
         # spend the run's time planning).
         memory_budget=spec.get("budget"),
         solver="greedy",
-        states="offload",
-        optimizer=opt,
-        # Updated inside backward, a gradient is freed at once: there is none to offload.
-        offload_gradients=not spec["optimizer_in_backward"],
-        optimizer_in_backward=spec["optimizer_in_backward"],
-        offload_parameters=spec["offload_parameters"],
-        model=model if spec["offload_parameters"] else None,
-        states_chunk_bytes=spec["chunk_bytes"],
+        states=teraio.States(
+            optimizer=opt,
+            # Updated inside backward, a gradient is freed at once: there is none to offload.
+            gradients=not spec["optimizer_in_backward"],
+            optimizer_in_backward=spec["optimizer_in_backward"],
+            parameters=spec["offload_parameters"],
+            model=model if spec["offload_parameters"] else None,
+            chunk_bytes=spec["chunk_bytes"],
+        ),
         offload_dirs=[spec["dir"]],
         io_backend="posix",
     )
@@ -745,8 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--offload-parameters",
         action="store_true",
-        help="the blocks' weights on disk too (offload_parameters=True), each block compiled on its own: the "
-        "default, kept for older scripts",
+        help="the blocks' weights on disk too (teraio.States(parameters=True)), each block compiled on its "
+        "own: the default, kept for older scripts",
     )
     p.add_argument(
         "--keep-parameters",
@@ -756,7 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--optimizer-in-backward",
         action="store_true",
-        help="update each parameter inside backward (optimizer_in_backward=True): no gradient is offloaded",
+        help="update each parameter inside backward (teraio.States(optimizer_in_backward=True)): no gradient "
+        "is offloaded",
     )
     p.add_argument(
         "--budget",

@@ -538,7 +538,9 @@ def check_measured_peak(ctx: Context) -> list[Verdict]:
     allocations (AdamW's state and temporaries) are not the step's: a backend that read its peak at the
     next forward instead of at the backward's end would count them and fail here.
     """
-    model, be, step = _gpt_step(ctx, {"enabled": False, "measure_memory": True})
+    from teraio.config import Profiling
+
+    model, be, step = _gpt_step(ctx, {"enabled": False, "profiling": Profiling(measure_memory=True)})
     optimizer = torch.optim.AdamW(model.parameters())
 
     def train(i: int) -> None:

@@ -22,13 +22,14 @@ import sys
 def _train(steps: int) -> tuple[list[dict], list[bool]]:
     import torch
 
+    from teraio.config import Profiling
     from teraio.lifecycle.backend import TeraioBackend
     from teraio.profiling.measure import MemoryRecorder
     from teraio.tools.workloads import builtin_workload, compute_loss
 
     torch._dynamo.reset()
     workload = builtin_workload("tiny")
-    backend = TeraioBackend(inner="inductor", enabled=False, measure_memory=False)
+    backend = TeraioBackend(inner="inductor", enabled=False, profiling=Profiling(measure_memory=False))
     compiled = torch.compile(workload.model, backend=backend)
     opt = torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
     grads, profiled = [], []

@@ -42,15 +42,16 @@ def _baseline_fwd_bwd_s(gpt: Any, inner: str, steps: int, first_step: int) -> fl
 
     import torch
 
+    from teraio.config import Profiling
     from teraio.lifecycle.backend import TeraioBackend
     from teraio.tools.models import synthetic_batch
 
     twin = copy.deepcopy(gpt)
-    backend = TeraioBackend(enabled=False, inner=inner, measure_memory=False)
+    backend = TeraioBackend(enabled=False, inner=inner, profiling=Profiling(measure_memory=False))
     try:
         compiled = torch.compile(twin, backend=backend)
         times = []
-        for i in range(backend.cfg.profile_steps + 3 + steps):
+        for i in range(backend.cfg.profiling.steps + 3 + steps):
             idx, targets = synthetic_batch(twin.cfg, first_step + i, 0)
             twin.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
@@ -74,6 +75,7 @@ def measure(
     ``hardware``: as the backend's (``"calibrate"``: time the offload directory before planning)."""
     import torch
 
+    from teraio.config import Profiling
     from teraio.lifecycle.backend import Phase, TeraioBackend
     from teraio.platform.cpu_malloc import retain_freed_memory
     from teraio.profiling.disk_calibration import _io_threads_cpu_s
@@ -95,8 +97,8 @@ def measure(
         inner=inner,
         solver=solver,
         hardware=hardware,
-        profile_steps=profile_steps,  # as teraio demo: 4 calibrating steps, whose median times the ops
-        measure_memory=False,
+        # As teraio demo: 4 calibrating steps, whose median times the ops.
+        profiling=Profiling(steps=profile_steps, measure_memory=False),
     )
     try:
         compiled = torch.compile(gpt, backend=backend)
@@ -112,10 +114,10 @@ def measure(
 
         # Profiling, the step that plans and compiles, two more; with hardware="calibrate" on a short
         # step the backend first prices transfers under the model's own compute (PROBE_STEPS more).
-        warmup = backend.cfg.profile_steps + 3
+        warmup = backend.cfg.profiling.steps + 3
         for i in range(warmup):
             step(i)
-        while warmup < backend.cfg.profile_steps + PROBE_STEPS + 3 and any(
+        while warmup < backend.cfg.profiling.steps + PROBE_STEPS + 3 and any(
             r.phase is not Phase.RUNNING for r in backend.runners if r.is_training
         ):
             step(warmup)

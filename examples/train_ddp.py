@@ -60,8 +60,7 @@ def main() -> None:
         run_dir=args.run_dir,
         inner=args.inner,
         enabled=not args.disabled,
-        states=args.states,
-        optimizer=opt,
+        states=teraio.States(optimizer=opt) if args.states == "offload" else None,
     )
     compiled = torch.compile(DDP(model), backend=backend)
     rank = dist.get_rank()

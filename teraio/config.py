@@ -1,37 +1,45 @@
-"""The options of ``teraio.backend(...)``: one dataclass with defaults, checked when it is built."""
+"""The options of ``teraio.backend(...)``, grouped by concern: one frozen dataclass per concern, each field
+documented under it and checked when it is built.
+
+A flat list of keyword options let a user write combinations that cannot work (a solver time limit with
+no solver that uses one, gradients on disk without offloaded states), and a third of the checks only
+refused them. Here each concern is its own object: :class:`Solver` (how plans are made),
+:class:`Profiling` (how the graphs are measured), :class:`teraio.states.config.States` (the optimizer's
+states on disk; None: in memory), composed by :class:`BackendConfig`. An option that only means something
+inside one concern cannot be written outside it.
+
+The flat names of earlier releases still work for one release: :func:`make_config` folds each into its
+object with a ``DeprecationWarning`` naming the new spelling (``DEPRECATED_OPTIONS``).
+
+Importing this module does not import torch (``teraio`` exports these objects, and ``teraio --help``
+must not pay for torch): the checks that need it import it when a config is built.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import stat
+import sys
+import warnings
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from teraio.errors import UserInputError
-from teraio.graph.compilers import InnerCompiler
-from teraio.lifecycle.ranks import RankInfo, expand_dirs
-from teraio.lifecycle.run_dir import refuse_foreign_run_dir
-from teraio.platform.preflight import check_writable_dir
+
+if TYPE_CHECKING:
+    from teraio.graph.compilers import InnerCompiler
+    from teraio.lifecycle.ranks import RankInfo
+    from teraio.states.config import States
 
 OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
 RecomputeOption = Literal["off", "only", "joint"]
-StatesOption = Literal["keep", "offload"]
-#: With states="offload" and a memory budget, which parameters and optimizer states stay in memory:
-#: "plan" (what the whole-step budget leaves, chosen for the most I/O saved: Note: [The whole-step budget
-#: keeps some states in memory] in teraio.states.residency), "none" (every one that can move, moves).
-StatesKeepOption = Literal["plan", "none"]
 #: ``hardware=CALIBRATE``: time the offload directory before the first plan instead of reading a file.
 CALIBRATE = "calibrate"
-
-
-def _is_module(value: object) -> bool:
-    import torch
-
-    return isinstance(value, torch.nn.Module)
 
 
 def _check_choice(name: str, value: Any, allowed: Any) -> None:
@@ -40,74 +48,180 @@ def _check_choice(name: str, value: Any, allowed: Any) -> None:
         raise UserInputError(f"{name} must be one of {', '.join(map(repr, choices))}, not {value!r}")
 
 
-@dataclass
+def _is_positive_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < math.inf
+
+
+def _is_whole_at_least_1(value: object) -> bool:
+    # Whole numbers as before (3, 3.0, "3" were accepted by int()); a bool is not a count.
+    if isinstance(value, bool):
+        return False
+    try:
+        return int(value) >= 1  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_solver_name(name: object, option: str) -> None:
+    from teraio.planner.solve import solver_names
+
+    if name not in solver_names():
+        raise UserInputError(f"{option} must be one of {', '.join(map(repr, solver_names()))}, not {name!r}")
+
+
+# ------------------------------------------------------------------------------------------- solver
+@dataclass(frozen=True)
+class Solver:
+    """How each graph's plan is made: ``solver=teraio.Solver(name="ilp", time_limit=10)``.
+    ``solver="greedy"`` is short for ``teraio.Solver(name="greedy")``."""
+
+    name: str = "ilp"
+    """A registered solver (``teraio.planner.solve.solver_names()``): "ilp" (CP-SAT, optimal within the
+    time limit), "greedy", or the baselines "none" and "all"."""
+
+    time_limit: float = 30.0
+    """Wall-clock seconds the solver may spend per graph."""
+
+    deterministic_time_limit: float | None = None
+    """CP-SAT's deterministic time limit per graph (its own work units): plans that do not depend on the
+    machine's load, for tests and reproducible runs; None: the wall clock (``time_limit``) alone."""
+
+    workers: int = 2
+    """CP-SAT worker threads; 1 with ``deterministic_time_limit``: the same plan every run."""
+
+    recompute: RecomputeOption | None = None
+    """Whether plans may rebuild saved tensors in backward instead of keeping or offloading them: "joint"
+    (keep, offload or recompute, whichever is fastest under the budget), "only" (no offload), "off".
+    None: the solver's default (teraio.planner.solve.default_recompute): "joint" with the solvers that
+    plan recompute, "off" with the offload-only baselines."""
+
+    def __post_init__(self) -> None:
+        from teraio.planner.limits import MAX_WORKERS
+
+        _check_solver_name(self.name, "Solver.name")
+        if not _is_positive_number(self.time_limit):
+            raise UserInputError(
+                f"Solver.time_limit must be a positive number of seconds, not {self.time_limit!r}"
+            )
+        det = self.deterministic_time_limit
+        if det is not None and not _is_positive_number(det):
+            raise UserInputError(
+                f"Solver.deterministic_time_limit must be None or a positive number of CP-SAT's "
+                f"deterministic seconds, not {det!r}"
+            )
+        workers = self.workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+            raise UserInputError(
+                f"Solver.workers must be a whole number from 1 to {MAX_WORKERS}, not {workers!r}"
+            )
+        if self.recompute is not None:
+            _check_choice("Solver.recompute", self.recompute, RecomputeOption)
+
+
+# ---------------------------------------------------------------------------------------- profiling
+@dataclass(frozen=True)
+class Profiling:
+    """How each graph is measured before its plan: ``profiling=teraio.Profiling(steps=6)``."""
+
+    steps: int = 3
+    """Steps each graph is profiled for before it is planned: two timed op by op, the rest calibrating
+    the op times against whole steps (Note: [Calibrated times] in teraio.profiling.op_timing)."""
+
+    measure_memory: bool = True
+    """Measure one running step's peak with the torch profiler (``stats()``' measured peak)."""
+
+    max_shapes: int = 8
+    """Per dynamic graph: the shapes profiled and planned; later shapes run unplanned."""
+
+    def __post_init__(self) -> None:
+        if not _is_whole_at_least_1(self.steps):
+            raise UserInputError(f"Profiling.steps must be a whole number of at least 1, not {self.steps!r}")
+        if not _is_whole_at_least_1(self.max_shapes):
+            raise UserInputError(
+                f"Profiling.max_shapes must be a whole number of at least 1, not {self.max_shapes!r}"
+            )
+        if not isinstance(self.measure_memory, bool):
+            raise UserInputError(
+                f"Profiling.measure_memory must be True or False, not {self.measure_memory!r}"
+            )
+
+
+# ------------------------------------------------------------------------------------------ backend
+@dataclass(frozen=True)
 class BackendConfig:
-    """Options of ``teraio.backend(...)`` (the README's option table says what each one does)."""
+    """Every option of ``teraio.backend(...)`` (docs/options.md has the table): the backend's own, and one
+    object per concern. Built once; normalised (a single tier or directory as a list, a solver name as a
+    :class:`Solver`) and checked in ``__post_init__``."""
 
     memory_budget: str | int | float | None = None
-    #: Directories, one per SSD; entries may say ``{local_rank}`` or ``{rank}``; or a mapping from local rank
-    #: to its directories (teraio.lifecycle.ranks.expand_dirs).
+    """The step's memory budget: bytes or a size ("512MiB"), a percentage or fraction of the unplanned
+    peak ("50%", 0.5), "auto"; None: profile and run unplanned, no offload."""
+
     offload_dirs: list[str] | dict[int, list[str] | str] | None = None
+    """Directories, one per SSD; entries may say ``{local_rank}`` or ``{rank}``; or a mapping from local
+    rank to its directories (teraio.lifecycle.ranks.expand_dirs). None: the runtime's default."""
+
     tiers: list[TierName] = field(default_factory=lambda: ["ssd"])
-    solver: str = "ilp"
-    time_limit: float = 30.0
-    #: CP-SAT's deterministic time limit per graph (its own work units): plans that do not depend on the
-    #: machine's load, for tests and reproducible runs; None: the wall clock (``time_limit``) alone.
-    deterministic_time_limit: float | None = None
-    solver_workers: int = 2  # CP-SAT worker threads; 1 with deterministic_time_limit: the same plan every run
-    profile_steps: int = 3
-    plan: str | None = None
+    """Where offloaded tensors may go: "ssd" (the offload directories), "host" (host memory)."""
+
+    io_backend: IOBackendName | None = None
+    """How the SSD tier does I/O: "posix", "kvikio" (GDS), "host", "auto"; None: TERAIO_IO_BACKEND or auto."""
+
+    checksum: bool = True
+    """Verify every fetched chunk (crc32c); False opts out."""
+
+    states: States | None = None
+    """The optimizer's gradients, states (and parameters) on disk: a :class:`teraio.States`; None: they
+    stay in memory, as without teraio."""
+
+    solver: Solver = field(default_factory=Solver)
+    """How plans are made (:class:`Solver`); a solver's name is short for ``Solver(name=...)``."""
+
+    profiling: Profiling = field(default_factory=Profiling)
+    """How graphs are measured before they are planned (:class:`Profiling`)."""
+
     inner: InnerCompiler = "inductor"
-    run_dir: str | None = None
+    """The compiler teraio hands the rewritten graphs to: "inductor", or "eager" (the FX-only path)."""
+
     enabled: bool = True
+    """False: profile only, never offload (a reference run through the same compiler)."""
+
+    plan: str | None = None
+    """A plan file or directory from an earlier run (``teraio plan``) to use instead of planning."""
+
     on_plan_mismatch: OnPlanMismatch = "error"
-    #: A HardwareModel JSON (``teraio calibrate --out``), "calibrate" (measure the offload directory
-    #: before the first plan, about a second), or None: the built-in model.
+    """When ``plan`` was made for another graph: "error", or "reprofile" (profile and plan it afresh)."""
+
     hardware: str | None = None
-    io_backend: IOBackendName | None = None  # None: TERAIO_IO_BACKEND or auto
-    checksum: bool = True  # verify every fetched chunk (crc32c); False opts out
-    measure_memory: bool = True  # measure one running step's peak with the torch profiler
-    max_shapes: int = 8  # per dynamic graph: shapes profiled and planned; later shapes run unplanned
-    #: Whether plans may rebuild saved tensors in backward instead of keeping or offloading them: "joint"
-    #: (keep, offload or recompute, whichever is fastest under the budget), "only" (no offload), "off".
-    #: None: each solver's default (teraio.planner.solve.default_recompute): "joint" with the solvers that
-    #: plan recompute, "off" with the offload-only baselines.
-    recompute: RecomputeOption | None = None
-    runtime_options: dict[str, Any] = field(default_factory=dict)  # extra RuntimeConfig fields (tests)
-    #: "offload": gradients and optimizer states of ``optimizer`` live on disk between uses and its step
-    #: streams (teraio.states); "keep": they stay in memory, as without teraio.
-    states: StatesOption = "keep"
-    optimizer: Any = field(default=None, repr=False)  # a torch.optim.Optimizer, for states="offload"
-    states_chunk_bytes: int | str = "64MiB"  # gradient + state bytes per chunk of the streamed step
-    #: With states="offload", gradients on disk too between backward and the step; param.grad must then
-    #: not be read before the step (Note: [Gradients stay readable unless asked] in teraio.states.grads).
-    offload_gradients: bool = False
-    #: With states="offload", each parameter updated inside backward once its gradient is complete, the
-    #: gradient freed at once; opt.step() commits (teraio.states.optimizer_stream).
-    optimizer_in_backward: bool = False
-    #: With states="offload", the optimizer's parameters on disk too between the graph calls that compute
-    #: with them (teraio.states.params); needs ``model`` (its state_dict and load_state_dict read and write
-    #: them). Code outside the compiled graphs must not read them directly.
-    offload_parameters: bool = False
-    model: Any = field(default=None, repr=False)  # the torch.nn.Module the optimizer trains
-    #: With offload_parameters, parameters smaller than this stay resident (norms, biases).
-    states_min_param_bytes: int | str = "64KiB"
-    states_keep: StatesKeepOption = "plan"
+    """A HardwareModel JSON (``teraio calibrate --out``), "calibrate" (measure the offload directory before
+    the first plan, about a second), or None: the built-in model."""
+
+    run_dir: str | None = None
+    """Where the run is recorded (config.json, stats.jsonl, graphN/ profiles and plans); None: nowhere."""
+
+    runtime_options: dict[str, Any] = field(default_factory=dict)
+    """Extra RuntimeConfig fields for the engines (tests)."""
 
     def recorded(self) -> dict[str, Any]:
-        """The options as written into the run directory: no runtime_options (test seams), the optimizer
-        by its class name (``dataclasses.asdict`` would deep-copy it, parameters and all)."""
-        out = {
-            f.name: getattr(self, f.name)
-            for f in fields(self)
-            if f.name not in ("runtime_options", "optimizer", "model")
-        }
-        out["optimizer"] = None if self.optimizer is None else type(self.optimizer).__name__
-        out["model"] = None if self.model is None else type(self.model).__name__
+        """The options as written into the run directory's config.json: one nested dict per concern, no
+        runtime_options (test seams), the optimizer and model by class name (``dataclasses.asdict`` would
+        deep-copy them, parameters and all)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "runtime_options":
+                continue
+            if f.name == "states":
+                value = None if value is None else value.recorded()
+            elif f.name in ("solver", "profiling"):
+                value = dataclasses.asdict(value)
+            out[f.name] = value
         return out
 
     def offload_dirs_for(self, info: RankInfo) -> list[str] | None:
         """This rank's offload directories (None: the runtime's default)."""
+        from teraio.lifecycle.ranks import expand_dirs
+
         try:
             return expand_dirs(self.offload_dirs, info)
         except KeyError:
@@ -119,64 +233,59 @@ class BackendConfig:
     def check_run_dir(self) -> None:
         """Refuse, in one line, a ``run_dir`` that is a non-empty directory teraio did not write (the
         backend would replace its config.json): see :mod:`teraio.lifecycle.run_dir`."""
+        from teraio.lifecycle.run_dir import refuse_foreign_run_dir
+
         refuse_foreign_run_dir(self.run_dir)
 
     def __post_init__(self) -> None:
+        from teraio.graph.compilers import InnerCompiler
+
         _check_choice("inner", self.inner, InnerCompiler)
         _check_choice("on_plan_mismatch", self.on_plan_mismatch, OnPlanMismatch)
-        if self.recompute is not None:
-            _check_choice("recompute", self.recompute, RecomputeOption)
         if self.io_backend is not None:
             _check_choice("io_backend", self.io_backend, IOBackendName)
+        # Frozen: the normalised values are set once, here.
         if isinstance(self.tiers, str):
-            self.tiers = [self.tiers]  # type: ignore[list-item]
+            object.__setattr__(self, "tiers", [self.tiers])
+        elif isinstance(self.tiers, tuple):
+            object.__setattr__(self, "tiers", list(self.tiers))
         for t in self.tiers:
             _check_choice("each of tiers", t, TierName)
-        if isinstance(self.profile_steps, bool) or int(self.profile_steps) < 1:
-            raise UserInputError(
-                f"profile_steps must be a whole number of at least 1, not {self.profile_steps!r}"
-            )
-        if isinstance(self.max_shapes, bool) or int(self.max_shapes) < 1:
-            raise UserInputError(f"max_shapes must be a whole number of at least 1, not {self.max_shapes!r}")
         if isinstance(self.offload_dirs, (str, os.PathLike)):
-            self.offload_dirs = [str(self.offload_dirs)]
+            object.__setattr__(self, "offload_dirs", [str(self.offload_dirs)])
         elif isinstance(self.offload_dirs, tuple):
-            self.offload_dirs = list(self.offload_dirs)
+            object.__setattr__(self, "offload_dirs", list(self.offload_dirs))
+        if isinstance(self.solver, str):
+            _check_solver_name(self.solver, "solver")
+            object.__setattr__(self, "solver", Solver(name=self.solver))
+        self._check_concerns()
         self._check_values()
+
+    def _check_concerns(self) -> None:
+        from teraio.states.config import States
+
+        if not isinstance(self.solver, Solver):
+            raise UserInputError(
+                f"solver must be a solver's name or a teraio.Solver(...), not {self.solver!r}"
+            )
+        if not isinstance(self.profiling, Profiling):
+            raise UserInputError(f"profiling must be a teraio.Profiling(...), not {self.profiling!r}")
+        if self.states is not None and not isinstance(self.states, States):
+            raise UserInputError(
+                f"states must be one of None, teraio.States(optimizer=opt, ...), not {self.states!r}"
+            )
 
     def _check_values(self) -> None:
         """Every option a user sets is checked here, when the backend is built, in one line naming the
         option and what to write instead: never steps later, after profiling and planning."""
         from teraio.planner.budget import BudgetError, parse_budget
-        from teraio.planner.limits import MAX_WORKERS
-        from teraio.planner.solve import solver_names
 
         if self.memory_budget is not None:
             try:
                 parse_budget(self.memory_budget, "memory_budget")
             except BudgetError as exc:
                 raise UserInputError(str(exc)) from None
-        if self.solver not in solver_names():
-            raise UserInputError(
-                f"solver must be one of {', '.join(map(repr, solver_names()))}, not {self.solver!r}"
-            )
-        limit = self.time_limit
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < math.inf:
-            raise UserInputError(f"time_limit must be a positive number of seconds, not {limit!r}")
-        det = self.deterministic_time_limit
-        if det is not None and (
-            isinstance(det, bool) or not isinstance(det, (int, float)) or not 0 < det < math.inf
-        ):
-            raise UserInputError(
-                f"deterministic_time_limit must be None or a positive number of CP-SAT's deterministic "
-                f"seconds, not {det!r}"
-            )
-        workers = self.solver_workers
-        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-            raise UserInputError(
-                f"solver_workers must be a whole number from 1 to {MAX_WORKERS}, not {workers!r}"
-            )
-        for name in ("enabled", "checksum", "measure_memory"):
+        for name in ("enabled", "checksum"):
             if not isinstance(getattr(self, name), bool):
                 raise UserInputError(f"{name} must be True or False, not {getattr(self, name)!r}")
         if not isinstance(self.runtime_options, dict):
@@ -190,51 +299,10 @@ class BackendConfig:
             )
         if self.offload_dirs is not None:
             self._check_offload_dirs()
-        self._check_states()
-
-    def _check_states(self) -> None:
-        _check_choice("states", self.states, StatesOption)
-        _check_choice("states_keep", self.states_keep, StatesKeepOption)
-        from teraio.planner.sizes import SizeError, nbytes_of
-
-        try:
-            chunk_nbytes = nbytes_of(self.states_chunk_bytes, "states_chunk_bytes")
-        except SizeError as exc:
-            raise UserInputError(str(exc)) from None
-        if chunk_nbytes <= 0:
-            raise UserInputError(f"states_chunk_bytes must be positive, not {self.states_chunk_bytes!r}")
-        for name in ("offload_gradients", "optimizer_in_backward", "offload_parameters"):
-            value = getattr(self, name)
-            if not isinstance(value, bool):
-                raise UserInputError(f"{name} must be True or False, not {value!r}")
-            if value and self.states != "offload":
-                raise UserInputError(f"{name}=True needs states='offload' (and optimizer=opt)")
-        if self.optimizer_in_backward and self.offload_gradients:
-            raise UserInputError(
-                "optimizer_in_backward=True frees each gradient once it is used, so there is none to offload: "
-                "drop offload_gradients=True"
-            )
-        if self.offload_parameters and not _is_module(self.model):
-            raise UserInputError(
-                "offload_parameters=True needs the model: teraio.backend(states='offload', optimizer=opt, "
-                "offload_parameters=True, model=model)"
-            )
-        try:
-            min_param = nbytes_of(self.states_min_param_bytes, "states_min_param_bytes")
-        except SizeError as exc:
-            raise UserInputError(str(exc)) from None
-        if min_param < 0:
-            raise UserInputError(f"states_min_param_bytes must be >= 0, not {self.states_min_param_bytes!r}")
-        if self.states == "offload" and self.optimizer is None:
-            raise UserInputError(
-                "states='offload' needs the optimizer: teraio.backend(states='offload', optimizer=opt)"
-            )
-        if self.optimizer is not None:
-            from teraio.states.offload import check_optimizer
-
-            check_optimizer(self.optimizer)
 
     def _check_offload_dirs(self) -> None:
+        from teraio.platform.preflight import check_writable_dir
+
         if not self.offload_dirs:
             raise UserInputError("offload_dirs is empty: name at least one directory, or leave it None")
         if isinstance(self.offload_dirs, dict):
@@ -301,7 +369,167 @@ def directory_problem(path: object) -> str | None:
     return None
 
 
-def make_config(**options: Any) -> BackendConfig:
-    """The backend's configuration from keyword options (what ``TeraioBackend(**options)`` receives)."""
-    return BackendConfig(**options)
+# ---------------------------------------------------------------------------- deprecated flat names
+#: The flat options of earlier releases, kept for this one: each names its concern and its field there.
+#: ``states="offload"`` itself becomes ``states=teraio.States(...)``, ``states="keep"`` None.
+DEPRECATED_OPTIONS: dict[str, tuple[str, str]] = {
+    "time_limit": ("solver", "time_limit"),
+    "deterministic_time_limit": ("solver", "deterministic_time_limit"),
+    "solver_workers": ("solver", "workers"),
+    "recompute": ("solver", "recompute"),
+    "profile_steps": ("profiling", "steps"),
+    "measure_memory": ("profiling", "measure_memory"),
+    "max_shapes": ("profiling", "max_shapes"),
+    "optimizer": ("states", "optimizer"),
+    "model": ("states", "model"),
+    "offload_gradients": ("states", "gradients"),
+    "offload_parameters": ("states", "parameters"),
+    "optimizer_in_backward": ("states", "optimizer_in_backward"),
+    "states_chunk_bytes": ("states", "chunk_bytes"),
+    "states_min_param_bytes": ("states", "min_param_bytes"),
+    "states_keep": ("states", "keep"),
+}
+_CLASS_OF = {"solver": "Solver", "profiling": "Profiling", "states": "States"}
+#: Shown by a placeholder in messages, not by their (long) repr.
+_PLACEHOLDER = {"optimizer": "opt", "model": "model"}
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
+
+def make_config(**options: Any) -> BackendConfig:
+    """The backend's configuration from keyword options (what ``teraio.backend(...)`` and
+    ``TeraioBackend(**options)`` receive): the fields of :class:`BackendConfig` and, for this release, the
+    flat names of earlier ones (``DEPRECATED_OPTIONS``), each folded into its object with a
+    ``DeprecationWarning`` naming the new spelling.
+
+    Raises:
+        TypeError: an option that is neither a field nor a deprecated name.
+        UserInputError: a value is refused, or a flat name is mixed with the object it moved into.
+    """
+    known = {f.name for f in fields(BackendConfig)}
+    for name in options:
+        if name not in known and name not in DEPRECATED_OPTIONS:
+            raise TypeError(f"teraio.backend() got an unknown option {name!r} (docs/options.md lists them)")
+    return BackendConfig(**_fold_deprecated(options))
+
+
+def _warn_deprecated(message: str) -> None:
+    # Point at the user's line: the first frame outside the teraio package (the call may come through
+    # teraio.backend, TeraioBackend and make_config, or straight here).
+    frame, level = sys._getframe(0), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+def _fold_deprecated(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` in the new shape: each flat name moved into its object, with one warning per name."""
+    out = {k: v for k, v in options.items() if k not in DEPRECATED_OPTIONS}
+    flat = {k: v for k, v in options.items() if k in DEPRECATED_OPTIONS}
+    offload = False
+    if isinstance(out.get("states"), str) and out["states"] in ("keep", "offload"):  # the old spelling
+        offload = out["states"] == "offload"
+        new = "states=teraio.States(optimizer=opt)" if offload else "states=None (the default)"
+        _warn_deprecated(f"states={out['states']!r} is deprecated: use {new}")
+        out["states"] = None
+    for name, value in flat.items():
+        group, new_field = DEPRECATED_OPTIONS[name]
+        shown = _PLACEHOLDER.get(name, repr(value))
+        _warn_deprecated(
+            f"{name}={shown} is deprecated: use {group}=teraio.{_CLASS_OF[group]}({new_field}={shown})"
+        )
+    moved = {
+        group: {
+            new_field: flat[name]
+            for name, (g, new_field) in DEPRECATED_OPTIONS.items()
+            if g == group and name in flat
+        }
+        for group in _CLASS_OF
+    }
+    if moved["solver"]:
+        current = out.get("solver", "ilp")
+        if isinstance(current, Solver):
+            _refuse_mixed("solver", moved["solver"])
+        if isinstance(current, str):
+            _check_solver_name(current, "solver")
+            out["solver"] = _built_from_flat(Solver, "solver", flat, name=current, **moved["solver"])
+    if moved["profiling"]:
+        if "profiling" in out:
+            _refuse_mixed("profiling", moved["profiling"])
+        out["profiling"] = _built_from_flat(Profiling, "profiling", flat, **moved["profiling"])
+    if moved["states"] or offload:
+        current = out.get("states")
+        if current is not None and not isinstance(current, str):  # a States (a bad string fails later)
+            _refuse_mixed("states", moved["states"])
+        _check_flat_states(flat, offload)
+        if offload:
+            from teraio.states.config import States
+
+            out["states"] = States(**moved["states"])
+    return out
+
+
+def _built_from_flat(cls: type[Any], group: str, flat: dict[str, Any], **kwargs: Any) -> Any:
+    """``cls(**kwargs)``; a refused value is named as the user wrote it (``solver_workers``, not
+    ``Solver.workers``): the messages of the objects start with ``Class.field``."""
+    try:
+        return cls(**kwargs)
+    except UserInputError as exc:
+        message = str(exc)
+        for name, (g, f) in DEPRECATED_OPTIONS.items():
+            prefix = f"{cls.__name__}.{f} "
+            if g == group and name in flat and message.startswith(prefix):
+                raise UserInputError(name + " " + message[len(prefix) :]) from None
+        raise
+
+
+def _refuse_mixed(group: str, moved: dict[str, Any]) -> None:
+    cls = _CLASS_OF[group]
+    written = ", ".join(f"{k}={_PLACEHOLDER.get(k, repr(v))}" for k, v in moved.items())
+    olds = ", ".join(name for name, (g, f) in DEPRECATED_OPTIONS.items() if g == group and f in moved)
+    raise UserInputError(
+        f"{olds} and {group}=teraio.{cls}(...) both given: write teraio.{cls}({written}) alone"
+    )
+
+
+def _check_flat_states(flat: dict[str, Any], offload: bool) -> None:
+    """The flat states options checked as they were, in one line naming them as the user wrote them
+    (without states="offload" they are checked and then do nothing, as before)."""
+    from teraio.states.config import StatesKeepOption
+
+    for name in ("offload_gradients", "optimizer_in_backward", "offload_parameters"):
+        value = flat.get(name, False)
+        if not isinstance(value, bool):
+            raise UserInputError(f"{name} must be True or False, not {value!r}")
+        if value and not offload:
+            raise UserInputError(f"{name}=True needs states='offload' (and optimizer=opt)")
+    if flat.get("optimizer_in_backward") and flat.get("offload_gradients"):
+        raise UserInputError(
+            "optimizer_in_backward=True frees each gradient once it is used, so there is none to offload: "
+            "drop offload_gradients=True"
+        )
+    _check_choice("states_keep", flat.get("states_keep", "plan"), StatesKeepOption)
+    from teraio.planner.sizes import SizeError, nbytes_of
+
+    for name, least in (("states_chunk_bytes", 1), ("states_min_param_bytes", 0)):
+        if name in flat:
+            try:
+                nbytes = nbytes_of(flat[name], name)
+            except SizeError as exc:
+                raise UserInputError(str(exc)) from None
+            if nbytes < least:
+                must = "must be positive" if least else "must be >= 0"
+                raise UserInputError(f"{name} {must}, not {flat[name]!r}")
+    if flat.get("offload_parameters"):
+        import torch
+
+        if not isinstance(flat.get("model"), torch.nn.Module):
+            raise UserInputError(
+                "offload_parameters=True needs the model: teraio.States(optimizer=opt, parameters=True, "
+                "model=model)"
+            )
+    if offload and flat.get("optimizer") is None:
+        raise UserInputError("states='offload' needs the optimizer: teraio.States(optimizer=opt)")
+    if flat.get("optimizer") is not None:
+        from teraio.states.offload import check_optimizer
+
+        check_optimizer(flat["optimizer"])

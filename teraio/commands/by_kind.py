@@ -1,6 +1,7 @@
 """A step's bytes by kind for ``teraio plan`` and ``teraio simulate``: the plan's activations with the
-parameters, gradients and optimizer states a ``states="offload"`` profile records (its ``model_states``,
-``teraio.states.StateOffload.model_states``), and the step's I/O lower bound on the hardware model's disk."""
+parameters, gradients and optimizer states that a run with ``states=teraio.States(...)`` records in its
+profile (its ``model_states``, ``teraio.states.StateOffload.model_states``), and the step's I/O lower
+bound on the hardware model's disk."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Gradients, optimizer states and (with ``offload_parameters=True``) parameters offloaded to disk, the
+"""Gradients, optimizer states and (with ``parameters=True``) parameters offloaded to disk, the
 optimizer step streamed.
 
-``teraio.backend(states="offload", optimizer=opt)`` attaches a :class:`StateOffload` to a stock optimizer;
-:func:`attach_states` is what the backend calls. With a ``memory_budget`` the budget is the whole
+``teraio.backend(states=teraio.States(optimizer=opt))`` attaches a :class:`StateOffload` to a stock
+optimizer; :func:`attach_states` is what the backend calls. The options are :class:`teraio.States`
+(:mod:`teraio.states.config`). With a ``memory_budget`` the budget is the whole
 step's, and the parameters and optimizer states it leaves room for stay in memory (teraio.states.residency).
 """
 
@@ -32,9 +33,10 @@ def __getattr__(name: str) -> Any:
 
 
 def attach_states(cfg: BackendConfig) -> StateOffload | None:
-    """The backend's StateOffload for ``cfg`` (None unless ``states="offload"`` and enabled), with its own
+    """The backend's StateOffload for ``cfg`` (None unless ``cfg.states`` is set and enabled), with its own
     engine on the backend's offload directories, I/O backend, checksum and runtime options."""
-    if cfg.states != "offload" or not cfg.enabled:
+    states = cfg.states
+    if states is None or not cfg.enabled:
         return None
     from teraio.lifecycle.engines import runtime_config
     from teraio.runtime.config import parse_nbytes
@@ -42,14 +44,14 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
 
     runtime = runtime_config(cfg)
     return StateOffload(
-        cfg.optimizer,
+        states.optimizer,
         runtime_config=runtime,
-        chunk_bytes=parse_nbytes(cfg.states_chunk_bytes),
-        offload_gradients=cfg.offload_gradients,
-        optimizer_in_backward=cfg.optimizer_in_backward,
-        model=cfg.model,
-        offload_parameters=cfg.offload_parameters,
-        min_param_bytes=parse_nbytes(cfg.states_min_param_bytes),
+        chunk_bytes=parse_nbytes(states.chunk_bytes),
+        offload_gradients=states.gradients,
+        optimizer_in_backward=states.optimizer_in_backward,
+        model=states.model,
+        offload_parameters=states.parameters,
+        min_param_bytes=parse_nbytes(states.min_param_bytes),
     )
 
 

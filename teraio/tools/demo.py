@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from teraio.config import BackendConfig, Profiling, Solver
 from teraio.lifecycle.backend import Phase, TeraioBackend
 from teraio.planner.budget import BudgetError, format_size
 from teraio.platform.cpu_malloc import CpuMalloc, apply_cpu_malloc
@@ -138,21 +139,25 @@ def _setup(
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     if method in ("teraio", AT_CHECKPOINT):
         be = TeraioBackend(
-            memory_budget=budget if budget is not None else cfg.budget,
-            solver=cfg.solver,
-            time_limit=cfg.time_limit,
-            inner=cfg.inner,
-            offload_dirs=[offload_dir] if offload_dir else None,
-            profile_steps=cfg.profile_steps,
-            run_dir=f"{cfg.run_dir}/{method}" if cfg.run_dir else None,
-            measure_memory=False,
-            checksum=cfg.checksum,
-            hardware=cfg.hardware,
+            BackendConfig(
+                memory_budget=budget if budget is not None else cfg.budget,
+                solver=Solver(name=cfg.solver, time_limit=cfg.time_limit),
+                inner=cfg.inner,
+                offload_dirs=[offload_dir] if offload_dir else None,
+                profiling=Profiling(steps=cfg.profile_steps, measure_memory=False),
+                run_dir=f"{cfg.run_dir}/{method}" if cfg.run_dir else None,
+                checksum=cfg.checksum,
+                hardware=cfg.hardware,
+            )
         )
         runnable: torch.nn.Module = model
     else:
         be = TeraioBackend(
-            enabled=False, inner=cfg.inner, profile_steps=cfg.profile_steps, measure_memory=False
+            BackendConfig(
+                enabled=False,
+                inner=cfg.inner,
+                profiling=Profiling(steps=cfg.profile_steps, measure_memory=False),
+            )
         )
         runnable = CheckpointedGPT(model) if method == "checkpoint" else model
     return _Method(method, model, opt, be, torch.compile(runnable, backend=be))

@@ -24,10 +24,11 @@ EXTRA_PROFILE_STEPS = 4
 def profile_workload(workload: Workload, profile_steps: int = 3, inner: str = "inductor") -> list[Profile]:
     """Run ``profile_steps`` forward+backward steps through the profiling backend, and the few more a
     graph may need to finish (``EXTRA_PROFILE_STEPS``); one Profile per graph."""
+    from teraio.config import BackendConfig, Profiling
     from teraio.lifecycle.backend import TeraioBackend
 
     torch._dynamo.reset()
-    be = TeraioBackend(profile_steps=profile_steps, inner=inner, enabled=False)
+    be = TeraioBackend(BackendConfig(profiling=Profiling(steps=profile_steps), inner=inner, enabled=False))
     compiled = torch.compile(workload.model, backend=be)
     for step in range(profile_steps + EXTRA_PROFILE_STEPS):
         if step >= profile_steps and all(r.profile is not None for r in be.runners if r.is_training):

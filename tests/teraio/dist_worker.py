@@ -69,17 +69,21 @@ def _train(
     model = GPTLoss()
     steps = int(options.get("steps", 6))
     kill_at = options.get("kill_rank_at")
-    # states="offload" needs the optimizer when the backend is built (DDP keeps the model's parameters).
+    # teraio.States needs the optimizer when the backend is built (DDP keeps the model's parameters).
     opt_first = torch.optim.AdamW(model.parameters(), lr=1e-3) if options.get("states") else None
-    states = {"states": "offload", "optimizer": opt_first} if opt_first is not None else {}
-    if options.get("offload_parameters"):  # read after close(), which brings them back
-        states.update(offload_parameters=True, model=model, states_min_param_bytes=0)
+    states = None
+    if opt_first is not None and options.get(
+        "offload_parameters"
+    ):  # read after close(), which brings them back
+        states = teraio.States(optimizer=opt_first, parameters=True, model=model, min_param_bytes=0)
+    elif opt_first is not None:
+        states = teraio.States(optimizer=opt_first)
     backend = teraio.backend(
-        **states,
+        states=states,
         memory_budget=options.get("budget", "85%"),
         inner="eager",
         solver="greedy",
-        profile_steps=1,
+        profiling=teraio.Profiling(steps=1),
         io_backend="posix",
         enabled=enabled,
         offload_dirs=options["offload_dirs"],

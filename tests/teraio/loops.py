@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import teraio
 from teraio.lifecycle.backend import Phase, TeraioBackend
 from teraio.profiling.measure import MemoryRecorder
 from teraio.tools.models.gpt import GPT, GPTConfig
@@ -458,14 +459,25 @@ FX_MATRIX = [(m + v, "all" if not v else "all-fp32") for m in MODELS for v in VA
 ]
 
 
-def loop_backend(enabled: bool, inner: str = "eager", budget: str = BUDGET, **kw) -> TeraioBackend:
-    kw.setdefault("solver", "greedy")
-    kw.setdefault("profile_steps", 1)
+def loop_backend(
+    enabled: bool,
+    inner: str = "eager",
+    budget: str = BUDGET,
+    *,
+    solver: str = "greedy",
+    recompute: str | None = None,
+    time_limit: float = 30.0,
+    profile_steps: int = 1,
+    **kw,
+) -> TeraioBackend:
     return TeraioBackend(
         memory_budget=budget,
         enabled=enabled,
         inner=inner,
-        measure_memory=False,  # the test measures the step itself
+        solver=teraio.Solver(name=solver, recompute=recompute, time_limit=time_limit),
+        profiling=teraio.Profiling(
+            steps=profile_steps, measure_memory=False
+        ),  # the test measures the step itself
         io_backend="posix",
         **kw,
     )

@@ -47,7 +47,7 @@ def main() -> None:
         inner=args.inner,
         enabled=not args.disabled,
         solver="greedy",
-        profile_steps=1,
+        profiling=teraio.Profiling(steps=1),
         io_backend="posix",
         offload_dirs=[args.offload_dir],
     )

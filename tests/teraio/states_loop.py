@@ -74,23 +74,25 @@ def train(
     if offload:
         be = teraio.backend(
             inner=inner,
-            profile_steps=1,
-            measure_memory=memory_budget is not None,
+            profiling=teraio.Profiling(steps=1, measure_memory=memory_budget is not None),
             memory_budget=memory_budget,
             run_dir=run_dir,
             solver="greedy",
-            states="offload",
-            optimizer=opt,
-            states_chunk_bytes=CHUNK_BYTES,
-            offload_gradients=offload_gradients,
-            offload_parameters=offload_parameters,
-            model=model if offload_parameters else None,
-            states_min_param_bytes=0,
+            states=teraio.States(
+                optimizer=opt,
+                chunk_bytes=CHUNK_BYTES,
+                gradients=offload_gradients,
+                parameters=offload_parameters,
+                model=model if offload_parameters else None,
+                min_param_bytes=0,
+            ),
             offload_dirs=[offload_dir],
             io_backend="posix",
         )
     else:
-        be = teraio.backend(inner=inner, profile_steps=1, measure_memory=False, enabled=False)
+        be = teraio.backend(
+            inner=inner, profiling=teraio.Profiling(steps=1, measure_memory=False), enabled=False
+        )
     run = Run()
     if checkpoint_in is not None:
         ckpt = torch.load(checkpoint_in, weights_only=True)

@@ -35,9 +35,9 @@ FAST = {
     "memory_budget": "70%",
     "inner": "eager",
     "solver": "greedy",
-    "profile_steps": 1,
     "io_backend": "posix",
-    "measure_memory": False,  # no profiler-measured step: faster, and not what these tests are about
+    # No profiler-measured step: faster, and not what these tests are about.
+    "profiling": teraio.Profiling(steps=1, measure_memory=False),
 }
 
 
@@ -110,7 +110,7 @@ def test_new_empty_and_teraio_run_dirs_are_used(tmp_path) -> None:
     # A run directory teraio wrote is reused, with the user's own notes beside teraio's files.
     (new / "notes.txt").write_text("mine")
     be = teraio.backend(**{**FAST, "solver": "ilp"}, run_dir=str(new))
-    assert json.loads((new / "config.json").read_text())["solver"] == "ilp"
+    assert json.loads((new / "config.json").read_text())["solver"]["name"] == "ilp"
     assert (new / "notes.txt").read_text() == "mine" and be.run_dir == new
     # A run directory whose config.json is gone: graphN/ with a teraio profile and stats.jsonl.
     old = tmp_path / "old"
@@ -272,8 +272,8 @@ install(sys.argv[2])
 torch.manual_seed(0)
 workload = builtin_workload("tiny")
 be = teraio.backend(
-    memory_budget="70%", inner="eager", solver="greedy", profile_steps=1, io_backend="posix",
-    measure_memory=False, offload_dirs=[sys.argv[1]],
+    memory_budget="70%", inner="eager", solver="greedy", io_backend="posix",
+    profiling=teraio.Profiling(steps=1, measure_memory=False), offload_dirs=[sys.argv[1]],
 )
 model = copy.deepcopy(workload.model)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

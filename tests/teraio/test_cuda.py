@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+import teraio
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.profiling.measure import MemoryRecorder
 
@@ -70,7 +71,7 @@ def test_cuda_profile_times_the_kernel_not_its_launch() -> None:
     spin(x)  # warm-up
     reference_us = _event_ms(lambda: spin(x)) * 1e3
     torch._dynamo.reset()
-    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=2), enabled=False)
     compiled = torch.compile(SpinModel().cuda(), backend=be)
     for _ in range(3):
         compiled(x).backward()
@@ -116,7 +117,12 @@ def _train(backend: TeraioBackend, steps: int = 8) -> list[tuple[torch.Tensor, l
 def test_cuda_inductor_training_with_a_plan_is_bit_identical(tmp_path) -> None:
     """The Inductor path on CUDA: profiled on the GPU, planned, run with offloads and prefetches through
     the runtime, and every loss and gradient equal to the same compile without migration."""
-    kw = {"inner": "inductor", "profile_steps": 2, "solver": "greedy", "memory_budget": "50%"}
+    kw = {
+        "inner": "inductor",
+        "profiling": teraio.Profiling(steps=2),
+        "solver": "greedy",
+        "memory_budget": "50%",
+    }
     ref = TeraioBackend(**kw, enabled=False)
     be = TeraioBackend(**kw, offload_dirs=[str(tmp_path)])
     try:

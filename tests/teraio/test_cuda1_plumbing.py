@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import teraio
 from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved
 from teraio.graph.rewrite import apply_plan
 from teraio.lifecycle import runner as lifecycle
@@ -124,7 +125,7 @@ def test_cuda1_reaches_the_profile_the_measurement_and_the_fetch_ops(monkeypatch
     monkeypatch.setattr(lifecycle, "compile_graph", compile_graph)
     fw_inputs = _fake_inputs(step.fw_gm, mode)
     index = torch.zeros(2, dtype=torch.long)  # a CPU tensor first, as a step counter or an index may be
-    be = TeraioBackend(inner="eager", profile_steps=2)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=2))
     runner = be(step.fw_gm, [index, *fw_inputs])
     prof = runner.profiler
     assert prof is not None and prof.device == "cuda:1"

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch._inductor.graph import GraphLowering
 
+import teraio
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.plan import Plan
 from teraio.tools.workloads import builtin_workload, compute_loss
@@ -33,7 +34,7 @@ STEPS = 20  # optimizer steps, as for the FX-only path (after the Inductor compi
 # step sometimes differs between two identical compiles that run no teraio op at all (enabled=False on
 # both sides; first at the first profiled step, seen with another process competing for the cores). That
 # is torch's nondeterminism, not teraio's; benchmarks/profiler_determinism.py reproduces it.
-UNMEASURED = {"measure_memory": False}
+UNMEASURED = {"profiling": teraio.Profiling(measure_memory=False)}
 CALL = re.compile(r"torch\.ops\.teraio\.(offload|wait_write|prefetch|fetch)\.default\((.*)")
 
 
@@ -250,7 +251,9 @@ def test_compiles_log_no_cache_traceback(compile_caches_on) -> None:
     logger = logging.getLogger("torch._inductor.codecache")
     logger.addHandler(cache_log)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    backend = TeraioBackend(inner="inductor", enabled=False, profile_steps=3, **UNMEASURED)
+    backend = TeraioBackend(
+        inner="inductor", enabled=False, profiling=teraio.Profiling(steps=3, measure_memory=False)
+    )
     try:
         compiled = torch.compile(model, backend=backend)
         for _ in range(5):  # three profiling steps (one calibrating on Inductor's kernels), the final compile

@@ -131,18 +131,18 @@ def test_explicit_options_override_mode_and_teraios_defaults(monkeypatch) -> Non
     [
         ({"inner": "tvm"}, "inner must be one of"),
         ({"tiers": ["floppy"]}, "tiers must be one of"),
-        ({"profile_steps": 0}, "profile_steps"),
+        ({"profiling": lambda: teraio.Profiling(steps=0)}, "Profiling.steps"),
         ({"on_plan_mismatch": "ignore"}, "on_plan_mismatch"),
     ],
 )
 def test_bad_options_name_what_is_wrong(options, match) -> None:
-    with pytest.raises(UserInputError, match=match):
-        teraio.backend(**options)
+    with pytest.raises(UserInputError, match=match):  # an option object is refused when it is built
+        teraio.backend(**{k: v() if callable(v) else v for k, v in options.items()})
 
 
 def test_profile_only_default_says_how_to_offload_once(caplog) -> None:
     caplog.set_level(logging.INFO, logger="teraio")
-    be = TeraioBackend(inner="eager", profile_steps=1)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=1))
     run(CASES["gpt"], "plain", be, 3)
     told = [r.getMessage() for r in caplog.records if "no memory_budget was set" in r.getMessage()]
     assert len(told) == 1 and "teraio.backend(memory_budget=" in told[0]
@@ -152,7 +152,12 @@ def test_profile_only_default_says_how_to_offload_once(caplog) -> None:
 def test_shapes_beyond_max_shapes_run_unplanned_and_exact(caplog, tmp_path) -> None:
     caplog.set_level(logging.INFO, logger="teraio")
     case = CASES["gpt"]
-    kw = {"inner": "eager", "profile_steps": 1, "solver": "greedy", "memory_budget": "50%", "max_shapes": 2}
+    kw = {
+        "inner": "eager",
+        "profiling": teraio.Profiling(steps=1, max_shapes=2),
+        "solver": "greedy",
+        "memory_budget": "50%",
+    }
     ref = TeraioBackend(**{**kw, "enabled": False})
     try:
         expected = run(case, "changing-shapes", ref, 9)
@@ -173,9 +178,13 @@ def test_shapes_beyond_max_shapes_run_unplanned_and_exact(caplog, tmp_path) -> N
 
 def test_measurement_is_silent_and_changes_no_bit(capfd, tmp_path) -> None:
     """The backend's own measured step runs under the torch profiler: same bits, no profiler noise."""
-    kw = {"inner": "eager", "profile_steps": 1, "solver": "greedy", "memory_budget": "50%"}
-    quiet = TeraioBackend(**kw, measure_memory=False, offload_dirs=[str(tmp_path / "a")])
-    measured = TeraioBackend(**kw, measure_memory=True, offload_dirs=[str(tmp_path / "b")])
+    kw = {"inner": "eager", "solver": "greedy", "memory_budget": "50%"}
+    quiet = TeraioBackend(
+        **kw, profiling=teraio.Profiling(steps=1, measure_memory=False), offload_dirs=[str(tmp_path / "a")]
+    )
+    measured = TeraioBackend(
+        **kw, profiling=teraio.Profiling(steps=1, measure_memory=True), offload_dirs=[str(tmp_path / "b")]
+    )
     try:
         a = run(CASES["gpt"], "plain", quiet, 6)
         b = run(CASES["gpt"], "plain", measured, 6)
@@ -205,7 +214,7 @@ def test_cuda_step_times_and_peak_are_the_devices_and_exclude_the_optimizer(fake
     """On CUDA a step's time is what the compute stream spent on it (events at the step's start and end,
     read once they completed), and its measured peak is read when the step ends: device memory the
     optimizer step allocates afterwards, before the next forward, is not the step's."""
-    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=2), enabled=False)
     compiled = torch.compile(LateModel(), backend=be)
     optimizer_state = []
     for _ in range(6):  # two profiling steps, then running steps (the first compiles before it starts)
@@ -220,7 +229,11 @@ def test_cuda_step_times_and_peak_are_the_devices_and_exclude_the_optimizer(fake
 def test_stats_count_steps_not_graph_calls(tmp_path) -> None:
     """Two graphs (a graph break): one step each iteration, bytes moved summed over the step's calls."""
     be = TeraioBackend(
-        inner="eager", profile_steps=1, solver="greedy", memory_budget="70%", offload_dirs=[str(tmp_path)]
+        inner="eager",
+        profiling=teraio.Profiling(steps=1),
+        solver="greedy",
+        memory_budget="70%",
+        offload_dirs=[str(tmp_path)],
     )
     try:
         run(CASES["gpt-graph-break"], "plain", be, 5)
@@ -240,7 +253,7 @@ def test_stats_count_steps_not_graph_calls(tmp_path) -> None:
 
 def test_forward_only_graph_stops_being_profiled() -> None:
     """A loss computed with grad enabled on every call and never backpropagated."""
-    be = TeraioBackend(inner="eager", profile_steps=2)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=2))
     torch._dynamo.reset()
     model = GPTLoss()
     compiled = torch.compile(model, backend=be)
@@ -260,7 +273,11 @@ def test_memory_outside_the_graphs_is_reported(hold_mib: int, caplog, tmp_path) 
     model = GPTLoss()
     case = CASES["gpt"]
     be = TeraioBackend(
-        inner="eager", profile_steps=1, solver="greedy", memory_budget="60%", offload_dirs=[str(tmp_path)]
+        inner="eager",
+        profiling=teraio.Profiling(steps=1),
+        solver="greedy",
+        memory_budget="60%",
+        offload_dirs=[str(tmp_path)],
     )
     compiled = torch.compile(model, backend=be)
     try:
@@ -290,7 +307,7 @@ def test_profile_steps_split_into_op_timed_and_calibration_steps(profile_steps, 
 def test_op_times_are_calibrated_on_the_median_of_every_calibration_step(monkeypatch) -> None:
     """profile_steps=5: the census step and one step timed op by op, then three uninstrumented steps
     whose median forward and backward wall times set the profile's totals (Note: [Calibrated times])."""
-    be = TeraioBackend(inner="eager", profile_steps=5, enabled=False)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=5), enabled=False)
     walls: list[float] = []
     real = profiler_module._run_uninstrumented
 
@@ -351,13 +368,12 @@ def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(m
     offload.mkdir()
     be = TeraioBackend(
         inner="eager",
-        profile_steps=1,
+        profiling=teraio.Profiling(steps=1, measure_memory=False),
         solver="greedy",
         memory_budget="60%",
         hardware="calibrate",
         offload_dirs=[str(offload)],
         run_dir=str(tmp_path / "run"),
-        measure_memory=False,
     )
     try:
         calibrated = run(CASES["gpt"], "plain", be, 4)
@@ -366,7 +382,9 @@ def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(m
     finally:
         be.close()
     assert runner.plan.decisions
-    off = TeraioBackend(inner="eager", profile_steps=1, enabled=False, measure_memory=False)
+    off = TeraioBackend(
+        inner="eager", profiling=teraio.Profiling(steps=1, measure_memory=False), enabled=False
+    )
     assert_bit_identical(calibrated, run(CASES["gpt"], "plain", off, 4))
     assert calls == [str(offload)]
     assert hw.name == f"calibrated:{offload}"

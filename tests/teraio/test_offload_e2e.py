@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import teraio
 from teraio.errors import TeraioError
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.budget import BudgetError
@@ -42,8 +43,7 @@ def test_offload_is_bit_identical_with_each_solver(name: str, solver: str, tmp_p
     be = TeraioBackend(
         inner="eager",
         memory_budget="auto",
-        solver=solver,
-        time_limit=10,
+        solver=teraio.Solver(name=solver, time_limit=10),
         offload_dirs=[str(tmp_path)],
         checksum=True,
     )
@@ -56,7 +56,7 @@ def test_offload_is_bit_identical_with_each_solver(name: str, solver: str, tmp_p
     plan = be.runners[0].plan
     assert plan is not None and plan.decisions, "the plan moved nothing: the test would prove nothing"
     # Every running step moved the planned bytes (profiling steps move nothing).
-    running_steps = STEPS - be.cfg.profile_steps
+    running_steps = STEPS - be.cfg.profiling.steps
     assert stats["offloaded_bytes"] == running_steps * plan.moved_bytes
     assert stats["prefetched_bytes"] == running_steps * plan.moved_bytes
 

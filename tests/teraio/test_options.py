@@ -11,9 +11,9 @@ import teraio
 from teraio.errors import UserInputError
 
 
-def _refused(**options) -> str:
+def _refused(build=None, **options) -> str:
     with pytest.raises(UserInputError) as info:
-        teraio.backend(**options)
+        teraio.backend(**(build() if build is not None else options))
     message = str(info.value)
     assert "\n" not in message, message
     return message
@@ -82,18 +82,46 @@ def test_a_missing_offload_dir_that_can_be_created_is_accepted_and_not_created(t
     ("options", "says"),
     [
         ({"solver": "fastest"}, "solver must be one of"),
-        ({"time_limit": float("nan")}, "time_limit must be a positive number of seconds"),
-        ({"time_limit": 0}, "time_limit must be a positive number of seconds"),
-        ({"deterministic_time_limit": 0}, "deterministic_time_limit must be None or a positive number"),
-        ({"deterministic_time_limit": "1"}, "deterministic_time_limit must be None or a positive number"),
-        ({"solver_workers": 0}, "solver_workers must be a whole number from 1 to"),
-        ({"solver_workers": 2.0}, "solver_workers must be a whole number from 1 to"),
+        (
+            {"solver": lambda: teraio.Solver(time_limit=float("nan"))},
+            "time_limit must be a positive number of seconds",
+        ),
+        ({"solver": lambda: teraio.Solver(time_limit=0)}, "time_limit must be a positive number of seconds"),
+        (
+            {"solver": lambda: teraio.Solver(deterministic_time_limit=0)},
+            "deterministic_time_limit must be None or a positive number",
+        ),
+        (
+            {"solver": lambda: teraio.Solver(deterministic_time_limit="1")},
+            "deterministic_time_limit must be None or a positive number",
+        ),
+        ({"solver": lambda: teraio.Solver(workers=0)}, "Solver.workers must be a whole number from 1 to"),
+        ({"solver": lambda: teraio.Solver(workers=2.0)}, "Solver.workers must be a whole number from 1 to"),
         ({"checksum": "yes"}, "checksum must be True or False"),
         ({"offload_dirs": []}, "offload_dirs is empty"),
         ({"inner": "cuda"}, "inner must be one of"),
         ({"tiers": ["nvme"]}, "each of tiers must be one of"),
-        ({"profile_steps": 0}, "profile_steps must be a whole number of at least 1"),
+        (
+            {"profiling": lambda: teraio.Profiling(steps=0)},
+            "Profiling.steps must be a whole number of at least 1",
+        ),
     ],
 )
 def test_other_bad_options_fail_at_construction(options, says) -> None:
-    assert says in _refused(**options)
+    # An option object (teraio.Solver, teraio.Profiling) is refused when it is built.
+    assert says in _refused(lambda: {k: v() if callable(v) else v for k, v in options.items()})
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"time_limit": float("nan")}, "time_limit must be a positive number of seconds"),
+        ({"deterministic_time_limit": "1"}, "deterministic_time_limit must be None or a positive number"),
+        ({"solver_workers": 0}, "solver_workers must be a whole number from 1 to"),
+        ({"solver_workers": 2.0}, "solver_workers must be a whole number from 1 to"),
+        ({"profile_steps": 0}, "profile_steps must be a whole number of at least 1"),
+    ],
+)
+def test_deprecated_flat_options_fail_at_construction_naming_them(options, says) -> None:
+    with pytest.warns(DeprecationWarning, match="is deprecated: use"):
+        assert says in _refused(**options)

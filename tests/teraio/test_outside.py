@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+import teraio
 from teraio.lifecycle import outside_time as outside_module
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.lifecycle.outside_time import OutsideTimer
@@ -100,7 +101,9 @@ def test_the_loops_own_time_between_forward_and_backward_is_in_the_profile() -> 
         with torch.no_grad():
             compiled(*case.batch(step, case.sizes[0]))
 
-    be = TeraioBackend(inner="eager", profile_steps=5, enabled=False, measure_memory=False)
+    be = TeraioBackend(
+        inner="eager", profiling=teraio.Profiling(steps=5, measure_memory=False), enabled=False
+    )
     try:
         _train(be, 7, between)
         (runner,) = [r for r in be.runners if r.is_training]
@@ -115,7 +118,9 @@ def test_the_loops_own_time_between_forward_and_backward_is_in_the_profile() -> 
 
 
 def test_no_calibration_steps_no_outside_time() -> None:
-    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False, measure_memory=False)
+    be = TeraioBackend(
+        inner="eager", profiling=teraio.Profiling(steps=2, measure_memory=False), enabled=False
+    )
     try:
         _train(be, 4)
         (runner,) = [r for r in be.runners if r.is_training]

@@ -118,21 +118,24 @@ def test_one_block_and_the_next_in_memory_at_a_time(tmp_path):
         assert resident <= {b} | ahead, (kind, b, resident)
 
 
-def _offload_backend(tmp_path, model, opt, **options) -> teraio.TeraioBackend:
+def _offload_backend(tmp_path, model, opt, states_options=None, **options) -> teraio.TeraioBackend:
     """A backend with ``model``'s parameters and ``opt``'s states on disk (``options`` add to or
-    override its options)."""
+    override its options, ``states_options`` its teraio.States fields)."""
+    states = teraio.States(
+        optimizer=opt,
+        model=model,
+        parameters=True,
+        min_param_bytes=0,
+        chunk_bytes="64KiB",
+        **(states_options or {}),
+    )
     defaults = {
         "inner": "eager",
-        "profile_steps": 1,
-        "measure_memory": False,
-        "states_min_param_bytes": 0,
-        "states_chunk_bytes": "64KiB",
+        "profiling": teraio.Profiling(steps=1, measure_memory=False),
         "offload_dirs": [str(tmp_path)],
         "io_backend": "posix",
     }
-    return teraio.backend(
-        states="offload", optimizer=opt, offload_parameters=True, model=model, **{**defaults, **options}
-    )
+    return teraio.backend(states=states, **{**defaults, **options})
 
 
 def _backend_loop(tmp_path, injector=None, per_block=True, **options):
@@ -154,7 +157,9 @@ def _backend_loop(tmp_path, injector=None, per_block=True, **options):
 
 
 def _in_backward(tmp_path, enabled: bool, steps: int = 3):
-    w, model, opt, be = _backend_loop(tmp_path, enabled=enabled, optimizer_in_backward=True)
+    w, model, opt, be = _backend_loop(
+        tmp_path, enabled=enabled, states_options={"optimizer_in_backward": True}
+    )
     losses, reads = [], []
     try:
         for step in range(steps):
@@ -328,13 +333,11 @@ def test_offload_parameters_options_are_checked_at_construction():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(UserInputError, match="needs the model"):
-        teraio.backend(states="offload", optimizer=opt, offload_parameters=True)
-    with pytest.raises(UserInputError, match="needs states='offload'"):
-        teraio.backend(offload_parameters=True, model=model)
-    with pytest.raises(UserInputError, match="states_min_param_bytes"):
-        teraio.backend(
-            states="offload", optimizer=opt, offload_parameters=True, model=model, states_min_param_bytes="x"
-        )
+        teraio.backend(states=teraio.States(optimizer=opt, parameters=True))
+    with pytest.raises(UserInputError, match="needs states='offload'"), pytest.warns(DeprecationWarning):
+        teraio.backend(offload_parameters=True, model=model)  # the deprecated flat spelling
+    with pytest.raises(UserInputError, match="min_param_bytes"):
+        teraio.backend(states=teraio.States(optimizer=opt, model=model, parameters=True, min_param_bytes="x"))
 
 
 class _TiedHead(torch.nn.Module):
@@ -394,7 +397,7 @@ def test_a_parameter_eager_code_also_uses_stays_resident(tmp_path):
 
 @pytest.mark.parametrize(
     "options",
-    [{"offload_gradients": True}, {"optimizer_in_backward": True}],
+    [{"gradients": True}, {"optimizer_in_backward": True}],
     ids=["gradients_offloaded", "in_backward"],
 )
 def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, capsys, options):
@@ -411,8 +414,8 @@ def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, cap
         per_block=False,
         run_dir=str(tmp_path / "run"),
         memory_budget="90%",
-        states_keep="none",  # every parameter and state streamed, whatever the budget leaves
-        **options,
+        # keep="none": every parameter and state streamed, whatever the budget leaves.
+        states_options={"keep": "none", **options},
     )
     try:
         for step in range(4):

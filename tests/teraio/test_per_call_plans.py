@@ -28,9 +28,7 @@ def _train(enabled: bool, inner: str, budget: str, steps: int = 9, run_dir: str 
         run_dir=run_dir,
         # The same plan on a loaded machine as on a quiet one: CP-SAT on its deterministic clock, one
         # worker, and a wall-clock limit that a 4-layer model never reaches.
-        time_limit=120,
-        deterministic_time_limit=1.0,
-        solver_workers=1,
+        solver=teraio.Solver(time_limit=120, deterministic_time_limit=1.0, workers=1),
     )
     for block in model.blocks:
         block.compile(backend=backend)

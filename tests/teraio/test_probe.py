@@ -229,12 +229,11 @@ def _probing_backend(offload, budget: str = "60%") -> TeraioBackend:
     """FX-only, calibrating the offload directory: a short step's graph probes after profiling."""
     return TeraioBackend(
         inner="eager",
-        profile_steps=3,
+        profiling=teraio.Profiling(steps=3, measure_memory=False),
         solver="greedy",
         memory_budget=budget,
         hardware="calibrate",
         offload_dirs=[str(offload)],
-        measure_memory=False,
     )
 
 
@@ -242,7 +241,9 @@ def test_backend_prices_transfers_under_the_graph_and_trains_bit_identically(mon
     offload = _quick_calibration(monkeypatch, tmp_path)
     steps = 3 + PROBE_STEPS + 3  # profiling, the probe's steps, the planning step and two more
     be = _probing_backend(offload)
-    off = TeraioBackend(inner="eager", profile_steps=3, enabled=False, measure_memory=False)
+    off = TeraioBackend(
+        inner="eager", profiling=teraio.Profiling(steps=3, measure_memory=False), enabled=False
+    )
     try:
         probed = run(CASES["gpt"], "plain", be, steps)
         (runner,) = [r for r in be.runners if r.is_training]
@@ -287,7 +288,9 @@ def test_probing_in_every_loop_pattern_across_a_graph_break_stays_bit_identical(
         assert be.transfer_probes and be._probe_engine is None
     finally:
         be.close()
-    off = TeraioBackend(inner="eager", profile_steps=3, enabled=False, measure_memory=False)
+    off = TeraioBackend(
+        inner="eager", profiling=teraio.Profiling(steps=3, measure_memory=False), enabled=False
+    )
     assert_bit_identical(probed, run(case, "all-fp32", off, steps))
     assert not [p for p in offload.iterdir() if p.name.startswith("teraio-")]
 

@@ -11,6 +11,7 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+import teraio
 from teraio.graph.capture import capturing_partition, unique_storages
 from teraio.graph.compilers import fx_only_compiler
 from teraio.lifecycle.backend import TeraioBackend
@@ -68,7 +69,7 @@ def test_profiling_is_bit_identical_to_fx_only_compile(name: str) -> None:
     workload = WORKLOADS[name]()
     base = copy.deepcopy(workload.model)
     reference = _train(copy.deepcopy(base), _fx_only_backend(), workload)
-    be = TeraioBackend(inner="eager", profile_steps=STEPS, enabled=False)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=STEPS), enabled=False)
     profiled = _train(copy.deepcopy(base), be, workload)
     assert len(be.profiles) == 1, "expected one captured graph"
     _assert_bit_identical(reference, profiled)
@@ -148,7 +149,7 @@ def test_cuda_profile_times_kernels_on_the_stream_not_their_launch(fake_cuda) ->
     """On CUDA an op returns when its kernels are queued: the profile must hold what the stream spent
     on them (timing events), not the launch a host clock sees. The fake's kernels move only the virtual
     clock, so each op's duration is exactly the seconds its kernels took, and every other op's is 0."""
-    be = TeraioBackend(inner="eager", profile_steps=2, enabled=False)
+    be = TeraioBackend(inner="eager", profiling=teraio.Profiling(steps=2), enabled=False)
     compiled = torch.compile(LateModel(), backend=be)
     for _ in range(3):  # the census step, the measured step, and the forward that finishes profiling
         compiled(batch()).backward()

@@ -257,22 +257,39 @@ class _Subclass(torch.Tensor):
 
 def test_states_option_is_checked_when_the_backend_is_built():
     model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
     cases = [
-        ({"states": "offload"}, "needs the optimizer"),
-        ({"states": "offload", "optimizer": object()}, "must be a torch.optim.Optimizer"),
-        ({"states": "offload", "optimizer": torch.optim.RMSprop(model.parameters())}, "not RMSprop"),
-        ({"states": "disk"}, "states must be one of"),
-        ({"states_chunk_bytes": "lots"}, "states_chunk_bytes"),
-        ({"offload_gradients": True}, "needs states='offload'"),
+        (lambda: {"states": teraio.States(optimizer=None)}, "needs the optimizer"),
+        (lambda: {"states": teraio.States(optimizer=object())}, "must be a torch.optim.Optimizer"),
+        (lambda: {"states": teraio.States(optimizer=torch.optim.RMSprop(model.parameters()))}, "not RMSprop"),
+        (lambda: {"states": "disk"}, "states must be one of"),
+        (lambda: {"states": teraio.States(optimizer=opt, chunk_bytes="lots")}, "chunk_bytes"),
         (
-            {"states": "offload", "optimizer": torch.optim.SGD([_Subclass(torch.zeros(2))])},
+            lambda: {"states": teraio.States(optimizer=torch.optim.SGD([_Subclass(torch.zeros(2))]))},
             "supports plain parameters, not _Subclass",
         ),
+        (
+            lambda: {"states": teraio.States(optimizer=opt, gradients="yes")},
+            "gradients must be True or False",
+        ),
+    ]
+    for options, message in cases:
+        with pytest.raises(UserInputError, match=message) as info:
+            teraio.backend(**options())
+        assert "\n" not in str(info.value)
+
+
+def test_flat_states_options_are_still_checked_and_warn():
+    """The deprecated flat spelling: the combinations it allows are refused as before."""
+    cases = [
+        ({"states": "offload"}, "needs the optimizer"),
+        ({"states_chunk_bytes": "lots"}, "states_chunk_bytes"),
+        ({"offload_gradients": True}, "needs states='offload'"),
         ({"offload_gradients": "yes"}, "offload_gradients must be True or False"),
         ({"optimizer_in_backward": True}, "needs states='offload'"),
     ]
     for options, message in cases:
-        with pytest.raises(UserInputError, match=message) as info:
+        with pytest.raises(UserInputError, match=message) as info, pytest.warns(DeprecationWarning):
             teraio.backend(**options)
         assert "\n" not in str(info.value)
 
@@ -280,25 +297,27 @@ def test_states_option_is_checked_when_the_backend_is_built():
 def test_enabled_false_offloads_nothing():
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.AdamW(model.parameters())
-    be = teraio.backend(enabled=False, states="offload", optimizer=opt)
+    be = teraio.backend(enabled=False, states=teraio.States(optimizer=opt))
     try:
         assert be.states is None and "step" not in vars(opt)
     finally:
         be.close()
 
 
-def _states_backend(enabled: bool, opt: torch.optim.Optimizer, offload_dir: str, **options):
+def _states_backend(
+    enabled: bool, opt: torch.optim.Optimizer, offload_dir: str, states_options=None, **options
+):
     """The backend of the loops below: FX-only, greedy plans, the optimizer's states on disk in small
-    chunks; ``options`` add or override."""
+    chunks; ``options`` add or override, ``states_options`` add teraio.States fields."""
     return teraio.backend(
         **{
             "inner": "eager",
             "solver": "greedy",
             "enabled": enabled,
-            "states": "offload",
-            "optimizer": opt,
-            "states_chunk_bytes": "32KiB",
-            "states_keep": "none",  # every state streamed, whatever the budget leaves
+            # keep="none": every state streamed, whatever the budget leaves.
+            "states": teraio.States(
+                optimizer=opt, chunk_bytes="32KiB", keep="none", **(states_options or {})
+            ),
             "offload_dirs": [offload_dir],
             **options,
         }
@@ -315,7 +334,7 @@ HF_BUDGETS = {"hf-gpt2": "50%", "hf-llama": "44%"}
 def _model_run(name: str, opt_name: str, enabled: bool, offload_dir: str, steps: int = 4):
     def make_backend(opt, model, directory):
         return _states_backend(
-            enabled, opt, directory, memory_budget=HF_BUDGETS[name], offload_gradients=True
+            enabled, opt, directory, memory_budget=HF_BUDGETS[name], states_options={"gradients": True}
         )
 
     return train_hf(name, opt_name, offload_dir, steps, make_backend)
@@ -395,7 +414,9 @@ def _in_backward_run(enabled: bool, offload_dir: str, steps: int = 4, micro_batc
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    be = _states_backend(enabled, opt, offload_dir, memory_budget="50%", optimizer_in_backward=enabled)
+    be = _states_backend(
+        enabled, opt, offload_dir, memory_budget="50%", states_options={"optimizer_in_backward": enabled}
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     compiled = torch.compile(model, backend=be)
     losses, grads_after_backward = [], []
@@ -447,7 +468,7 @@ def _one_offloaded_step(tmp_path):
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     be = teraio.backend(
-        inner="eager", states="offload", optimizer=opt, offload_gradients=True, offload_dirs=[str(tmp_path)]
+        inner="eager", states=teraio.States(optimizer=opt, gradients=True), offload_dirs=[str(tmp_path)]
     )
     compiled = torch.compile(model, backend=be)
     compute_loss(compiled, w, 0).backward()

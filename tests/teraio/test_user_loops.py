@@ -224,10 +224,9 @@ def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> 
         "memory_budget": "60%",
         "solver": "greedy",
         "io_backend": "posix",
-        "profile_steps": 1,
         # Inductor is bit-exact under the torch profiler only most of the time (README, Limits): there
         # the test measures the discriminator's step itself, as on both paths, and the backends do not.
-        "measure_memory": inner == "eager",
+        "profiling": teraio.Profiling(steps=1, measure_memory=inner == "eager"),
     }
     refs = [TeraioBackend(enabled=False, **options) for _ in range(2)]
     try:
@@ -378,7 +377,7 @@ def test_one_backend_two_models_in_a_row_keeps_their_figures_apart(tmp_path) -> 
         memory_budget="65%",
         inner="eager",
         solver="greedy",
-        profile_steps=1,
+        profiling=teraio.Profiling(steps=1),
         io_backend="posix",
         offload_dirs=[str(tmp_path)],
     )

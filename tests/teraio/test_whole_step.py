@@ -179,15 +179,16 @@ def _hf_run(name: str, opt_name: str, enabled: bool, offload_dir: str, budget: s
             inner="eager",
             solver="greedy",
             enabled=enabled,
-            profile_steps=1,
+            profiling=teraio.Profiling(steps=1),
             memory_budget=budget,
-            states="offload",
-            optimizer=opt,
-            offload_gradients=True,
-            offload_parameters=enabled,
-            model=model if enabled else None,
-            states_min_param_bytes=0,
-            states_chunk_bytes="64KiB",
+            states=teraio.States(
+                optimizer=opt,
+                model=model if enabled else None,
+                gradients=True,
+                parameters=enabled,
+                chunk_bytes="64KiB",
+                min_param_bytes=0,
+            ),
             offload_dirs=[directory],
         )
 
@@ -212,9 +213,10 @@ def test_hf_models_under_a_whole_step_budget_are_exact(name, opt_name, budget, t
     _check_whole_step(got[3], budget_fraction=int(budget[:-1]) / 100)
 
 
-def _manual_loop(tmp_path, enabled: bool, between, **options) -> tuple:
+def _manual_loop(tmp_path, enabled: bool, between, states_options=None, **options) -> tuple:
     """Seven steps of the tiny GPT with AdamW (the whole model one graph), the parameters and states on
-    disk when ``enabled``; ``between(backend, step)`` runs after each backward, before ``opt.step()``.
+    disk when ``enabled``; ``between(backend, step)`` runs after each backward, before ``opt.step()``;
+    ``states_options`` add teraio.States fields, ``options`` backend options.
     Returns the losses, final parameters, optimizer state and the backend's stats."""
     w = builtin_workload("tiny")
     torch._dynamo.reset()
@@ -223,14 +225,16 @@ def _manual_loop(tmp_path, enabled: bool, between, **options) -> tuple:
     be = teraio.backend(
         inner="eager",
         solver="greedy",
-        profile_steps=1,
+        profiling=teraio.Profiling(steps=1),
         enabled=enabled,
-        states="offload",
-        optimizer=opt,
-        offload_parameters=enabled,
-        model=model if enabled else None,
-        states_min_param_bytes=0,
-        states_chunk_bytes="64KiB",
+        states=teraio.States(
+            optimizer=opt,
+            model=model if enabled else None,
+            parameters=enabled,
+            chunk_bytes="64KiB",
+            min_param_bytes=0,
+            **(states_options or {}),
+        ),
         offload_dirs=[str(tmp_path / str(enabled))],
         **options,
     )
@@ -278,8 +282,8 @@ def test_kept_states_go_back_to_disk_when_a_later_plan_drops_them(tmp_path):
         apply_residency(be.states, plan)
         held.append((plan.kept_bytes if plan else 0, resident_state_bytes(be.states)))
 
-    ref = _manual_loop(tmp_path, False, between, offload_gradients=True)
-    got = _manual_loop(tmp_path, True, between, offload_gradients=True)
+    ref = _manual_loop(tmp_path, False, between, states_options={"gradients": True})
+    got = _manual_loop(tmp_path, True, between, states_options={"gradients": True})
     assert_same_hf_run(ref, got)
     (kept2, res2), (kept4, res4), (kept6, res6) = held
     assert kept2 > 0 and kept4 == 0 and kept6 > 0
@@ -302,7 +306,9 @@ def test_updates_inside_backward_under_the_whole_step_budget_are_exact(tmp_path)
             seen.append((be.states.after_commit, _kept(be)))
 
     ref = _manual_loop(tmp_path, False, between, memory_budget=BUDGET)
-    got = _manual_loop(tmp_path, True, between, memory_budget=BUDGET, optimizer_in_backward=True)
+    got = _manual_loop(
+        tmp_path, True, between, memory_budget=BUDGET, states_options={"optimizer_in_backward": True}
+    )
     assert_same_hf_run(ref, got)
     whole = got[3]["whole_step"]
     assert whole["kept"] is not None and whole["kept"]["kept_bytes"] > 0  # planned after step 0
@@ -318,10 +324,9 @@ def test_a_budget_below_the_parameters_that_cannot_move_names_them(tmp_path):
     be = teraio.backend(
         inner="eager",
         solver="greedy",
-        profile_steps=1,
+        profiling=teraio.Profiling(steps=1),
         memory_budget="5%",
-        states="offload",
-        optimizer=opt,
+        states=teraio.States(optimizer=opt),
         offload_dirs=[str(tmp_path)],
     )
     compiled = torch.compile(model, backend=be)
@@ -338,6 +343,6 @@ def test_a_budget_below_the_parameters_that_cannot_move_names_them(tmp_path):
 
 def test_a_bad_states_keep_fails_at_construction():
     opt = torch.optim.AdamW(builtin_workload("tiny").model.parameters())
-    with pytest.raises(UserInputError, match="states_keep must be one of 'plan', 'none'") as info:
-        teraio.backend(states="offload", optimizer=opt, states_keep="all")
+    with pytest.raises(UserInputError, match="States.keep must be one of 'plan', 'none'") as info:
+        teraio.backend(states=teraio.States(optimizer=opt, keep="all"))
     assert "\n" not in str(info.value)
