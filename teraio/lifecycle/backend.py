@@ -98,7 +98,7 @@ class TeraioBackend:
             self.plans_from_file.extend(load_plans(self.cfg.plan))
         self.states = attach_states(self.cfg)  # states="offload": teraio.states
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
-        self.whole_step = None if self.states is None else WholeStepStates(self.states, self.cfg.states_keep)
+        self.whole_step = None if self.states is None else WholeStepStates(self.states, self.cfg.states.keep)
         self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.lifecycle.step_stats
         # Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.measurement
         self.outside_memory = OutsideMemory(self.cfg)

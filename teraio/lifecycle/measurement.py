@@ -237,7 +237,7 @@ class StepMeasurement:
             self._measure is MeasureState.WAITING
             and clean
             and final
-            and self.cfg.measure_memory
+            and self.cfg.profiling.measure_memory
             and (self.outside_memory.confirming or self.step_stats.needs_measurement(self.kind_generation))
         ):
             self._measure = MeasureState.ARMED

@@ -39,9 +39,14 @@ RUN_DIR_CONFIG_KEYS: tuple[str, ...] = (
     "memory_budget",
     "offload_dirs",
     "solver",
-    "profile_steps",
+    "profiling",
     "inner",
     "run_dir",
+)
+#: The same keys in the flat config.json of earlier releases (``profile_steps`` before ``profiling``): a
+#: run directory they wrote stays teraio's.
+LEGACY_RUN_DIR_CONFIG_KEYS: tuple[str, ...] = tuple(
+    "profile_steps" if k == "profiling" else k for k in RUN_DIR_CONFIG_KEYS
 )
 
 #: What a backend writes inside a ``graphN/`` directory.
@@ -51,7 +56,9 @@ _DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 # ------------------------------------------------------------------------------------- recognising
 def _is_teraio_config(config: dict[str, Any] | None) -> bool:
-    return config is not None and all(k in config for k in RUN_DIR_CONFIG_KEYS)
+    return config is not None and any(
+        all(k in config for k in keys) for keys in (RUN_DIR_CONFIG_KEYS, LEGACY_RUN_DIR_CONFIG_KEYS)
+    )
 
 
 def _graph_dir_state_at(dir_fd: int) -> bool | None:

@@ -168,7 +168,7 @@ class GraphRunner:
             # kernels also give the memory timeline: Note: [The budget is of the graph that runs] in
             # teraio.graph.kernel_memory.
             calibration_kernels=(
-                profiling_split(self.cfg.profile_steps)[1] > 0 or self.cfg.inner == "inductor"
+                profiling_split(self.cfg.profiling.steps)[1] > 0 or self.cfg.inner == "inductor"
             )
             and not backend.plans_from_file,
         )
@@ -410,6 +410,6 @@ class GraphRunner:
             self.pending_error = UserInputError(
                 f"{self.name}: compiled autograd ran its backward while teraio was profiling it, which teraio "
                 "cannot time; run the training steps without compiled autograd until teraio logs 'running "
-                f"{self.name}' (the first {self.cfg.profile_steps} or a few more; plans survive compiled "
+                f"{self.name}' (the first {self.cfg.profiling.steps} or a few more; plans survive compiled "
                 "autograd after that), or pass plan= a plan made without it"
             )

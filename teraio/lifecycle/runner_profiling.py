@@ -131,7 +131,7 @@ class RunnerProfiling:
         teraio.profiling.op_timing)."""
         prof = self.runner.profiler
         assert prof is not None
-        instrumented, calibration = profiling_split(self.cfg.profile_steps)
+        instrumented, calibration = profiling_split(self.cfg.profiling.steps)
         return (
             prof.steps_recorded >= instrumented
             and prof.kernel_memory_settled
@@ -175,7 +175,7 @@ class RunnerProfiling:
         if prof is None:
             return
         self.finish_kernel_memory()
-        instrumented, calibration = profiling_split(self.cfg.profile_steps)
+        instrumented, calibration = profiling_split(self.cfg.profiling.steps)
         step = runner.backend.tracker.current_step
         if (
             prof.steps_recorded >= instrumented
@@ -193,7 +193,7 @@ class RunnerProfiling:
             # calibrate the op times too.
             prof.probe_next = prof.probe.next_variant if probing else 0
             prof.calibrate_next = probing or prof.steps_calibrated < calibration
-        if runner.abandoned_forwards >= 2 * self.cfg.profile_steps + 2 and prof.steps_recorded == 0:
+        if runner.abandoned_forwards >= 2 * self.cfg.profiling.steps + 2 and prof.steps_recorded == 0:
             # Called with grad enabled again and again, never backpropagated (a validation loss in
             # train mode): profiling would never finish, and interpreting every call is slow. Counted by
             # forwards whose autograd graph was freed without a backward, not by calls: a block compiled

@@ -192,7 +192,7 @@ class ShapeDispatch:
         with self._lock:
             entry = self.by_shape.get(key)
             if entry is None:
-                if len(self.by_shape) < self.backend.cfg.max_shapes:
+                if len(self.by_shape) < self.backend.cfg.profiling.max_shapes:
                     entry = self._twin(args) or self._specialised(args)
                     self.by_shape[key] = entry
                 else:
@@ -201,7 +201,7 @@ class ShapeDispatch:
                         log.warning(
                             "a graph has seen more than max_shapes=%d shapes; further shapes run uncompiled "
                             "and without migration (raise max_shapes to plan them)",
-                            self.backend.cfg.max_shapes,
+                            self.backend.cfg.profiling.max_shapes,
                         )
                     return self.gm(*args)
         return entry(*args)

@@ -116,18 +116,18 @@ class StepPlanner:
         """One graph's plan for ``budget`` (bytes, or "auto"), by ``solver`` (default: the configured)."""
         from teraio.planner.solve import default_recompute, solve
 
-        name = solver or self.cfg.solver
+        name = solver or self.cfg.solver.name
         t0 = time.perf_counter()
         plan = solve(
             runner.profile,
             budget=budget,
             solver=name,
             hardware=self.hardware_model(),
-            time_limit_s=float(self.cfg.time_limit),
-            deterministic_time_s=self.cfg.deterministic_time_limit,
-            workers=self.cfg.solver_workers,
+            time_limit_s=float(self.cfg.solver.time_limit),
+            deterministic_time_s=self.cfg.solver.deterministic_time_limit,
+            workers=self.cfg.solver.workers,
             # The fast plans of the budget search are greedy's: offload only.
-            recompute="off" if solver == "greedy" else (self.cfg.recompute or default_recompute(name)),
+            recompute="off" if solver == "greedy" else (self.cfg.solver.recompute or default_recompute(name)),
         )
         log.log(
             logging.DEBUG if quiet else logging.INFO,
@@ -281,8 +281,8 @@ class _StepComposition:
             len(ready),
             format_bytes(budget_bytes),
             planner.cfg.memory_budget,
-            planner.cfg.solver,
-            planner.cfg.time_limit,
+            planner.cfg.solver.name,
+            planner.cfg.solver.time_limit,
         )
         several = {n for n in nodes if n[0] in ready and self.counts.get(n[0], 1) > 1}
         last_forward = {n: j for j, (n, k, _) in enumerate(self.node_calls) if k == "fwd"}
@@ -362,7 +362,7 @@ class _StepComposition:
         log.info("predicted step peak %s", format_bytes(planner.predicted_step_peak_bytes))
         if planner.whole_step is not None:  # Note: [The whole-step budget keeps some states in memory]
             whole_peak = planner.whole_step.plan(
-                budget_bytes, planner.predicted_step_peak_bytes, planner.cfg.solver, whole_unplanned
+                budget_bytes, planner.predicted_step_peak_bytes, planner.cfg.solver.name, whole_unplanned
             )
             planner.predicted_step_peak_bytes -= planner.kept_held_bytes()
             kept = planner.whole_step.residency
