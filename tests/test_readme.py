@@ -11,6 +11,10 @@ scratch directories for ``/nvme0/...``. Every substitution must still match some
 cannot drift from the documents. ``SKIPPED_COMMANDS`` names the few commands that are never run (``make
 test`` would run this suite again); a whole block that cannot run here carries
 ``<!-- readme-test: skip (reason) -->`` on the line before its fence, and is reported as skipped.
+
+The README is also held to what it promises a newcomer: the two commands on its first screen, at most
+``README_MAX_LINES`` lines, an option table whose names ``teraio.backend`` really takes, and links (in it
+and in every document under ``docs/``) that lead to a file and heading that exist.
 """
 
 from __future__ import annotations
@@ -31,8 +35,18 @@ from filelock import FileLock
 from tests.teraio.shared import run_directory
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# The documents whose code blocks are tested, in the order their blocks run.
-DOCUMENTS = ("README.md", "docs/cli.md", "docs/reference.md")
+# The documents whose code blocks are tested, in the order their blocks run: the front door, the guide
+# it sends users to, the command line, the formats, then the pages for readers who change teraio.
+DOCUMENTS = (
+    "README.md",
+    "docs/guide.md",
+    "docs/cli.md",
+    "docs/reference.md",
+    "docs/limits.md",
+    "docs/design.md",
+    "docs/development.md",
+    "docs/environment.md",
+)
 
 PYTHON_LANGS = frozenset({"python", "py"})
 SHELL_LANGS = frozenset({"bash", "sh", "shell", "console"})
@@ -364,3 +378,103 @@ def test_extraction_sees_markers_and_console_prompts(tmp_path: Path) -> None:
     text = prepare(blocks[1], tmp_path, used, skipped)
     assert "output line" not in text and text.startswith("teraio demo --model tiny")
     assert skipped == {"make test"} and not any(ln.startswith("make test") for ln in text.splitlines())
+
+
+# The front door: what a newcomer runs first, on the first screen, and a page short enough to read whole.
+README_MAX_LINES = 300
+README_FIRST_SCREEN_LINES = 40
+
+
+def test_readme_is_short_and_opens_with_the_two_commands() -> None:
+    lines = (REPO_ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (at most {README_MAX_LINES}): move depth to docs/"
+    )
+    first_screen = "\n".join(lines[:README_FIRST_SCREEN_LINES])
+    for command in ("make demo", "make test"):
+        assert command in first_screen, f"{command!r} is not on the README's first screen"
+    readme = [b for b in ALL_BLOCKS if b.document == "README.md"]
+    first_shell = next(b for b in readme if b.lang in SHELL_LANGS)
+    assert first_shell.line <= README_FIRST_SCREEN_LINES
+
+
+def _readme_option_names() -> list[str]:
+    """The first column of the README's option table (the table under "The options that matter")."""
+    text = (REPO_ROOT / "README.md").read_text()
+    section = text.split("## The options that matter", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
+
+
+def test_readme_options_are_parameters_of_teraio_backend() -> None:
+    # The README names the few options most runs set; each must be one teraio.backend really takes,
+    # with the default the table says (the full tables, checked field by field, are docs/options.md's).
+    import inspect
+
+    import teraio
+
+    names = _readme_option_names()
+    assert len(names) >= 8, f"the README's option table was not found or lost rows: {names}"
+    params = inspect.signature(teraio.backend).parameters
+    unknown = [n for n in names if n not in params]
+    assert not unknown, f"the README's option table names options teraio.backend does not take: {unknown}"
+    for name, default in (
+        ("memory_budget", None),
+        ("solver", "ilp"),
+        ("inner", "inductor"),
+        ("states", None),
+    ):
+        assert params[name].default == default, (name, params[name].default)
+
+
+MD_LINK = re.compile(r"(?<!!)\[[^\]]*\]\((?P<target>[^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors_and_links(path: Path) -> tuple[set[str], list[tuple[int, str]]]:
+    """The heading anchors of a Markdown file and its links with their line numbers, fences skipped."""
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    links: list[tuple[int, str]] = []
+    in_fence = False
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_fence = not in_fence
+            continue
+        if in_fence:
+            continue
+        heading = re.match(r"^#{1,6} (.*)$", line)
+        if heading:
+            slug = _slug(heading.group(1))
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+        links += [(number, m.group("target")) for m in MD_LINK.finditer(line)]
+    return anchors, links
+
+
+LINKED_DOCUMENTS = (
+    "README.md",
+    *sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "docs").glob("*.md")),
+)
+
+
+@pytest.mark.parametrize("document", LINKED_DOCUMENTS)
+def test_relative_links_resolve(document: str) -> None:
+    # A reader follows the README into docs/ and back: every relative link must reach a file that exists
+    # and, for a Markdown file, a heading that exists.
+    source = REPO_ROOT / document
+    _, links = _anchors_and_links(source)
+    broken = []
+    for number, target in links:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        path_part, _, anchor = target.partition("#")
+        path = (source.parent / path_part).resolve() if path_part else source
+        if not path.exists():
+            broken.append(f"{document}:{number}: {target} (no such file)")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors_and_links(path)[0]:
+            broken.append(f"{document}:{number}: {target} (no heading #{anchor} in {path.name})")
+    assert not broken, "broken links:\n" + "\n".join(broken)
