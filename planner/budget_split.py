@@ -86,7 +86,7 @@ def split_budget(
         min_peak: each graph's smallest achievable peak (everything offloadable moved).
         min_held: what one invocation of each graph holds at the least after its forward.
         relax: nodes planned per call of a graph that runs several times in a step (Note: [A graph
-            called several times per step is planned per call] in teraio.lifecycle.backend), latest forward
+            called several times per step is planned per call] in teraio.lifecycle.step_planner), latest forward
             first. They start at their smallest peak (everything offloadable moved) while the scale is
             searched for the other graphs, then each in turn gets the largest budget that still
             composes: the calls whose saved tensors are held for the shortest time keep them first.

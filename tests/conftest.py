@@ -50,7 +50,7 @@ os.environ["TERAIO_CHECK_OWN_PLANS"] = "1"
 
 # Note: [The longest tests start first]
 #     On two xdist workers the suite ends when the slower worker does. A long test that starts last (the
-#     README's blocks, `make demo` and two torchrun jobs among them, run together on the first block's test:
+#     documents' blocks, `make demo` (README) and two torchrun jobs (docs/guide.md) among them, run together on the first block's test:
 #     3-5 minutes) leaves the other worker idle for its whole length; started first, it runs beside
 #     everything else. So the collection is reordered: each document's first block first, then the
 #     modules with Inductor compiles, subprocess jobs and big solves, then the rest in file order, and the

@@ -58,19 +58,19 @@ def check_optimizer(optimizer: object, option: str = "optimizer") -> None:
     if type(optimizer) not in SUPPORTED:
         names = ", ".join(sorted(c.__name__ for c in SUPPORTED))
         raise StatesError(
-            f"{option}: states='offload' supports {names}, not {type(optimizer).__name__} (its step may mix "
-            "parameters, so it cannot be streamed chunk by chunk); use states='keep'"
+            f"{option}: teraio.States supports {names}, not {type(optimizer).__name__} (its step may mix "
+            "parameters, so it cannot be streamed chunk by chunk); use states=None"
         )
     for g in optimizer.param_groups:
         if g.get("differentiable", False):
-            raise StatesError(f"{option}: states='offload' does not support differentiable=True")
+            raise StatesError(f"{option}: teraio.States does not support differentiable=True")
         for p in g["params"]:
             if type(p) not in (torch.nn.Parameter, torch.Tensor):
                 # A tensor subclass (FSDP2's DTensor shards, a quantized weight) keeps its bytes in inner
                 # tensors that the states' storage swap cannot reach.
                 raise StatesError(
-                    f"{option}: states='offload' supports plain parameters, not {type(p).__name__} ones (FSDP2's "
-                    "fully_shard makes DTensors); use states='keep' with them"
+                    f"{option}: teraio.States supports plain parameters, not {type(p).__name__} ones (FSDP2's "
+                    "fully_shard makes DTensors); use states=None with them"
                 )
 
 

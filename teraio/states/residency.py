@@ -25,7 +25,7 @@ Note: [The whole-step budget keeps some states in memory]
     larger of the two moments, each with what the kept items add to it; the measurement is the bytes of
     parameters, gradients and optimizer states in memory when the measured step starts (read from their
     storages) plus the step's measured peak. When the memory outside the graphs is measured and planned
-    for once more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.backend),
+    for once more (Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.measurement),
     the kept states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed
     part (every state that can move, moves), and without a ``memory_budget`` nothing is kept either.
 
@@ -287,8 +287,8 @@ def whole_step_budget_error(
         f"memory_budget {format_size(budget_bytes)} cannot be met for the whole step: the parameters that "
         f"cannot move hold {format_size(fixed_bytes)} and the graphs need at least {format_size(graphs)} "
         f"beside them; the smallest achievable step peak is about {format_size(smallest)} ({smallest} "
-        "bytes): use a budget of at least that, or let more parameters move (offload_parameters=True, a "
-        "smaller states_min_param_bytes)",
+        "bytes): use a budget of at least that, or let more parameters move (teraio.States(parameters=True, "
+        "model=model), a smaller min_param_bytes)",
         smallest_peak_bytes=smallest,
     )
 

@@ -123,7 +123,7 @@ def _train(
                 )  # no cleanup at all: the next run's start finds the files
             loss = compiled(*make(step * world + rank, 32))
             # Compiled autograd once teraio runs its plans (Note: [Compiled autograd runs its own copy of
-            # the backward] in teraio.lifecycle.backend): python_reducer then hands DDP's reduction to it.
+            # the backward] in teraio.lifecycle.runner): python_reducer then hands DDP's reduction to it.
             if mode == "ddp-compiled-autograd" and step >= options.get("compiled_autograd_from", 2):
                 with torch._dynamo.compiled_autograd._enable(torch.compile(backend="eager")):
                     loss.backward()

@@ -102,7 +102,7 @@ def _nosplit(job: dict[str, Any], name: str) -> list[dict]:
 
 def test_ddp_with_graph_splitting(tmp_path) -> None:
     """DDP with Dynamo's graph splitting: one graph per gradient bucket, each first called on fake tensors
-    (Note: [DDP's fake first call] in teraio.lifecycle.backend)."""
+    (Note: [DDP's fake first call] in teraio.lifecycle.runner)."""
     results = _check("ddp-split", tmp_path)
     assert all(r["stats"]["graphs"] > 1 for r in results)
 
@@ -143,7 +143,7 @@ def test_fsdp2_per_block_compilation(tmp_path) -> None:
 
     FSDP2's gathered parameters live outside the graph: two measured steps confirm that memory before the
     graphs are planned again with it (Note: [Memory outside the graphs is measured and planned for] in
-    teraio.lifecycle.backend), and the plans made then are measured on a later step, hence 8 steps."""
+    teraio.lifecycle.measurement), and the plans made then are measured on a later step, hence 8 steps."""
     _check("fsdp-per-block", tmp_path, budget="80%", steps=8)
 
 
@@ -162,7 +162,7 @@ def test_no_files_remain_after_a_rank_is_killed_and_the_job_runs_again(tmp_path)
 
 
 def test_compiled_autograd_while_profiling_is_refused_on_every_rank(tmp_path) -> None:
-    """Note: [Compiled autograd runs its own copy of the backward] in teraio.lifecycle.backend: never a silent run
+    """Note: [Compiled autograd runs its own copy of the backward] in teraio.lifecycle.runner: never a silent run
     without a plan."""
     with pytest.raises(
         mp.ProcessRaisedException, match="compiled autograd ran its backward while teraio was profiling"

@@ -87,7 +87,7 @@ def test_saved_tensors_equal_a_real_inductor_profile_exactly():
     """Inductor's joint-graph passes run in the capture too: the same segments and saved storages.
 
     Expensive (an Inductor compile of the real profile, 25 s on 2 cores): the default run checks the same
-    equality on the FX-only path (test_saved_tensors_equal_a_real_profile_exactly), and the README's
+    equality on the FX-only path (test_saved_tensors_equal_a_real_profile_exactly), and docs/cli.md's
     ``teraio estimate`` blocks capture with Inductor."""
     torch.use_deterministic_algorithms(True)
     real = profile_workload(builtin_workload("tiny"), profile_steps=2, inner="inductor")[0]

@@ -1,5 +1,5 @@
 """A graph called several times per step gets a plan per call (Note: [A graph called several times per
-step is planned per call] in teraio.lifecycle.backend): each block of a model compiled on its own, torchtitan's way."""
+step is planned per call] in teraio.lifecycle.step_planner): each block of a model compiled on its own, torchtitan's way."""
 
 from __future__ import annotations
 

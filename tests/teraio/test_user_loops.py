@@ -224,7 +224,7 @@ def test_gan_with_two_backends(inner: str, deterministic_inductor, tmp_path) -> 
         "memory_budget": "60%",
         "solver": "greedy",
         "io_backend": "posix",
-        # Inductor is bit-exact under the torch profiler only most of the time (README, Limits): there
+        # Inductor is bit-exact under the torch profiler only most of the time (docs/limits.md): there
         # the test measures the discriminator's step itself, as on both paths, and the backends do not.
         "profiling": teraio.Profiling(steps=1, measure_memory=inner == "eager"),
     }

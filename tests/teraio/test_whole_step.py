@@ -336,7 +336,7 @@ def test_a_budget_below_the_parameters_that_cannot_move_names_them(tmp_path):
                 compute_loss(compiled, w, step).backward()
                 opt.step()
                 opt.zero_grad()
-        assert "\n" not in str(info.value) and "offload_parameters=True" in str(info.value)
+        assert "\n" not in str(info.value) and "teraio.States(parameters=True" in str(info.value)
     finally:
         be.close()
 
