@@ -436,7 +436,7 @@ def test_show_reports_a_steps_bytes_by_kind_and_its_io_lower_bound(tmp_path, cap
     written, read = io["written_bytes_by_kind"], io["read_bytes_by_kind"]
     assert written["parameter"] == param_bytes > 0 and written["optimizer_state"] == state_bytes > 0
     assert read["parameter"] > 0 and read["optimizer_state"] == state_bytes
-    assert (written["gradient"] > 0) == ("offload_gradients" in options)
+    assert (written["gradient"] > 0) == ("gradients" in options)
     ssd = HardwareModel.load(tmp_path / "run" / "hardware.json").tier("ssd")
     assert io["io_lower_bound_s"] == io_lower_bound_s(
         sum(written.values()),
