@@ -1,6 +1,6 @@
 """Memory budgets: turning what a user types ("512MiB", "40%", "auto") into a number of bytes.
 
-Sizes follow the project's one size grammar, :mod:`planner.sizes` (plain bytes ``1024`` or ``"1.5e9"``,
+Sizes follow the project's one size grammar, :mod:`teraio.sizes` (plain bytes ``1024`` or ``"1.5e9"``,
 decimal units ``kB MB GB TB`` and the bare letters ``K M G T``, binary units ``KiB MiB GiB TiB``); the
 CLI, ``teraio.backend`` and the notebooks parse sizes here, and the runtime's ``parse_nbytes`` applies
 the same grammar from its byte-identical copy of that module (the runtime may not import the planner).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from teraio.planner.limits import MAX_STEP_NBYTES
-from teraio.planner.sizes import SIZE_RE, SizeError, nbytes_of
+from teraio.sizes import SIZE_RE, SizeError, format_size, nbytes_of
 
 AUTO = "auto"
 
@@ -43,18 +43,8 @@ def infeasible(budget_bytes: int, min_feasible_peak_bytes: int, what: str = "bud
     )
 
 
-def format_size(nbytes: float) -> str:
-    """Human-readable binary size: ``format_size(3 * 2**20) == '3.00 MiB'``."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def parse_size(text: str | int | float) -> int:
-    """Parse a size in bytes: ``1024``, ``"512MiB"``, ``"2GB"``, ``"1.5e9"`` (grammar: :mod:`planner.sizes`).
+    """Parse a size in bytes: ``1024``, ``"512MiB"``, ``"2GB"``, ``"1.5e9"`` (grammar: :mod:`teraio.sizes`).
 
     Raises:
         BudgetError: the text is not a non-negative size with a known unit.

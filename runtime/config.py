@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from teraio.runtime.errors import ConfigError
-from teraio.runtime.sizes import SizeError, nbytes_of
+from teraio.sizes import SizeError, nbytes_of
 
 PAGE_NBYTES = 4096
 BACKENDS = ("auto", "posix", "kvikio", "host")
@@ -49,8 +49,7 @@ def default_offload_dir() -> Path:
 def parse_nbytes(value: int | float | str, *, what: str = "size") -> int:
     """Parse a byte count: an int, a float, or text with a unit ("512MiB", "2GB", "1.5e9", "4096").
 
-    The grammar is the project's one size grammar, :mod:`teraio.runtime.sizes` (a byte-identical copy of
-    the planner's, which the runtime may not import; tests/test_sizes.py keeps the two equal).
+    The grammar is the project's one size grammar, :mod:`teraio.sizes` (a leaf module the planner shares).
 
     Raises:
         ConfigError: the value is negative, not a number, or has an unknown unit (the message names

@@ -508,7 +508,7 @@ def _check_flat_states(flat: dict[str, Any], offload: bool) -> None:
             "drop offload_gradients=True"
         )
     _check_choice("states_keep", flat.get("states_keep", "plan"), StatesKeepOption)
-    from teraio.planner.sizes import SizeError, nbytes_of
+    from teraio.sizes import SizeError, nbytes_of
 
     for name, least in (("states_chunk_bytes", 1), ("states_min_param_bytes", 0)):
         if name in flat:

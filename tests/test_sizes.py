@@ -1,8 +1,7 @@
-"""One size grammar for the planner and the runtime (``planner/sizes.py``, copied to ``runtime/sizes.py``).
+"""One size grammar for the planner and the runtime (the leaf module ``teraio.sizes``, which both import).
 
-The two packages may not import each other, so the grammar is one file kept twice: these tests fail
-when the copies differ, and when the planner's ``parse_size`` and the runtime's ``parse_nbytes`` give
-different answers (or different errors) on any input of one shared table.
+These tests fail when the planner's ``parse_size`` and the runtime's ``parse_nbytes`` give different
+answers (or different errors) on any input of one shared table, and when the formatter changes.
 """
 
 from __future__ import annotations
@@ -93,12 +92,18 @@ REFUSED = [
 ]
 
 
-def test_the_two_copies_are_byte_identical():
-    planner_copy = (REPO / "planner" / "sizes.py").read_bytes()
-    runtime_copy = (REPO / "runtime" / "sizes.py").read_bytes()
-    assert planner_copy == runtime_copy, (
-        "runtime/sizes.py differs from planner/sizes.py: copy one over the other"
-    )
+def test_the_planner_and_the_runtime_share_one_grammar():
+    import teraio.planner.budget as budget
+    import teraio.runtime.config as runtime_config
+    import teraio.sizes as sizes
+
+    assert budget.nbytes_of is sizes.nbytes_of and runtime_config.nbytes_of is sizes.nbytes_of
+
+
+def test_format_size_says_none_for_a_missing_figure():
+    from teraio.sizes import format_size
+
+    assert (format_size(None), format_size(1536), format_size(0)) == ("-", "1.5 KiB", "0 B")
 
 
 @pytest.mark.parametrize(("value", "nbytes"), ACCEPTED, ids=[repr(v) for v, _ in ACCEPTED])

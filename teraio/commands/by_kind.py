@@ -9,7 +9,7 @@ from typing import Any
 
 from teraio.planner.hardware import HardwareModel
 from teraio.planner.model_states import step_io_by_kind
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def step_bytes_by_kind(
@@ -40,8 +40,8 @@ def by_kind_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 "state tensors",
                 ", ".join(
-                    f"{kind} {ms[kind]['tensors']} ({format_bytes(ms[kind]['bytes'])}, "
-                    f"{format_bytes(ms[kind]['offloaded_bytes'])} offloaded)"
+                    f"{kind} {ms[kind]['tensors']} ({format_size(ms[kind]['bytes'])}, "
+                    f"{format_size(ms[kind]['offloaded_bytes'])} offloaded)"
                     for kind in ("parameter", "gradient", "optimizer_state")
                     if kind in ms
                 ),
@@ -51,7 +51,7 @@ def by_kind_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows.append(
         (
             "moved per step",
-            ", ".join(f"{kind} {format_bytes(n)}" for kind, n in moved.items() if n or kind == "activation"),
+            ", ".join(f"{kind} {format_size(n)}" for kind, n in moved.items() if n or kind == "activation"),
         )
     )
     rows.append(

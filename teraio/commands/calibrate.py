@@ -11,7 +11,7 @@ from teraio.commands.plan import add_force_option, check_count
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file
 from teraio.platform.preflight import check_writable_dir
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**cal.to_dict(), "hardware": hw.to_dict(), "out": args.out}, indent=2))
         return 0
     print(
-        f"calibrated {cal.dir} ({cal.fs_type}), {format_bytes(cal.nbytes)} x {cal.repeats}, model from {cal.method}"
+        f"calibrated {cal.dir} ({cal.fs_type}), {format_size(cal.nbytes)} x {cal.repeats}, model from {cal.method}"
     )
     print(
         f"  model   write {cal.write_bw_bytes_per_s / 1e9:.2f} GB/s, read {cal.read_bw_bytes_per_s / 1e9:.2f} GB/s"

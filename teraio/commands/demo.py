@@ -14,7 +14,7 @@ from teraio.errors import UserInputError
 from teraio.lifecycle.run_dir import refuse_foreign_run_dir
 from teraio.planner.safe_io import check_output_file, write_json
 from teraio.platform.preflight import check_writable_dir
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -117,15 +117,15 @@ def _table(result: dict[str, Any]) -> None:
     for r in rows:
         t.add_row(
             r["method"],
-            format_bytes(r["peak_bytes"]),
+            format_size(r["peak_bytes"]),
             f"{r.get('peak_vs_no_offload', float('nan')):.1%}",
             f"{r['step_s']:.3f}",
             f"{r['fwd_bwd_s']:.3f}",
             f"{r.get('overhead', float('nan')):+.1%}",
-            format_bytes(r["moved_bytes_per_step"]) if r["moved_bytes_per_step"] else "-",
-            format_bytes(r["recomputed_bytes"]) if r.get("recomputed_bytes") else "-",
+            format_size(r["moved_bytes_per_step"]) if r["moved_bytes_per_step"] else "-",
+            format_size(r["recomputed_bytes"]) if r.get("recomputed_bytes") else "-",
             f"{r['io_gb_per_s']:.2f}" if r["io_gb_per_s"] else "-",
-            format_bytes(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "-",
+            format_size(r["predicted_peak_bytes"]) if "predicted_peak_bytes" in r else "-",
             f"{r['predicted_step_s']:.3f}" if "predicted_step_s" in r else "-",
         )
     console = Console(width=max(Console().width, 132))
@@ -137,7 +137,7 @@ def _table(result: dict[str, Any]) -> None:
     )
     acts = next((r["activation_bytes"] for r in rows if r["method"] == "no-offload"), None)
     if acts:
-        console.print(f"saved activations without offload: {format_bytes(acts)}")
+        console.print(f"saved activations without offload: {format_size(acts)}")
     for tr in rows:
         if "predicted_peak_bytes" not in tr:
             continue
@@ -154,8 +154,8 @@ def _table(result: dict[str, Any]) -> None:
     for tr in rows:
         if "budget_raised_from_bytes" in tr:
             console.print(
-                f"{tr['method']}: the checkpoint peak {format_bytes(tr['budget_raised_from_bytes'])} is below "
-                f"teraio's smallest achievable step peak: planned for {format_bytes(tr['budget_bytes'])}"
+                f"{tr['method']}: the checkpoint peak {format_size(tr['budget_raised_from_bytes'])} is below "
+                f"teraio's smallest achievable step peak: planned for {format_size(tr['budget_bytes'])}"
             )
     if "losses_bit_identical" in result:
         console.print(
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     def progress(row: dict[str, Any]) -> None:
         if not args.json:
             print(
-                f"  {row['method']}: step {row['step_s']:.3f} s, peak {format_bytes(row['peak_bytes'])}",
+                f"  {row['method']}: step {row['step_s']:.3f} s, peak {format_size(row['peak_bytes'])}",
                 file=sys.stderr,
                 flush=True,
             )

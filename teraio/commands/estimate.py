@@ -15,7 +15,7 @@ from teraio.commands.plan import add_force_option, check_count, check_time_limit
 from teraio.commands.simulate import _bw
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_dir
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -179,18 +179,18 @@ def _print(s: dict) -> None:
         f"  {_count(s['num_params'])} parameters; {shape}; captured in {s['capture_s']:.1f} s, "
         f"planned in {s['plan_s']:.1f} s\n"
         f"  model states per device ({st['precision']}, {st['optimizer']}, {st['gpus']} GPU(s), ZeRO stage "
-        f"{st['zero_stage']}, {s['states_mode']}): parameters {format_bytes(st['param_nbytes'])}, gradients "
-        f"{format_bytes(st['grad_nbytes'])}, optimizer states {format_bytes(st['optimizer_state_nbytes'])}, "
-        f"gathered layer {format_bytes(st['gathered_nbytes'])}, elsewhere {format_bytes(st['offloaded_nbytes'])}\n"
+        f"{st['zero_stage']}, {s['states_mode']}): parameters {format_size(st['param_nbytes'])}, gradients "
+        f"{format_size(st['grad_nbytes'])}, optimizer states {format_size(st['optimizer_state_nbytes'])}, "
+        f"gathered layer {format_size(st['gathered_nbytes'])}, elsewhere {format_size(st['offloaded_nbytes'])}\n"
         f"  {s['states_note']}\n"
-        f"  budget {format_bytes(s['budget']) if isinstance(s['budget'], int) else s['budget']}: "
+        f"  budget {format_size(s['budget']) if isinstance(s['budget'], int) else s['budget']}: "
         f"{s['budget_note']}"
     )
     traffic = s["state_traffic_per_step"]
     for g in s["graphs"]:
         t = Table(
             title=f"graph {g['graph_id']}: {g['fwd_ops']} + {g['bwd_ops']} ops, activations "
-            f"{format_bytes(g['activation_bytes'])}, unplanned peak {format_bytes(g['unplanned_peak_bytes'])}, "
+            f"{format_size(g['activation_bytes'])}, unplanned peak {format_size(g['unplanned_peak_bytes'])}, "
             f"ideal step {g['compute_s']:.4g} s"
         )
         for col in (
@@ -211,10 +211,10 @@ def _print(s: dict) -> None:
             t.add_row(
                 f"{r['solver']} ({r['recompute']})",
                 r["status"],
-                format_bytes(r["planned_peak_bytes"]),
+                format_size(r["planned_peak_bytes"]),
                 f"{r['step_s']:.4g}",
                 f"{100 * r['fraction_of_ideal']:.1f}%",
-                f"{format_bytes(r['activation_written_bytes'])} / {format_bytes(r['activation_read_bytes'])}",
+                f"{format_size(r['activation_written_bytes'])} / {format_size(r['activation_read_bytes'])}",
                 _gbps(r["needed_ssd_bw_bytes_per_s"]),
                 f"{r['solve_s']:.1f}",
             )
@@ -224,7 +224,7 @@ def _print(s: dict) -> None:
                 c.print(f"  {r['solver']}: {r['error']}")
         if traffic:
             parts = ", ".join(
-                f"{k} {format_bytes(v['read_bytes'])} in / {format_bytes(v['write_bytes'])} out"
+                f"{k} {format_size(v['read_bytes'])} in / {format_size(v['write_bytes'])} out"
                 for k, v in traffic.items()
             )
             bounds = ", ".join(

@@ -16,7 +16,7 @@ from typing import Any
 from teraio.commands.by_kind import by_kind_rows, step_bytes_by_kind
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import check_output_file
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 # --------------------------------------------------------------------------------- shared helpers
@@ -146,7 +146,7 @@ def recompute_text(plan) -> str:
     if not plan.recomputes:
         return "none"
     return (
-        f"{len(plan.recomputes)} tensors, {format_bytes(plan.recomputed_bytes)} rebuilt in backward, "
+        f"{len(plan.recomputes)} tensors, {format_size(plan.recomputed_bytes)} rebuilt in backward, "
         f"{plan.recompute_s:.4f} s of compute per step"
     )
 
@@ -213,16 +213,14 @@ def run(args: argparse.Namespace) -> int:
 
     t = Table(title=f"plan -> {out}", show_header=False)
     t.add_row("solver / status", f"{plan.solver} / {plan.stats.status} ({plan.stats.wall_s:.2f} s)")
-    t.add_row("budget", f"{plan.budget_spec} = {format_bytes(plan.budget_bytes)}")
-    t.add_row(
-        "peak", f"{format_bytes(plan.baseline_peak_bytes)} -> {format_bytes(plan.predicted_peak_bytes)}"
-    )
+    t.add_row("budget", f"{plan.budget_spec} = {format_size(plan.budget_bytes)}")
+    t.add_row("peak", f"{format_size(plan.baseline_peak_bytes)} -> {format_size(plan.predicted_peak_bytes)}")
     t.add_row(
         "step",
         f"{plan.compute_s:.4f} s -> {plan.predicted_step_s:.4f} s (stall {plan.predicted_stall_s:.4f} s)",
     )
     t.add_row("lower bound", bound_text(plan))
-    t.add_row("moved", f"{len(plan.offloads)} tensors, {format_bytes(plan.moved_bytes)}")
+    t.add_row("moved", f"{len(plan.offloads)} tensors, {format_size(plan.moved_bytes)}")
     t.add_row("recomputed", recompute_text(plan))
     for label, text in by_kind_rows(kinds):
         t.add_row(label, text)

@@ -9,7 +9,7 @@ from pathlib import Path
 from teraio.commands.plan import add_force_option, check_count
 from teraio.planner.safe_io import check_output_dir, replace_dir
 from teraio.platform.preflight import check_writable_dir
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 #: An existing --out of either kind may be replaced (re-profiling a workload whose graph count changed).
 PROFILE_KINDS = ("profile", "profile-set")
@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
             f"  ops {s['ops']} ({s['fwd_ops']} fwd, {s['bwd_ops']} bwd)   step {s['step_s']:.3f} s "
             f"(fwd {s['fwd_s']:.3f}, bwd {s['bwd_s']:.3f}; profiling interpreter)\n"
             f"  saved storages {s['saved_tensors']} (outputs {s['saved_outputs']}): activations "
-            f"{format_bytes(s['activation_bytes'])}, params {format_bytes(s['param_bytes'])}, "
-            f"inputs {format_bytes(s['input_bytes'])}"
+            f"{format_size(s['activation_bytes'])}, params {format_size(s['param_bytes'])}, "
+            f"inputs {format_size(s['input_bytes'])}"
         )
         table = Table(title=f"top {len(s['top_tensors'])} tensors by bytes x inactive time")
         for col in ("name", "module", "bytes", "inactive s", "MB*s"):
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(
                 r["name"],
                 r["module"],
-                format_bytes(r["nbytes"]),
+                format_size(r["nbytes"]),
                 f"{r['inactive_s']:.3f}",
                 f"{r['byte_s'] / 1e6:.3g}",
             )

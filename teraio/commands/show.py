@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from teraio.commands.plan import bound_text, console, load_profile_arg, plan_summary, recompute_text
 from teraio.errors import UserInputError
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 if TYPE_CHECKING:
     from teraio.planner.hardware import HardwareModel
@@ -152,9 +152,9 @@ def _show_run_dir(args: argparse.Namespace) -> int:
                 rank,
                 g["graph"],
                 str(g["moved_tensors"]),
-                format_bytes(g["moved_bytes"]),
+                format_size(g["moved_bytes"]),
                 str(g["recomputed_tensors"]),
-                format_bytes(g["predicted_peak_bytes"]),
+                format_size(g["predicted_peak_bytes"]),
                 f"{g['predicted_step_s']:.4f}",
             )
     con = console()
@@ -164,35 +164,35 @@ def _show_run_dir(args: argparse.Namespace) -> int:
             last = r["last_step"]
             con.print(
                 f"rank {rank}: step {last.get('step')} took {last.get('step_s', 0):.4f} s; "
-                f"{format_bytes(last.get('offloaded_bytes', 0))} offloaded, "
-                f"{format_bytes(last.get('prefetched_bytes', 0))} read back so far"
+                f"{format_size(last.get('offloaded_bytes', 0))} offloaded, "
+                f"{format_size(last.get('prefetched_bytes', 0))} read back so far"
             )
             by_kind = last.get("moved_bytes_by_kind")
             if by_kind:
                 con.print(
                     f"rank {rank}: moved so far (written + read) by kind: "
-                    + ", ".join(f"{kind} {format_bytes(n)}" for kind, n in by_kind.items())
+                    + ", ".join(f"{kind} {format_size(n)}" for kind, n in by_kind.items())
                 )
         whole = (r["last_step"] or {}).get("whole_step") or {}
         if whole.get("budget_bytes") is not None:
             kept = whole.get("kept") or {}
             measured = whole.get("measured_peak_bytes")
             con.print(
-                f"rank {rank}: whole step: budget {format_bytes(whole['budget_bytes'])} of "
-                f"{format_bytes(whole['state_bytes'] + whole['unplanned_activation_bytes'])}; kept in memory "
+                f"rank {rank}: whole step: budget {format_size(whole['budget_bytes'])} of "
+                f"{format_size(whole['state_bytes'] + whole['unplanned_activation_bytes'])}; kept in memory "
                 + ", ".join(
-                    f"{k} {format_bytes(n)}" for k, n in (kept.get("kept_bytes_by_kind") or {}).items()
+                    f"{k} {format_size(n)}" for k, n in (kept.get("kept_bytes_by_kind") or {}).items()
                 )
-                + f" ({format_bytes(whole['fixed_bytes'])} of parameters cannot move); predicted peak "
-                + f"{format_bytes(whole['predicted_peak_bytes'])}, measured "
-                + (format_bytes(measured) if measured is not None else "not yet")
+                + f" ({format_size(whole['fixed_bytes'])} of parameters cannot move); predicted peak "
+                + f"{format_size(whole['predicted_peak_bytes'])}, measured "
+                + (format_size(measured) if measured is not None else "not yet")
             )
         io = r.get("step_io")
         if io:
             w, rd = io["written_bytes_by_kind"], io["read_bytes_by_kind"]
             con.print(
                 f"rank {rank}: step {io['step']} wrote / read by kind: "
-                + ", ".join(f"{kind} {format_bytes(w[kind])} / {format_bytes(rd.get(kind, 0))}" for kind in w)
+                + ", ".join(f"{kind} {format_size(w[kind])} / {format_size(rd.get(kind, 0))}" for kind in w)
                 + (
                     f"; I/O lower bound {io['io_lower_bound_s']:.4f} s at the run's disk bandwidth"
                     if io["io_lower_bound_s"] is not None
@@ -269,11 +269,11 @@ def run(args: argparse.Namespace) -> int:
     con = console()
     head = Table(title=f"plan {args.plan}", show_header=False)
     head.add_row("solver / status", f"{plan.solver} / {plan.stats.status} ({plan.stats.wall_s:.2f} s)")
-    head.add_row("budget", f"{plan.budget_spec} = {format_bytes(plan.budget_bytes)}")
+    head.add_row("budget", f"{plan.budget_spec} = {format_size(plan.budget_bytes)}")
     head.add_row(
         "peak",
-        f"{format_bytes(plan.baseline_peak_bytes)} unplanned -> "
-        f"{format_bytes(plan.predicted_peak_bytes)} predicted",
+        f"{format_size(plan.baseline_peak_bytes)} unplanned -> "
+        f"{format_size(plan.predicted_peak_bytes)} predicted",
     )
     head.add_row(
         "step",
@@ -281,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
         f"(stall {plan.predicted_stall_s:.4f} s)",
     )
     head.add_row("lower bound", bound_text(plan))
-    head.add_row("moved", f"{len(plan.offloads)} tensors, {format_bytes(plan.moved_bytes)} per step")
+    head.add_row("moved", f"{len(plan.offloads)} tensors, {format_size(plan.moved_bytes)} per step")
     head.add_row("recomputed", recompute_text(plan))
     head.add_row("hardware", plan.hardware.name)
     head.add_row("graph", plan.fingerprint[:16])
@@ -294,10 +294,10 @@ def run(args: argparse.Namespace) -> int:
         t.add_row(
             row["layer"],
             str(row["tensors"]),
-            format_bytes(row["nbytes"]),
+            format_size(row["nbytes"]),
             ",".join(row["tiers"]),
             str(row["recomputed"]),
-            format_bytes(row["recomputed_bytes"]),
+            format_size(row["recomputed_bytes"]),
             f"{row['recompute_s']:.4f}",
         )
     con.print(t)
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
                 d.name,
                 d.action,
                 d.tier or "-",
-                format_bytes(d.nbytes),
+                format_size(d.nbytes),
                 "-" if d.recomputed else f"{d.offload_after_idx} {d.offload_after_name}",
                 f"{d.wait_before_idx} {d.wait_before_name}",
                 "-" if d.recomputed else f"{d.prefetch_before_idx} {d.prefetch_before_name}",

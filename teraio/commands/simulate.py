@@ -10,7 +10,7 @@ from teraio.commands.by_kind import by_kind_rows, step_bytes_by_kind
 from teraio.commands.plan import add_force_option, check_count, console, load_hardware_arg, load_profile_arg
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import atomic_writer, check_output_file
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -109,15 +109,13 @@ def run(args: argparse.Namespace) -> int:
     )
     t.add_row(
         "peak",
-        f"{format_bytes(res.peak_bytes)} at op {res.peak_idx} (unplanned "
-        f"{format_bytes(lt.baseline_peak_bytes)}, budget {format_bytes(res.budget_bytes)})",
+        f"{format_size(res.peak_bytes)} at op {res.peak_idx} (unplanned "
+        f"{format_size(lt.baseline_peak_bytes)}, budget {format_size(res.budget_bytes)})",
     )
-    t.add_row(
-        "I/O per step", f"written {format_bytes(res.written_bytes)}, read {format_bytes(res.read_bytes)}"
-    )
+    t.add_row("I/O per step", f"written {format_size(res.written_bytes)}, read {format_size(res.read_bytes)}")
     t.add_row(
         "recompute per step",
-        f"{format_bytes(res.recomputed_bytes)} rebuilt, {res.recompute_s:.4f} s of compute"
+        f"{format_size(res.recomputed_bytes)} rebuilt, {res.recompute_s:.4f} s of compute"
         if res.recomputed_bytes
         else "none",
     )

@@ -22,7 +22,7 @@ from teraio.commands.plan import (
 )
 from teraio.errors import UserInputError
 from teraio.planner.safe_io import atomic_writer, check_output_file
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -120,15 +120,15 @@ def run(args: argparse.Namespace) -> int:
             r.solver,
             r.budget_spec,
             r.status,
-            format_bytes(r.predicted_peak_bytes),
+            format_size(r.predicted_peak_bytes),
             f"{100 * r.peak_fraction:.1f}",
             f"{r.predicted_step_s:.4f}",
             f"{r.predicted_stall_s:.4f}",
             "-" if pd.isna(r.lower_bound_s) else f"{r.lower_bound_s:.4f}",
             "-" if pd.isna(r.gap) else f"{100 * r.gap:.1f}%",
             f"{r.slowdown:.3f}",
-            format_bytes(r.moved_bytes),
-            format_bytes(r.recomputed_bytes),
+            format_size(r.moved_bytes),
+            format_size(r.recomputed_bytes),
             f"{r.solve_s:.2f}",
             *per_mode,
         )

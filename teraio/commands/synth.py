@@ -12,7 +12,7 @@ from teraio.commands.plan import add_force_option
 from teraio.errors import UserInputError
 from teraio.planner.limits import MAX_SYNTH_DIM, MAX_SYNTH_LAYERS, MAX_TFLOPS
 from teraio.planner.safe_io import check_output_dir
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 
 def _positive_int(text: str, most: int = MAX_SYNTH_DIM) -> int:
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"wrote {out}: {args.layers} layers, {summary['ops']} ops ({summary['fwd_ops']} forward), "
         f"step {summary['fwd_s'] + summary['bwd_s']:.3f} s (fwd {summary['fwd_s']:.3f} s), saved activations "
-        f"{format_bytes(summary['saved_activation_bytes'])}, unplanned peak {format_bytes(lt.baseline_peak_bytes)}, "
-        f"smallest achievable peak {format_bytes(lt.min_feasible_peak_bytes)}"
+        f"{format_size(summary['saved_activation_bytes'])}, unplanned peak {format_size(lt.baseline_peak_bytes)}, "
+        f"smallest achievable peak {format_size(lt.min_feasible_peak_bytes)}"
     )
     return 0

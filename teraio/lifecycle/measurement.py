@@ -45,7 +45,7 @@ from teraio.lifecycle.steps import StepRecord, StepTracker
 from teraio.planner.budget import parse_budget
 from teraio.profiling import forward_count
 from teraio.profiling.clock import Clock
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 if TYPE_CHECKING:
     from teraio.config import BackendConfig
@@ -89,9 +89,9 @@ def warn_unplanned_memory(measured_bytes: int, predicted_bytes: int | None, grap
         )
     log.warning(
         "measured step peak %s is %.0f%% above the predicted %s: %s; the budget cannot cover what it cannot see",
-        format_bytes(measured_bytes),
+        format_size(measured_bytes),
         100 * (measured_bytes / predicted_bytes - 1),
-        format_bytes(predicted_bytes),
+        format_size(predicted_bytes),
         cause,
     )
 
@@ -129,8 +129,8 @@ class OutsideMemory:
                 self.confirming = True  # measure the next clean step too before planning on it
                 log.info(
                     "measured step peak %s above the predicted %s; measuring another step before planning for it",
-                    format_bytes(peak_bytes),
-                    format_bytes(predicted),
+                    format_size(peak_bytes),
+                    format_size(predicted),
                 )
                 return
             excess = min(self._excess_bytes)
@@ -143,9 +143,9 @@ class OutsideMemory:
                 "the step holds %s outside teraio's graphs (%s measured, %s predicted): memory its graphs do not "
                 "allocate, such as FSDP's all-gathered parameters or tensors the loop creates; planning again "
                 "with it counted against the budget",
-                format_bytes(excess),
-                format_bytes(peak_bytes),
-                format_bytes(predicted),
+                format_size(excess),
+                format_size(peak_bytes),
+                format_size(predicted),
             )
         elif self.confirming:
             # The step before held more than this one: a one-off (a collective's transient buffer, a
@@ -154,8 +154,8 @@ class OutsideMemory:
             self._excess_bytes.clear()
             log.info(
                 "measured step peak %s within the predicted %s; an earlier step's excess was a one-off",
-                format_bytes(peak_bytes),
-                format_bytes(predicted),
+                format_size(peak_bytes),
+                format_size(predicted),
             )
         else:
             warn_unplanned_memory(peak_bytes, predicted, graphs)
@@ -325,9 +325,9 @@ class StepMeasurement:
             self.whole_step.step_measured(result.peak_bytes)
         log.info(
             "measured step peak %s (graphs %s; predicted %s)",
-            format_bytes(result.peak_bytes),
+            format_size(result.peak_bytes),
             ", ".join(str(g) for g in sorted(kind)),
-            format_bytes(predicted),
+            format_size(predicted),
         )
         self.outside_memory.measured(result.peak_bytes, predicted, len(kind))
 

@@ -35,7 +35,7 @@ from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
 from teraio.profiling import forward_count
 from teraio.profiling.op_timing import StepProfiler, classify_inputs, profiling_split
-from teraio.units import format_bytes
+from teraio.sizes import format_size
 
 if TYPE_CHECKING:
     from teraio.config import BackendConfig
@@ -95,10 +95,10 @@ def describe_plan(plan: Plan) -> str:
     offloaded = len(plan.decisions) - len(plan.recomputes)
     parts = []
     if offloaded or not plan.recomputes:
-        parts.append(f"offloads {offloaded} tensors ({format_bytes(plan.moved_bytes)})")
+        parts.append(f"offloads {offloaded} tensors ({format_size(plan.moved_bytes)})")
     if plan.recomputes:
         parts.append(
-            f"recomputes {len(plan.recomputes)} ({format_bytes(plan.recomputed_bytes)}, "
+            f"recomputes {len(plan.recomputes)} ({format_size(plan.recomputed_bytes)}, "
             f"{plan.recompute_s * 1e3:.1f} ms)"
         )
     return ", ".join(parts) + " per step"

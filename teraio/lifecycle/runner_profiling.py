@@ -24,8 +24,8 @@ from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.steps import Invocation, InvocationEnd
 from teraio.profiling.op_timing import StepProfiler, profiling_split
 from teraio.profiling.transfer_probe import PROBE_STEPS, TransferProbe, probe_variants, round_trips_for
+from teraio.sizes import format_size
 from teraio.states.residency import add_fetched_parameters
-from teraio.units import format_bytes
 
 if TYPE_CHECKING:
     from teraio.lifecycle.runner import GraphRunner
@@ -68,7 +68,7 @@ class RunnerProfiling:
             len(a.fw_ops),
             len(a.bw_ops),
             len(a.groups),
-            format_bytes(saved_bytes),
+            format_size(saved_bytes),
         )
         plans = runner.backend.plans_from_file
         if plans:
@@ -237,8 +237,8 @@ class RunnerProfiling:
             log.info(
                 "%s: the kernels' memory peaks at %s (the op-by-op census: %s)",
                 self.runner.name,
-                format_bytes(prof.kernel_memory.peak_bytes),
-                format_bytes(
+                format_size(prof.kernel_memory.peak_bytes),
+                format_size(
                     max((b for r in prof.fwd_runs[:1] + prof.bwd_runs[:1] for b in r.live_bytes), default=0)
                 ),
             )

@@ -37,8 +37,8 @@ from teraio.lifecycle.runner import GraphRunner, describe_plan
 from teraio.lifecycle.steps import invocation_ordinals
 from teraio.planner.budget_split import GraphMemory, step_peak
 from teraio.planner.plan import Plan
+from teraio.sizes import format_size
 from teraio.states.residency import held_by_graphs, whole_step_budget_error
-from teraio.units import format_bytes
 
 if TYPE_CHECKING:
     from teraio.config import BackendConfig
@@ -136,7 +136,7 @@ class StepPlanner:
             plan.solver,
             time.perf_counter() - t0,
             describe_plan(plan),
-            format_bytes(plan.predicted_peak_bytes),
+            format_size(plan.predicted_peak_bytes),
             plan.predicted_step_s,
         )
         return plan
@@ -279,7 +279,7 @@ class _StepComposition:
         log.info(
             "planning %d graph(s) for a step budget of %s (%s; solver %s, time limit %.0f s per graph)",
             len(ready),
-            format_bytes(budget_bytes),
+            format_size(budget_bytes),
             planner.cfg.memory_budget,
             planner.cfg.solver.name,
             planner.cfg.solver.time_limit,
@@ -309,8 +309,8 @@ class _StepComposition:
             if failure is None and any(floors):
                 worst = max(range(len(floors)), key=lambda i: floors[i])
                 failure = BudgetError(
-                    f"memory_budget {format_bytes(budget_bytes)} cannot be met on rank {worst} (its smallest "
-                    f"achievable step peak is {format_bytes(floors[worst])}); every rank stops here: use a "
+                    f"memory_budget {format_size(budget_bytes)} cannot be met on rank {worst} (its smallest "
+                    f"achievable step peak is {format_size(floors[worst])}); every rank stops here: use a "
                     "budget of at least that",
                     smallest_peak_bytes=int(floors[worst]),
                 )
@@ -332,8 +332,8 @@ class _StepComposition:
             "the step holds %s outside teraio's graphs, more than memory_budget %s leaves beside them (%s); "
             "the graphs keep their plans and the step peaks above the budget: free what the loop holds "
             "through backward or raise the budget",
-            format_bytes(outside),
-            format_bytes(budget_bytes),
+            format_size(outside),
+            format_size(budget_bytes),
             failure,
         )
         kept = [n for n in self.nodes if n[0] in self.ready]
@@ -359,7 +359,7 @@ class _StepComposition:
             )[0]
             + planner.outside.bytes
         )
-        log.info("predicted step peak %s", format_bytes(planner.predicted_step_peak_bytes))
+        log.info("predicted step peak %s", format_size(planner.predicted_step_peak_bytes))
         if planner.whole_step is not None:  # Note: [The whole-step budget keeps some states in memory]
             whole_peak = planner.whole_step.plan(
                 budget_bytes, planner.predicted_step_peak_bytes, planner.cfg.solver.name, whole_unplanned
@@ -369,8 +369,8 @@ class _StepComposition:
             log.info(
                 "whole step: %s of parameters that stay, %s of states kept in memory by the plan, predicted "
                 "peak %s (budget %s)",
-                format_bytes(fixed),
-                format_bytes(kept.kept_bytes if kept is not None else 0),
-                format_bytes(whole_peak),
-                format_bytes(budget_bytes),
+                format_size(fixed),
+                format_size(kept.kept_bytes if kept is not None else 0),
+                format_size(whole_peak),
+                format_size(budget_bytes),
             )

@@ -23,7 +23,7 @@ StatesKeepOption = Literal["plan", "none"]
 
 
 def _nbytes(value: object, name: str) -> int:
-    from teraio.planner.sizes import SizeError, nbytes_of
+    from teraio.sizes import SizeError, nbytes_of
 
     try:
         return nbytes_of(value, name)

@@ -184,7 +184,7 @@ def test_sweep_table_and_csv(files, capsys):
     ("args", "fragment"),
     [
         (["--budget", "lots"], "does not parse"),
-        (["--budget", "100MB"], "smallest achievable peak is 190.73 MiB (200000000 bytes)"),
+        (["--budget", "100MB"], "smallest achievable peak is 191 MiB (200000000 bytes)"),
         (["--budget", "50%", "--solver", "magic"], "unknown solver 'magic'"),
         (["--budget", "50%", "--time-limit", "0"], "--time-limit must be positive"),
     ],

@@ -1,13 +1,12 @@
-"""The project's one size grammar: what a user may write for a number of bytes.
+"""The project's one size grammar and its one byte formatter: what a user may write for a number of
+bytes, and how a number of bytes is written back.
 
-This file exists twice, byte for byte: ``planner/sizes.py`` (``teraio.planner.sizes``) and
-``runtime/sizes.py`` (``teraio.runtime.sizes``). The planner and the runtime may not import each other
-(tests/test_packaging.py), and a third package for one small grammar would be a third thing to install
-and keep apart from both; so the grammar is one text kept in two places. It imports only the standard
-library, so the copy works unchanged in either package. tests/test_sizes.py fails when the two files
-differ by a byte, and when the planner's ``parse_size`` and the runtime's ``parse_nbytes`` (each wraps
-:func:`nbytes_of` in its own error type) disagree on any input of a shared table of accepted and refused
-sizes. Edit one file, copy it over the other.
+A leaf module: it imports only the standard library, so the planner (which may not import torch, the
+runtime or the rest of teraio), the runtime (which may not import the planner) and the training process
+all import it, and the grammar lives once (``tests/test_packaging.py`` lets ``teraio.planner`` and
+``teraio.runtime`` import this module and nothing else of teraio). The planner's ``parse_size`` and the
+runtime's ``parse_nbytes`` wrap :func:`nbytes_of` in their own error types; ``tests/test_sizes.py`` checks
+that they agree on a shared table of accepted and refused sizes.
 
 Accepted, in bytes:
 
@@ -89,3 +88,19 @@ def nbytes_of(value: int | float | str, what: str = "size") -> int:
     if not math.isfinite(number) or number < 0:
         raise SizeError(f"{what} {value!r} must be a finite, non-negative number of bytes")
     return int(round(number * UNIT_NBYTES[unit]))
+
+
+def format_size(nbytes: float | int | None) -> str:
+    """A number of bytes for people, in binary units with three significant figures: ``1536`` is
+    ``'1.5 KiB'``, ``200_000_000`` is ``'191 MiB'``, ``512`` is ``'512 B'``; None (a figure not measured)
+    is ``'-'``. Messages that must be exact say the bytes beside it."""
+    if nbytes is None:
+        return "-"
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B" or abs(value) >= 100:
+                return f"{value:.0f} {unit}"
+            return f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
