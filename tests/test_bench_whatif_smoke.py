@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_whatif
+from benchmarks import bench_whatif, whatif_report
 
 
 @pytest.mark.slow
@@ -80,8 +80,8 @@ def test_sweep_findings_name_where_more_drives_stop_helping():
             8: [row("greedy", 1.0, 0.80)],
         }
     }
-    (line, blank) = bench_whatif.sweep_findings(sweeps)
+    (line, blank) = whatif_report.sweep_findings(sweeps)
     assert line.startswith("- m b1, greedy: the activations' I/O gives 100.0% of ideal from 4 drives on")
     assert "(more drives, 8, add nothing to it)" in line
     assert "rises with every drive: 10.0% at 1, 20.0% at 2, 40.0% at 4, 80.0% at 8." in line
-    assert blank == "" and bench_whatif.sweep_findings({}) == []
+    assert blank == "" and whatif_report.sweep_findings({}) == []
