@@ -111,11 +111,14 @@ class TransferPricing:
         small sizes)."""
         if "ssd" not in self.cfg.tiers:
             return HardwareModel()
-        from teraio.profiling.disk_calibration import QUICK_NBYTES, calibrate
+        from teraio.profiling.disk_calibration import quick_calibration
 
         directory = calibration_runtime_config(self.cfg).dirs[0]
         t0 = time.perf_counter()
-        cal = calibrate(directory, nbytes=QUICK_NBYTES, checksum=bool(self.cfg.checksum))
+        cal, age_s = quick_calibration(directory, checksum=bool(self.cfg.checksum))
+        if age_s is not None:
+            log.info("reusing this process's calibration of %s from %.0f s ago", directory, age_s)
+            return cal.hardware_model()
         log.info(
             "calibrated %s in %.1f s: write %.2f GB/s, read %.2f GB/s, %.0f/%.0f us per request, "
             "%.0f us of compute per transfer%s",

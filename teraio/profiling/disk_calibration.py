@@ -337,6 +337,33 @@ def _round_trips_under_compute(directory: Path, pairs: int, checksum: bool = Tru
     return extra
 
 
+#: Note: [One quick calibration per directory and process]
+#:     ``hardware="calibrate"`` times the offload directory before a backend's first plan: tens of
+#:     seconds of CPU on a CPU-only machine (most of it the blocks of ``_round_trips_under_compute``),
+#:     and much longer while other processes load the cores. A process that makes several backends on
+#:     the same directory (``teraio demo``'s methods, a sweep of budgets, a notebook re-running a cell)
+#:     would pay it each time for figures that describe the same disk minutes apart. So the quick
+#:     calibration is kept per (directory, checksum) for ``QUICK_REUSE_S``; later backends reuse it and
+#:     log that they did. A disk's speed drifts over hours and days (docs/measured_facts.md), not
+#:     minutes; ``teraio calibrate`` always measures.
+QUICK_REUSE_S = 15 * 60.0
+_quick: dict[tuple[str, bool], tuple[float, Calibration]] = {}
+
+
+def quick_calibration(directory: str | os.PathLike, checksum: bool) -> tuple[Calibration, float | None]:
+    """The quick calibration of ``directory`` (``QUICK_NBYTES``), measured now or reused from this
+    process (Note: [One quick calibration per directory and process]); with its age in seconds when
+    reused, else None."""
+    key = (os.path.realpath(directory), bool(checksum))
+    now = time.monotonic()
+    kept = _quick.get(key)
+    if kept is not None and now - kept[0] < QUICK_REUSE_S:
+        return kept[1], now - kept[0]
+    cal = calibrate(directory, nbytes=QUICK_NBYTES, checksum=checksum)
+    _quick[key] = (time.monotonic(), cal)
+    return cal, None
+
+
 def accelerator_computes() -> bool:
     """Whether training computes on an accelerator here (then the host's I/O threads do not slow it)."""
     import torch

@@ -392,3 +392,31 @@ def test_hardware_calibrate_times_the_offload_directory_once_and_plans_with_it(m
     assert saved["name"] == hw.name
     assert saved["tiers"]["ssd"]["write_latency_s"] == hw.tiers["ssd"].write_latency_s > 0
     assert not [p for p in offload.iterdir() if p.name.startswith(".teraio-calibrate-")]
+
+
+def test_a_quick_calibration_is_reused_by_later_backends_of_the_process(monkeypatch, tmp_path) -> None:
+    """Note: [One quick calibration per directory and process]: the same directory and checksum setting
+    within ``QUICK_REUSE_S`` are timed once; another setting, another directory or an older calibration
+    are timed again."""
+    calls: list[tuple[str, bool]] = []
+
+    def counted(directory, **kw):  # the reuse, not the timing, is under test: a stand-in result
+        calls.append((str(directory), kw["checksum"]))
+        return object()
+
+    monkeypatch.setattr(teraio.profiling.disk_calibration, "calibrate", counted)
+    monkeypatch.setattr(teraio.profiling.disk_calibration, "_quick", {})
+    quick = teraio.profiling.disk_calibration.quick_calibration
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    first, age = quick(a, checksum=True)
+    assert age is None
+    again, age = quick(str(a) + "/.", checksum=True)  # the same directory, spelled differently
+    assert again is first and age is not None and age >= 0
+    quick(a, checksum=False)
+    quick(b, checksum=True)
+    assert calls == [(str(a), True), (str(a), False), (str(b), True)]
+    monkeypatch.setattr(teraio.profiling.disk_calibration, "QUICK_REUSE_S", 0.0)
+    assert quick(a, checksum=True)[1] is None
+    assert len(calls) == 4
