@@ -194,7 +194,8 @@ class BackendConfig:
 
     hardware: str | None = None
     """A HardwareModel JSON (``teraio calibrate --out``), "calibrate" (measure the offload directory before
-    the first plan, about a second), or None: the built-in model."""
+    the first plan, about a second on a quiet machine; later backends of the process reuse it for 15
+    minutes), or None: the built-in model."""
 
     run_dir: str | None = None
     """Where the run is recorded (config.json, stats.jsonl, graphN/ profiles and plans); None: nowhere."""
