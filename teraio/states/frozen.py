@@ -15,20 +15,30 @@ Note: [Frozen weights are read-only state]
     ``load_state_dict``, an edit under ``no_grad``), which its version counter shows when it is freed,
     and then it is written to its other slot and the old one dropped (one copy on disk at a time). With
     ``optimizer_in_backward`` a backward releases it at once instead of holding it for an update that
-    never comes. A graph's backward reads it back whenever that graph call has a backward, as a trained
-    parameter is: AOTAutograd saves the weight when an input of its matmul needs a gradient (a LoRA
-    adapter's input path runs through the frozen matmul), which is almost every frozen weight of a model
-    with adapters in every block; a weight only the forward needs is read for the backward too (one read
-    a step more than necessary for it, never a wrong value). So a frozen weight moves two reads a step and
-    no write, which is what the whole-step budget prices it at (``read_only_params`` in
-    teraio.planner.kept_states). Frozen weights smaller than ``min_param_bytes``, not owning their storage,
-    or used by eager code stay resident, as trained ones do.
+    never comes.
+
+Note: [A backward reads the frozen weights it saved]
+    A trained parameter is read back for its graph call's backward (its gradient needs it). A frozen
+    weight is needed there only when AOTAutograd saved it for the backward: the weight of a matmul whose
+    input needs a gradient (a LoRA adapter's input path runs through the frozen matmul, so that is most
+    of them), not a bias, nor the weight of a first layer whose input needs no gradient. Right after a
+    graph call's forward, while its parameters are still in memory, :func:`saved_by_backward` finds the
+    frozen weights whose storage the backward node saved (the saved tensor is the weight, or a view of
+    its storage); only those are read back (and read ahead) for that backward. When the saved tensors
+    cannot be looked at without running someone's code (``saved_tensors_hooks`` active: their unpack
+    may copy or read) or looking fails, every frozen weight of the call is read back, as a trained one
+    is: a read too many, never a missing weight. So a frozen weight moves one read a step, or two when a
+    backward saved it, and no write, which is what the whole-step budget prices it at
+    (``read_only_reads`` in teraio.planner.kept_states). Frozen weights smaller than
+    ``min_param_bytes``, not owning their storage, or used by eager code stay resident, as trained ones
+    do.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -44,6 +54,20 @@ def frozen_parameters(model: torch.nn.Module, trained: list[torch.nn.Parameter])
     return [p for p in model.parameters() if not p.requires_grad and id(p) not in held]
 
 
+def saved_by_backward(node: Any, params: dict[int, torch.Tensor]) -> set[int] | None:
+    """Note: [A backward reads the frozen weights it saved]: which of ``params`` (index -> a frozen weight
+    in memory now) the backward ``node`` saved; None: unknown (read them all)."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return None  # unpacking would run the hooks' code
+    try:
+        saved = node.saved_tensors
+    except Exception:  # noqa: BLE001 - not a node whose saved tensors can be looked at: read them all
+        return None
+    ptrs = {t.untyped_storage().data_ptr() for t in saved if isinstance(t, torch.Tensor)}
+    ptrs.discard(0)
+    return {i for i, p in params.items() if p.untyped_storage().data_ptr() in ptrs}
+
+
 @dataclass
 class FrozenWeights:
     """Which residency indices are frozen weights (Note: [Frozen weights are read-only state]), and the
@@ -56,6 +80,13 @@ class FrozenWeights:
     offloadable_nbytes: int = 0
     written_bytes: int = 0
     read_bytes: int = 0
+    #: Frozen weights some graph call's backward saved (Note: [A backward reads the frozen weights it
+    #: saved]): two reads a step; the others one.
+    read_in_backward: set[int] = field(default_factory=set)
+
+    def reads_per_step(self, idx: int) -> int:
+        """The reads a step makes of frozen weight ``idx`` when it is offloaded."""
+        return 2 if idx in self.read_in_backward else 1
 
     def __contains__(self, idx: int) -> bool:
         return idx >= self.first_idx
@@ -86,4 +117,5 @@ class FrozenWeights:
             "offloaded_bytes": offloaded_nbytes,
             "written_bytes": self.written_bytes,
             "read_bytes": self.read_bytes,
+            "read_in_backward": len(self.read_in_backward),
         }

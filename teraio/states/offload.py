@@ -339,14 +339,16 @@ class StateOffload:
         )
         if residency is not None and residency.frozen.count:
             # Note: [Frozen weights are read-only state] in teraio.states.frozen: parameters without a
-            # gradient or a state, read for forward and backward, never written by a step.
+            # gradient or a state, read for forward (and backward when it saved them), never written by a
+            # step.
             frozen = residency.frozen
-            moved = residency.frozen_offloaded_nbytes()
+            recs = {i: r for i, r in residency.records.items() if i in frozen}
             param = record["parameter"]
             param["tensors"] += frozen.count
             param["bytes"] += frozen.nbytes
-            param["offloaded_bytes"] += moved
-            record["traffic"]["parameter"]["read_bytes"] += 2 * moved
+            param["offloaded_bytes"] += sum(r.nbytes for r in recs.values())
+            reads = sum(frozen.reads_per_step(i) * r.nbytes for i, r in recs.items())
+            record["traffic"]["parameter"]["read_bytes"] += reads
         return record
 
     # -- checkpoints ---------------------------------------------------------------------------------

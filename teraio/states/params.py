@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 from teraio.states.errors import StatesError
-from teraio.states.frozen import FrozenWeights
+from teraio.states.frozen import FrozenWeights, saved_by_backward
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 log = logging.getLogger("teraio")
@@ -114,6 +114,9 @@ class ParamResidency:
         #: order decides the reads ahead of this step's.
         self._order: list[tuple[int, ...]] = []
         self._last_order: list[tuple[int, ...]] = []
+        #: Per graph call of ``_order``: the parameters its backward reads (Note: [A backward reads the
+        #: frozen weights it saved] in teraio.states.frozen).
+        self._bwd_order: list[tuple[int, ...]] = []
         self._hooks: list[Any] = []
         #: Note: [The optimizer step inside backward] in teraio.states.optimizer_stream: a backward keeps
         #: its parameters until each is updated (no read for the update), then the update releases it.
@@ -238,8 +241,10 @@ class ParamResidency:
         """Before a graph call's forward: read ahead the next call's parameters, fetch this call's."""
         if first_of_step:
             self._last_order, self._order = self._order or self._last_order, []
+            self._bwd_order = []
         pos = len(self._order)
         self._order.append(idxs)
+        self._bwd_order.append(idxs)
         if pos + 1 < len(self._last_order):
             self.prefetch(self._last_order[pos + 1])
         self.acquire(idxs)
@@ -247,8 +252,17 @@ class ParamResidency:
     def hook_backward(self, node: Any, idxs: tuple[int, ...]) -> None:
         """Fetch this call's parameters before its backward node runs and free them after it."""
         pos = len(self._order) - 1
-        order = self._order
+        order = self._bwd_order
         trained = tuple(i for i in idxs if i not in self.frozen)
+        frozen = {i: self.params[i] for i in idxs if i in self.frozen}
+        if frozen:  # Note: [A backward reads the frozen weights it saved] in teraio.states.frozen
+            saved = saved_by_backward(node, frozen)
+            needed = set(frozen) if saved is None else saved
+            self.frozen.read_in_backward |= needed
+            # Forward-only frozen weights leave with the forward's hold (released by the caller).
+            idxs = tuple(i for i in idxs if i not in frozen or i in needed)
+            if 0 <= pos < len(order):
+                order[pos] = idxs
 
         def before(grad_outputs: Any) -> None:
             if 0 < pos <= len(order) - 1:

@@ -11,7 +11,7 @@ Note: [The whole-step budget keeps some states in memory]
        ``states_min_param_bytes``, used by eager code, or all of them without ``offload_parameters``).
        With ``offload_parameters`` the parameters include the model's frozen weights (Note: [Frozen
        weights are read-only state] in teraio.states.frozen): no gradient, no state, and as items they
-       save two reads a step and no write.
+       save their reads (one or two a step) and no write.
     2. *The graphs*: the activation plans get the budget less the fixed part and the memory measured
        outside the graphs (the gradients backward hands to autograd, what the loop holds), as before;
        the offloaded parameters a graph fetches are in its own profile (the note below).
@@ -101,7 +101,11 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
         offloadable_params=movable,
         optimizer_in_backward=states.in_backward,
         held_by_graphs=held_by_graphs,
-        read_only_params=range(len(params), len(every)),
+        read_only_reads=(
+            {i: residency.frozen.reads_per_step(i) for i in range(len(params), len(every))}
+            if residency is not None
+            else None
+        ),
     )
     fixed = sum(n for i, n in enumerate(param_nbytes) if i not in movable)
     order = [i for i in states.step_order() if params[i].requires_grad]

@@ -68,6 +68,10 @@ class Run:
     frozen: dict[str, Any] = field(default_factory=dict)
     trained_offloaded_bytes: int = 0
     stats: dict[str, Any] = field(default_factory=dict)
+    #: Frozen weights a backward reads back (Note: [A backward reads the frozen weights it saved]) and
+    #: those that moved at all, by name.
+    bwd_names: set[str] = field(default_factory=set)
+    moved_names: set[str] = field(default_factory=set)
     peak_param_bytes: int = 0  # offloaded parameters (frozen and trained) in memory at once, at most
     materialized: dict[str, torch.Tensor] = field(default_factory=dict)
     reload: dict[str, Any] = field(default_factory=dict)
@@ -134,6 +138,11 @@ def train(
         )
         run.stats = be.stats()
         run.peak_param_bytes = be.states.stats()["peak_resident_bytes"]["parameter"]
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        run.bwd_names = {name_of[id(residency.params[i])] for i in residency.frozen.read_in_backward}
+        run.moved_names = {
+            name_of[id(residency.params[i])] for i in residency.records if i in residency.frozen
+        }
         with be.states.parameters_materialized():
             run.materialized = {n: p.detach().clone() for n, p in model.named_parameters()}
     run.state_dict = {n: t.detach().clone() for n, t in model.state_dict().items()}
@@ -177,12 +186,22 @@ def assert_same(ref: Run, got: Run) -> None:
 
 def assert_frozen_written_once(run: Run) -> None:
     """The frozen weights moved, were written once in total (the first time they left memory) and were
-    read back at every later step, for forward and backward."""
+    read back at every later step for forward, and for backward those the backward saved."""
     moved = run.frozen["offloaded_bytes"]
     assert moved > 0
     assert run.frozen_written == [moved] * STEPS  # written in step 1, never again
+    sizes = {n: t.numel() * t.element_size() for n, t in run.state_dict.items()}
+    bwd = sum(sizes[n] for n in run.bwd_names & run.moved_names)
     reads = [b - a for a, b in zip([0, *run.frozen_read], run.frozen_read)]
-    assert all(r == 2 * moved for r in reads[1:]), reads  # forward and backward, every step
+    assert all(r == moved + bwd for r in reads[1:]), (reads, moved, bwd)  # every step
+    # Note: [A backward reads the frozen weights it saved]: a bias's gradient needs nothing, and the first
+    # block's qkv input (the frozen embeddings) needs no gradient; every other block's weight carries its
+    # input's gradient back (the adapters before it need it).
+    assert not any(n.endswith(".base.bias") for n in run.bwd_names)
+    assert "blocks.0.qkv.base.weight" not in run.bwd_names
+    for b in range(1, CONFIG.layers):
+        for lin in ("qkv", "proj", "up", "down"):
+            assert f"blocks.{b}.{lin}.base.weight" in run.bwd_names
 
 
 @pytest.fixture(scope="module")
