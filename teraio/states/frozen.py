@@ -102,7 +102,7 @@ class FrozenWeights:
             self.offloadable_count,
             format_size(self.offloadable_nbytes),
             f"; {stay} ({format_size(self.nbytes - self.offloadable_nbytes)}) stay in memory (smaller than "
-            "min_param_bytes or sharing storage)"
+            "min_param_bytes, sharing storage, or of a tensor subclass such as a quantized weight)"
             if stay
             else "",
         )

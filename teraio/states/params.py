@@ -68,9 +68,11 @@ def param_key(idx: int, slot: int) -> str:
 
 def _owns_its_storage(p: torch.Tensor) -> bool:
     """A dense parameter whose storage holds exactly its elements: freeing that storage frees nothing
-    another tensor uses."""
+    another tensor uses. A tensor subclass (a quantized frozen base, a DTensor) keeps its bytes in inner
+    tensors the storage swap cannot reach."""
     return (
-        p.layout is torch.strided
+        type(p) in (torch.nn.Parameter, torch.Tensor)
+        and p.layout is torch.strided
         and p.is_contiguous()
         and p.storage_offset() == 0
         and p.untyped_storage().nbytes() == p.numel() * p.element_size()

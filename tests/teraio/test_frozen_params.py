@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 import teraio
+from teraio.runtime import RuntimeConfig
+from teraio.states.offload import StateOffload
 from teraio.tools.models.gpt import CONFIGS, GPT, synthetic_batch
 
 STEPS = 4
@@ -298,3 +300,35 @@ def test_lora_per_block_with_inductor(tmp_path_factory):
     got = train(tmp_path_factory.mktemp("ind"), True, inner="inductor")
     assert_same(ref, got)
     assert_frozen_written_once(got)
+
+
+class _Quantized(nn.Parameter):
+    """Stands for a quantized frozen base weight (bitsandbytes' Params4bit is a Parameter subclass)."""
+
+
+def test_setup_says_how_many_frozen_weights_move(tmp_path, caplog):
+    """One INFO line at setup; a frozen weight of a tensor subclass stays in memory and is counted so."""
+    model = lora_gpt()
+    head = model.head.weight
+    model.head.weight = _Quantized(head.detach().clone(), requires_grad=False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    with caplog.at_level("INFO", logger="teraio"):
+        states = StateOffload(
+            opt,
+            runtime_config=RuntimeConfig(dirs=[str(tmp_path)], backend="posix"),
+            model=model,
+            offload_parameters=True,
+            min_param_bytes=0,
+        )
+    try:
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        nbytes = sum(p.numel() * p.element_size() for p in frozen)
+        f = states.residency.frozen
+        assert (f.count, f.nbytes) == (len(frozen), nbytes)
+        assert f.offloadable_count == len(frozen) - 1
+        assert f.offloadable_nbytes == nbytes - head.numel() * head.element_size()
+        lines = [r.getMessage() for r in caplog.records if "frozen parameters" in r.getMessage()]
+        assert len(lines) == 1 and f"{len(frozen) - 1} frozen parameters" in lines[0]
+        assert "1 (" in lines[0] and "tensor subclass" in lines[0]
+    finally:
+        states.close()
