@@ -74,6 +74,8 @@ class Run:
     #: those that moved at all, by name.
     bwd_names: set[str] = field(default_factory=set)
     moved_names: set[str] = field(default_factory=set)
+    #: With a memory budget: the whole-step items of the frozen weights, by name: (bytes, moved a step).
+    frozen_items: dict[str, tuple[int, int]] = field(default_factory=dict)
     peak_param_bytes: int = 0  # offloaded parameters (frozen and trained) in memory at once, at most
     materialized: dict[str, torch.Tensor] = field(default_factory=dict)
     reload: dict[str, Any] = field(default_factory=dict)
@@ -143,6 +145,12 @@ def train(
         run.peak_param_bytes = be.states.stats()["peak_resident_bytes"]["parameter"]
         name_of = {id(p): n for n, p in model.named_parameters()}
         run.bwd_names = {name_of[id(residency.params[i])] for i in residency.frozen.read_in_backward}
+        if be.whole_step is not None and be.whole_step.memory is not None:
+            run.frozen_items = {
+                name_of[id(residency.params[it.param_idx])]: (it.nbytes, it.moved_bytes)
+                for it in be.whole_step.memory.items
+                if it.kind == "parameter" and it.param_idx in residency.frozen
+            }
         run.moved_names = {
             name_of[id(residency.params[i])] for i in residency.records if i in residency.frozen
         }
@@ -275,7 +283,7 @@ def test_lora_optimizer_in_backward(tmp_path_factory, reference):
 
 
 def test_whole_step_budget_counts_frozen_weights(tmp_path_factory, reference):
-    got = train(tmp_path_factory.mktemp("budget"), True, per_block=False, memory_budget="60%")
+    got = train(tmp_path_factory.mktemp("budget"), True, per_block=True, memory_budget="60%")
     assert_same(reference, got)
     whole = got.stats["whole_step"]
     frozen_bytes = sum(
@@ -288,8 +296,26 @@ def test_whole_step_budget_counts_frozen_weights(tmp_path_factory, reference):
     assert whole["state_bytes"] == frozen_bytes + 4 * trained_bytes
     kept = whole["kept"]
     params = kept["kept_bytes_by_kind"]["parameter"] + kept["offloaded_bytes_by_kind"]["parameter"]
-    assert params == frozen_bytes + trained_bytes  # every parameter is an item, frozen ones too
+    # Every parameter is an item or stays (the embeddings and head run eagerly), frozen ones too.
+    assert params + whole["fixed_bytes"] == frozen_bytes + trained_bytes
+    assert whole["fixed_bytes"] == sum(
+        t.numel() * t.element_size() for n, t in got.state_dict.items() if not n.startswith("blocks.")
+    )
     assert whole["measured_peak_bytes"] is not None
+    # Each frozen weight is priced at its reads a step and no write: two when a backward saved it.
+    assert got.frozen_items and set(got.frozen_items) <= set(got.frozen_names)
+    for name, (nbytes, moved) in got.frozen_items.items():
+        assert moved == (2 if name in got.bwd_names else 1) * nbytes, name
+    # Some frozen weights are kept (the first block's, whose own graph holds them anyway, and what fits
+    # beside them), the others stream:
+    # written once (in the first step, before the plan), never again, read every step they move.
+    kept_frozen = {n for n in got.frozen_items if n not in got.moved_names}
+    assert kept_frozen and got.moved_names
+    assert {n for n in got.frozen_names if n.startswith("blocks.0.")} <= kept_frozen
+    assert got.frozen_written[1:] == got.frozen_written[:1] * (STEPS - 1) and got.frozen_written[0] > 0
+    sizes = {n: t.numel() * t.element_size() for n, t in got.state_dict.items()}
+    last_step_reads = got.frozen_read[-1] - got.frozen_read[-2]
+    assert last_step_reads == sum(sizes[n] * (2 if n in got.bwd_names else 1) for n in got.moved_names)
 
 
 def test_lora_per_block_with_inductor(tmp_path_factory):
