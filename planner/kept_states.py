@@ -13,7 +13,9 @@ Note: [What keeping an item saves]
     The bytes a step moves for an offloaded item are those ``planner.model_states.offload_step_traffic``
     counts for it: an optimizer state is read and written once per step (2x its bytes); a parameter is
     read for forward, for backward and by the streamed step and written once (4x), or with
-    ``optimizer_in_backward`` read twice and written once (3x). (The streamed step's last chunk stays
+    ``optimizer_in_backward`` read twice and written once (3x); a frozen weight, never updated, is read for
+    forward, for backward when the backward saved it, and never written (2x or 1x: Note: [A backward
+    reads the frozen weights it saved] in teraio.states.frozen). (The streamed step's last chunk stays
     in memory for the next forward, one forward read fewer for a few parameters; the item ignores it,
     which overstates what keeping those saves by at most one chunk's parameter bytes.) Per byte of
     memory a parameter saves more than a state, and both save the same whatever their position in the
@@ -40,7 +42,7 @@ ratio-first greedy (most I/O saved per byte, larger first), whose result CP-SAT 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -125,12 +127,14 @@ def state_items(
     offloadable_params: Iterable[int],
     optimizer_in_backward: bool,
     held_by_graphs: Iterable[int] = (),
+    read_only_reads: Mapping[int, int] | None = None,
 ) -> list[StateItem]:
     """The items of a model (Note: [What keeping an item saves]): every parameter in
     ``offloadable_params`` (those ``offload_parameters`` may move) and every parameter's optimizer states
     with a non-zero size. ``param_nbytes[i]`` and ``state_nbytes[i]`` are parameter ``i``'s bytes and its
     states' total bytes; the parameters in ``held_by_graphs`` are in memory anyway while the graphs run
-    (Note: [Two moments bound the kept states])."""
+    (Note: [Two moments bound the kept states]); ``read_only_reads`` maps the frozen weights (never
+    written) to the reads a step makes of each."""
     if len(param_nbytes) != len(state_nbytes):
         raise StatePlanError(
             f"param_nbytes has {len(param_nbytes)} entries and state_nbytes {len(state_nbytes)}: "
@@ -138,13 +142,15 @@ def state_items(
         )
     reads = 2 if optimizer_in_backward else 3
     held = set(held_by_graphs)
+    read_only = dict(read_only_reads or {})
     items = []
     for i in sorted(set(offloadable_params)):
         if not 0 <= i < len(param_nbytes):
             raise StatePlanError(f"offloadable parameter {i} is not among the {len(param_nbytes)} parameters")
         n = _nonneg(param_nbytes[i], f"param_nbytes[{i}]")
+        moved = read_only[i] * n if i in read_only else (reads + 1) * n
         if n:
-            items.append(StateItem(i, "parameter", n, (reads + 1) * n, 0 if i in held else None))
+            items.append(StateItem(i, "parameter", n, moved, 0 if i in held else None))
     for i, s in enumerate(state_nbytes):
         if _nonneg(s, f"state_nbytes[{i}]"):
             items.append(StateItem(i, "optimizer_state", s, 2 * s))

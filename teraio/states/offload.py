@@ -5,7 +5,8 @@ It wires three pieces to one runtime engine: the gradient hooks (:mod:`teraio.st
 step (:mod:`teraio.states.optimizer_stream`) installed as the optimizer's ``step``, and the checkpoint
 hooks (``state_dict()`` reads the committed states back, ``load_state_dict()`` writes the loaded ones out).
 With ``offload_parameters=True`` a fourth piece, :class:`teraio.states.params.ParamResidency`, keeps the
-parameters compiled graphs take on disk between their uses.
+parameters compiled graphs take on disk between their uses, the model's frozen weights among them,
+read-only (:mod:`teraio.states.frozen`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from teraio.planner.budget import format_size
 from teraio.planner.model_states import offload_states_record
 from teraio.runtime import Engine, RuntimeConfig
 from teraio.states.errors import StatesError
+from teraio.states.frozen import frozen_parameters
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
 from teraio.states.params import ParamResidency
@@ -145,8 +147,11 @@ class StateOffload:
         self.residency: ParamResidency | None = None
         if offload_parameters:
             assert model is not None
-            self.residency = ParamResidency(self.store, self.params, min_param_bytes)
+            # Note: [Frozen weights are read-only state] in teraio.states.frozen
+            frozen = frozen_parameters(model, self.params)
+            self.residency = ParamResidency(self.store, self.params, min_param_bytes, frozen)
             self.residency.attach_module(model)
+            self.residency.frozen.log_setup()
             self.stream.residency = self.residency
             self.residency.hold_for_update = optimizer_in_backward
             if optimizer_in_backward:
@@ -283,9 +288,14 @@ class StateOffload:
         """Bytes moved (written + read) by kind, resident bytes now and at peak, and the I/O counters."""
         s = self.store.stats()
         moved = {k.value: s["written_bytes"][k.value] + s["read_bytes"][k.value] for k in Kind}
+        residency = self.residency
         return {
             "moved_bytes_by_kind": {"activation": 0, "parameter": 0, **moved},
             **s,
+            # Note: [Frozen weights are read-only state] in teraio.states.frozen (None: parameters resident)
+            "frozen_parameters": (
+                None if residency is None else residency.frozen.stats(residency.frozen_offloaded_nbytes())
+            ),
             "peak_resident_state_bytes": s["peak_resident_bytes"][Kind.OPTIMIZER_STATE.value],
             "step_peak_resident_state_bytes": self.store.counts.window_peak_resident[Kind.OPTIMIZER_STATE],
             "committed_steps": self.committed_steps,
@@ -300,8 +310,11 @@ class StateOffload:
         states the optimizer has not made yet are counted at the size its first step will make them."""
 
         param_nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        residency = self.residency
         offloaded_params = (
-            sum(r.nbytes for r in self.residency.records.values()) if self.residency is not None else 0
+            sum(r.nbytes for i, r in residency.records.items() if i not in residency.frozen)
+            if residency is not None
+            else 0
         )
         footprints = [self.stream.state_footprint(i) for i in range(len(self.params))]
         kept = 0
@@ -313,7 +326,7 @@ class StateOffload:
             if chunks:
                 recs = self.residency.records
                 kept = sum(recs[i].nbytes for i in chunks[-1].param_idxs if i in recs)
-        return offload_states_record(
+        record = offload_states_record(
             param_tensors=len(self.params),
             param_nbytes=param_nbytes,
             offloaded_param_nbytes=offloaded_params,
@@ -324,6 +337,19 @@ class StateOffload:
             optimizer_in_backward=self.in_backward,
             kept_param_nbytes=kept,
         )
+        if residency is not None and residency.frozen.count:
+            # Note: [Frozen weights are read-only state] in teraio.states.frozen: parameters without a
+            # gradient or a state, read for forward (and backward when it saved them), never written by a
+            # step.
+            frozen = residency.frozen
+            recs = {i: r for i, r in residency.records.items() if i in frozen}
+            param = record["parameter"]
+            param["tensors"] += frozen.count
+            param["bytes"] += frozen.nbytes
+            param["offloaded_bytes"] += sum(r.nbytes for r in recs.values())
+            reads = sum(frozen.reads_per_step(i) * r.nbytes for i, r in recs.items())
+            record["traffic"]["parameter"]["read_bytes"] += reads
+        return record
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _fill_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:

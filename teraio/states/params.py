@@ -18,7 +18,9 @@ Note: [When a parameter is resident]
     order). Between steps the streamed step holds them (Note: [The step streams in backward order] in
     teraio.states.optimizer_stream): it updates and writes each chunk, commits them with the optimizer's
     states, and keeps the last chunk (the first layers) resident for the next forward. Parameters under
-    ``min_nbytes`` (norms, biases) stay resident. A value changed outside the step (``load_state_dict``,
+    ``min_nbytes`` (norms, biases) stay resident. Frozen weights (``requires_grad=False``, not in the
+    optimizer) move the same way but read-only (Note: [Frozen weights are read-only state] in
+    teraio.states.frozen). A value changed outside the step (``load_state_dict``,
     an edit under ``no_grad``) is seen by its version counter when it is freed and written first.
 
 Note: [A parameter eager code uses stays resident]
@@ -52,6 +54,7 @@ from typing import Any
 import torch
 
 from teraio.states.errors import StatesError
+from teraio.states.frozen import FrozenWeights, saved_by_backward
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 log = logging.getLogger("teraio")
@@ -65,9 +68,11 @@ def param_key(idx: int, slot: int) -> str:
 
 def _owns_its_storage(p: torch.Tensor) -> bool:
     """A dense parameter whose storage holds exactly its elements: freeing that storage frees nothing
-    another tensor uses."""
+    another tensor uses. A tensor subclass (a quantized frozen base, a DTensor) keeps its bytes in inner
+    tensors the storage swap cannot reach."""
     return (
-        p.layout is torch.strided
+        type(p) in (torch.nn.Parameter, torch.Tensor)
+        and p.layout is torch.strided
         and p.is_contiguous()
         and p.storage_offset() == 0
         and p.untyped_storage().nbytes() == p.numel() * p.element_size()
@@ -81,18 +86,26 @@ class ParamResidency:
         store: the states' store (one engine, one byte count per kind).
         params: the optimizer's parameters, by index.
         min_nbytes: parameters smaller than this stay resident.
+        frozen: the model's frozen weights, indexed after ``params`` (Note: [Frozen weights are read-only
+            state] in teraio.states.frozen).
     """
 
-    def __init__(self, store: TensorStore, params: list[torch.nn.Parameter], min_nbytes: int) -> None:
+    def __init__(
+        self,
+        store: TensorStore,
+        params: list[torch.nn.Parameter],
+        min_nbytes: int,
+        frozen: list[torch.nn.Parameter] | None = None,
+    ) -> None:
         self.store = store
-        self.params = params
+        self.params = list(params) + list(frozen or ())
         #: Offloaded parameters: those a compiled graph took as inputs (Note: [When a parameter is
         #: resident]); the others (used only by eager code, say) stay in memory.
         self.records: dict[int, Record] = {}
         #: Parameters that may be offloaded, by ``id``: large enough, and owning their storage.
         self.index_of: dict[int, int] = {
             id(p): i
-            for i, p in enumerate(params)
+            for i, p in enumerate(self.params)
             if p.numel() * p.element_size() >= max(min_nbytes, 1) and _owns_its_storage(p)
         }
         self.uses: dict[int, int] = {}
@@ -103,6 +116,9 @@ class ParamResidency:
         #: order decides the reads ahead of this step's.
         self._order: list[tuple[int, ...]] = []
         self._last_order: list[tuple[int, ...]] = []
+        #: Per graph call of ``_order``: the parameters its backward reads (Note: [A backward reads the
+        #: frozen weights it saved] in teraio.states.frozen).
+        self._bwd_order: list[tuple[int, ...]] = []
         self._hooks: list[Any] = []
         #: Note: [The optimizer step inside backward] in teraio.states.optimizer_stream: a backward keeps
         #: its parameters until each is updated (no read for the update), then the update releases it.
@@ -115,6 +131,15 @@ class ParamResidency:
         self._leaving: set[int] = set()
         self._eager: set[int] = set()  # used by eager code: never offloaded again
         self._offloadable = frozenset(self.index_of.values())
+        n = len(params)
+        movable = [p for i, p in enumerate(self.params[n:], n) if i in self._offloadable]
+        self.frozen = FrozenWeights(
+            first_idx=n,
+            count=len(self.params) - n,
+            nbytes=sum(p.numel() * p.element_size() for p in self.params[n:]),
+            offloadable_count=len(movable),
+            offloadable_nbytes=sum(p.numel() * p.element_size() for p in movable),
+        )
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.kept: frozenset[int] = frozenset()
 
@@ -144,6 +169,8 @@ class ParamResidency:
             if rec.residency in (Residency.DISK, Residency.READING):
                 self.store.load(rec)
                 self._version[i] = rec.tensor._version
+                if i in self.frozen:
+                    self.frozen.read_bytes += rec.nbytes
 
     def release(self, idxs: tuple[int, ...]) -> None:
         """Drop one hold on each; a parameter no call holds any more leaves memory (written first when it
@@ -173,6 +200,8 @@ class ParamResidency:
         slot = 1 - int(old.rsplit("/", 1)[1]) if old is not None else 0
         self.store.write(rec, param_key(i, slot))
         rec.saved_key = self.store.finish_write(rec)
+        if i in self.frozen:  # Note: [Frozen weights are read-only state] in teraio.states.frozen
+            self.frozen.written_bytes += rec.nbytes
         rec.staged_key = None
         self._version[i] = rec.tensor._version
         if old is not None and old != rec.saved_key:
@@ -214,8 +243,10 @@ class ParamResidency:
         """Before a graph call's forward: read ahead the next call's parameters, fetch this call's."""
         if first_of_step:
             self._last_order, self._order = self._order or self._last_order, []
+            self._bwd_order = []
         pos = len(self._order)
         self._order.append(idxs)
+        self._bwd_order.append(idxs)
         if pos + 1 < len(self._last_order):
             self.prefetch(self._last_order[pos + 1])
         self.acquire(idxs)
@@ -223,20 +254,33 @@ class ParamResidency:
     def hook_backward(self, node: Any, idxs: tuple[int, ...]) -> None:
         """Fetch this call's parameters before its backward node runs and free them after it."""
         pos = len(self._order) - 1
-        order = self._order
+        order = self._bwd_order
+        trained = tuple(i for i in idxs if i not in self.frozen)
+        frozen = {i: self.params[i] for i in idxs if i in self.frozen}
+        if frozen:  # Note: [A backward reads the frozen weights it saved] in teraio.states.frozen
+            saved = saved_by_backward(node, frozen)
+            needed = set(frozen) if saved is None else saved
+            self.frozen.read_in_backward |= needed
+            # Forward-only frozen weights leave with the forward's hold (released by the caller).
+            idxs = tuple(i for i in idxs if i not in frozen or i in needed)
+            if 0 <= pos < len(order):
+                order[pos] = idxs
 
         def before(grad_outputs: Any) -> None:
             if 0 < pos <= len(order) - 1:
                 self.prefetch(order[pos - 1])  # the call whose backward comes next
             self.acquire(idxs)
-            if self.on_backward_start is not None:
-                self.on_backward_start(idxs)
+            if self.on_backward_start is not None and trained:
+                self.on_backward_start(trained)
 
         def after(grad_inputs: Any, grad_outputs: Any) -> None:
             if not self.hold_for_update:
                 self.release(idxs)
                 return
-            for i in idxs:  # one hold per parameter until its update (a repeated input holds once)
+            # Frozen weights get no update to wait for (Note: [Frozen weights are read-only state] in
+            # teraio.states.frozen): released now.
+            self.release(tuple(i for i in idxs if i in self.frozen))
+            for i in trained:  # one hold per parameter until its update (a repeated input holds once)
                 if i in self._held:
                     self.release((i,))
                 else:
@@ -350,7 +394,10 @@ class ParamResidency:
                 i = by_tensor.get(id(p))
                 key = prefix + name
                 if i is not None and i in self.records and key in state_dict:
-                    state_dict[key] = self.store.read_copy(self.records[i]).detach()
+                    rec = self.records[i]
+                    if i in self.frozen and rec.residency in (Residency.DISK, Residency.READING):
+                        self.frozen.read_bytes += rec.nbytes
+                    state_dict[key] = self.store.read_copy(rec).detach()
 
         return hook
 
@@ -367,6 +414,10 @@ class ParamResidency:
             self.store.forget(rec)
         self.records.clear()
         self.index_of.clear()
+
+    def frozen_offloaded_nbytes(self) -> int:
+        """Bytes of the frozen weights that move (adopted by a graph, not kept by the plan)."""
+        return sum(r.nbytes for i, r in self.records.items() if i in self.frozen)
 
     def offloaded_nbytes(self) -> int:
         """Bytes of the parameters that are not in memory now."""

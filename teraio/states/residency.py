@@ -9,6 +9,9 @@ Note: [The whole-step budget keeps some states in memory]
 
     1. *Fixed*: what stays in memory whatever the plan: parameters that cannot move (smaller than
        ``states_min_param_bytes``, used by eager code, or all of them without ``offload_parameters``).
+       With ``offload_parameters`` the parameters include the model's frozen weights (Note: [Frozen
+       weights are read-only state] in teraio.states.frozen): no gradient, no state, and as items they
+       save their reads (one or two a step) and no write.
     2. *The graphs*: the activation plans get the budget less the fixed part and the memory measured
        outside the graphs (the gradients backward hands to autograd, what the loop holds), as before;
        the offloaded parameters a graph fetches are in its own profile (the note below).
@@ -84,10 +87,13 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
     ``held_by_graphs``: parameters in memory anyway while the graphs run (Note: [Two moments bound the
     kept states] in teraio.planner.kept_states)."""
     params = states.params
-    param_nbytes = [_nbytes(p) for p in params]
-    state_nbytes = [states.stream.state_footprint(i)[1] for i in range(len(params))]
-    grad_bytes = sum(n for p, n in zip(params, param_nbytes) if p.requires_grad)
     residency = states.residency
+    # Note: [Frozen weights are read-only state] in teraio.states.frozen: indexed after the optimizer's.
+    every = residency.params if residency is not None else params
+    param_nbytes = [_nbytes(p) for p in every]
+    state_nbytes = [states.stream.state_footprint(i)[1] for i in range(len(params))]
+    state_nbytes += [0] * (len(every) - len(params))
+    grad_bytes = sum(n for p, n in zip(params, param_nbytes) if p.requires_grad)
     movable = set() if residency is None else set(residency.movable())
     items = state_items(
         param_nbytes=param_nbytes,
@@ -95,6 +101,11 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
         offloadable_params=movable,
         optimizer_in_backward=states.in_backward,
         held_by_graphs=held_by_graphs,
+        read_only_reads=(
+            {i: residency.frozen.reads_per_step(i) for i in range(len(params), len(every))}
+            if residency is not None
+            else None
+        ),
     )
     fixed = sum(n for i, n in enumerate(param_nbytes) if i not in movable)
     order = [i for i in states.step_order() if params[i].requires_grad]
@@ -152,6 +163,9 @@ def resident_state_bytes(states: StateOffload) -> int:
         seen.add(ptr)
         total += storage.nbytes()
 
+    residency = states.residency
+    for p in residency.params[len(states.params) :] if residency is not None else ():
+        count(p)  # frozen weights (Note: [Frozen weights are read-only state] in teraio.states.frozen)
     for p in states.params:
         count(p)
         count(p.grad)
