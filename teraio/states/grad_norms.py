@@ -83,6 +83,7 @@ from teraio.states.guarded import (
     evict_after_call,
     guard_of,
     load_for_call,
+    real,
     refuse_mutation,
 )
 
@@ -168,7 +169,8 @@ def serve_foreach_norm(func: Callable[..., Any], args: tuple[Any, ...], kwargs: 
         guard = guard_of(t)
         assert guard is not None and guard.record is not None and guard.store is not None
         rec, norms = guard.record, guard.store.grad_norms
-        if norms is not None and rec.kind.value == "gradient":
+        whole = not guard.view
+        if whole and norms is not None and rec.kind.value == "gradient":
             norms.wanted.add(kind)
             norms.chains[rec.param_idx] = list(rec.pending)
             hit = norms.cached(rec, kind)
@@ -177,10 +179,11 @@ def serve_foreach_norm(func: Callable[..., Any], args: tuple[Any, ...], kwargs: 
                 continue
         loaded = load_for_call([t])
         try:
-            n = _norm(rec.tensor, kind)
+            n = _norm(real(t), kind)
         finally:
             evict_after_call(loaded)
-        rec.norms[(kind, chain_signature(rec.pending))] = n
+        if whole:
+            rec.norms[(kind, chain_signature(rec.pending))] = n
         out[i] = n
     return tuple(out)
 
@@ -208,7 +211,7 @@ def serve_in_place(
     for t in mutated:
         guard = guard_of(t)
         assert guard is not None and guard.record is not None
-        if name not in PENDABLE_OPS or guard.record.kind.value != "gradient":
+        if name not in PENDABLE_OPS or guard.record.kind.value != "gradient" or guard.view:
             raise refuse_mutation(t, name)
     foreach = name.startswith("_foreach_") or name == UNSCALE
     selves = list(args[0]) if foreach else [args[0]]

@@ -143,6 +143,20 @@ def _value_key(a: Any) -> Any:
 
 
 @dataclass(eq=False)
+class ViewStep:
+    """A view op from a tensor: ``func(t, *rest, **kwargs)``, its output leaf ``leaf``."""
+
+    func: Callable[..., Any]
+    rest: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    leaf: int
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunctionSubclass():
+            return tree_flatten(self.func(t, *self.rest, **self.kwargs))[0][self.leaf]
+
+
+@dataclass(eq=False)
 class Guard:
     """What an :class:`OffloadedTensor` knows: its record and store, and the object it aliases."""
 
@@ -150,13 +164,14 @@ class Guard:
     record: Record
     #: The record's own tensor (``record.tensor`` when this guard's object is an alias of it).
     primary: torch.Tensor | None
+    #: The views from the record's tensor to this object (empty: the whole tensor).
+    view: tuple[ViewStep, ...] = ()
 
     def label(self) -> str:
         rec = self.record
         idx = "?" if rec.param_idx is None else rec.param_idx
-        if rec.name == "grad":
-            return f"the gradient of parameter {idx}"
-        return f"optimizer state {rec.name!r} of parameter {idx}"
+        what = "the gradient" if rec.name == "grad" else f"optimizer state {rec.name!r}"
+        return f"{'a view of ' if self.view else ''}{what} of parameter {idx}"
 
     def tracked(self) -> bool:
         rec = self.record
@@ -202,7 +217,7 @@ class OffloadedTensor(torch.Tensor):
             from teraio.states import grad_norms
 
             return grad_norms.serve_foreach_norm(func, args, kwargs)
-        return serve_read(func, leaves, spec)
+        return serve_read(func, args, kwargs, leaves, spec)
 
 
 def _guard_of(t: torch.Tensor) -> Guard:
@@ -254,8 +269,7 @@ def load_for_call(tensors: list[torch.Tensor]) -> list[tuple[Record, TensorStore
     from teraio.states.store import Residency
 
     loaded: list[tuple[Record, TensorStore]] = []
-    for t in tensors:
-        guard = _guard_of(t)
+    for guard in [_guard_of(t) for t in tensors]:  # all read before a load makes one of them plain
         rec, store = guard.record, guard.store
         assert rec is not None and store is not None
         if any(r is rec for r, _ in loaded):
@@ -272,35 +286,56 @@ def evict_after_call(loaded: list[tuple[Record, TensorStore]]) -> None:
 
 
 def real(t: Any) -> Any:
-    """The record's own tensor for a guarded object (its bytes loaded by the caller), else ``t``."""
+    """The record's own tensor for a guarded object, or its view of it (its bytes loaded by the
+    caller), else ``t``."""
     guard = guard_of(t)
     if guard is None:
         return t
-    assert guard.record is not None
-    return guard.record.tensor
+    out = guard.record.tensor
+    for step in guard.view:
+        out = step.apply(out)
+    return out
 
 
-def serve_read(func: Callable[..., Any], leaves: list[Any], spec: Any) -> Any:
-    """Note: [What a read of an offloaded tensor does]: load, run, evict; results are plain tensors with
-    their own memory (the record's own object comes back as itself)."""
+def serve_read(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], spec: Any
+) -> Any:
+    """Note: [What a read of an offloaded tensor does]: load, run, evict. A result over the bytes of the
+    first argument's record (a view) becomes a guarded view of it; any other result sharing loaded bytes
+    is copied; the record's own object comes back as itself."""
+    base = guard_of(args[0]) if args else None  # before the load makes the record's tensor plain
+    rest_guarded = any(type(x) is OffloadedTensor for x in tree_flatten((args[1:], kwargs))[0])
     loaded = load_for_call([x for x in leaves if type(x) is OffloadedTensor])
+    views: list[tuple[int, torch.Tensor]] = []
     try:
-        args, kwargs = tree_unflatten([real(x) for x in leaves], spec)
+        real_args, real_kwargs = tree_unflatten([real(x) for x in leaves], spec)
         with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **kwargs)
-        own = {id(r.tensor) for r, _ in loaded}
-        ptrs = {r.tensor.untyped_storage().data_ptr() for r, _ in loaded} - {0}
-        out_leaves, out_spec = tree_flatten(out)
-        copied = [
-            x.clone()
-            if isinstance(x, torch.Tensor) and id(x) not in own and x.untyped_storage().data_ptr() in ptrs
-            else x
-            for x in out_leaves
-        ]
-        out = tree_unflatten(copied, out_spec)
+            out = func(*real_args, **real_kwargs)
+            own = {id(r.tensor) for r, _ in loaded}
+            ptrs = {r.tensor.untyped_storage().data_ptr() for r, _ in loaded} - {0}
+            base_ptr = real_args[0].untyped_storage().data_ptr() if base is not None else None
+            out_leaves, out_spec = tree_flatten(out)
+            for i, x in enumerate(out_leaves):
+                if (
+                    not isinstance(x, torch.Tensor)
+                    or id(x) in own
+                    or x.untyped_storage().data_ptr() not in ptrs
+                ):
+                    continue
+                if x.untyped_storage().data_ptr() == base_ptr and not rest_guarded:
+                    views.append((i, x))
+                else:
+                    out_leaves[i] = x.clone()
     finally:
         evict_after_call(loaded)
-    return out
+    for i, x in views:  # the loaded bytes went with the eviction's new storage: these alias them
+        assert base is not None
+        with torch._C.DisableTorchFunctionSubclass():
+            x.untyped_storage().resize_(0)
+        step = ViewStep(func, args[1:], kwargs, i)
+        x.__dict__["_teraio_guard"] = Guard(base.store, base.record, base.primary, (*base.view, step))
+        x.__class__ = OffloadedTensor
+    return tree_unflatten(out_leaves, out_spec)
 
 
 # -- swapping the class ------------------------------------------------------------------------------------
@@ -331,6 +366,6 @@ def alias_of(t: torch.Tensor) -> torch.Tensor:
     guard = _guard_of(t)
     with torch._C.DisableTorchFunctionSubclass():
         out = t.detach()
-    out.__dict__["_teraio_guard"] = Guard(store=guard.store, record=guard.record, primary=guard.primary)
+    out.__dict__["_teraio_guard"] = Guard(guard.store, guard.record, guard.primary, guard.view)
     out.__class__ = OffloadedTensor
     return out
