@@ -23,11 +23,13 @@ Note: [What a read of an offloaded tensor does]
       write (its disk copy did not change). Every read is served rather than a chosen few: a norm,
       ``.item()``, ``.clone()``, ``print``, ``ema.lerp_(g, w)``, ``torch.save(g)`` all cost the same
       one read, and a list of reads worth serving would leave the others to crash or to a surprise
-      error. The results are plain tensors with their own memory: a view of an offloaded tensor
-      (``g[0]``, ``g.view(-1)``, ``g.T``) comes back as a copy, since the bytes it would alias leave
-      memory when the call returns; writing into such a copy does not change the tensor.
-    - ``.detach()`` and ``.data`` return another guarded object over the same record, so
-      ``p.grad.data.norm()`` is served and ``p.grad.data.mul_(c)`` does what ``p.grad.mul_(c)`` does.
+      error. The results are plain tensors with their own memory. A view of an offloaded tensor
+      (``g[0]``, ``g.view(-1)``, ``g.T``) is a guarded view: the op and its arguments are kept, and a
+      read of the view loads the record and takes the view again; a write through it is refused, since
+      the bytes it would change are on disk. A result that shares loaded bytes without being a view of
+      the first argument is copied. ``.detach()`` and ``.data`` return another guarded object over the
+      whole record, so ``p.grad.data.norm()`` is served and ``p.grad.data.mul_(c)`` does what
+      ``p.grad.mul_(c)`` does.
     - *Scaling and clamping an offloaded gradient* in place (``clip_grad_norm_``'s ``_foreach_mul_``,
       ``clip_grad_value_``'s clamps, a GradScaler's unscale) are deferred: the op and its arguments are
       recorded on the record as pending and replayed, same op and same arguments, whenever its bytes are
