@@ -75,7 +75,7 @@ class Record:
     """One offloaded tensor: the object others hold, and the engine key of its bytes on disk."""
 
     kind: Kind
-    tensor: torch.Tensor
+    tensor: torch.Tensor = field(repr=False)  # a repr of a guarded tensor reads it (teraio.states.guarded)
     nbytes: int
     #: The optimizer state's name ("exp_avg"), or "grad".
     name: str = "grad"
@@ -95,10 +95,10 @@ class Record:
     tracked: bool = True
     #: In-place ops deferred while its bytes are on disk, replayed on every load (Note: [What a read of
     #: an offloaded tensor does] in teraio.states.guarded); cleared by a write.
-    pending: list[Any] = field(default_factory=list)
+    pending: list[Any] = field(default_factory=list, repr=False)
     #: Norms of its value taken before its write, by (order, dtype) and chain of pending ops (Note:
     #: [Norms are taken before the write] in teraio.states.grad_norms).
-    norms: dict[Any, torch.Tensor] = field(default_factory=dict)
+    norms: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def guards_reads(self) -> bool:

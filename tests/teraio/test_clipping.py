@@ -191,13 +191,14 @@ def test_clipping_with_the_update_inside_backward_is_refused_in_one_line(tmp_pat
         io_backend="posix",
     )
     compiled = torch.compile(model, backend=be)
+    scaler = torch.amp.GradScaler("cpu")
     try:
-        compute_loss(compiled, w, 0).backward()
+        scaler.scale(compute_loss(compiled, w, 0)).backward()
         assert all(p.grad is None for p in model.parameters())  # consumed inside backward
         for clip in (
             lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0),
             lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1.0),
-            lambda: torch.amp.GradScaler("cpu").unscale_(opt),
+            lambda: scaler.unscale_(opt),
         ):
             with pytest.raises(
                 StatesError, match="optimizer_in_backward=True applies each in backward"
