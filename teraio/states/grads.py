@@ -8,11 +8,13 @@ the leaf, ``param.register_hook``) reads it back into the same object first, so 
 the same values as without teraio. ``zero_grad(set_to_none=True)`` drops the disk copies: no I/O.
 
 Note: [Gradients stay readable unless asked]
-    An offloaded gradient keeps its object over an empty storage, and reading it (gradient clipping,
-    logging a norm between ``backward()`` and ``step()``) reads a null pointer: on CPU the process dies
-    with SIGSEGV. Nothing in torch lets teraio catch that read, so gradients move only when the user
-    asks for it (``offload_gradients=True``) and promises not to touch ``param.grad`` before the step;
-    by default only the optimizer's states move, which nothing outside the step reads.
+    An offloaded gradient keeps its object over an empty storage. Reads of it between ``backward()`` and
+    ``step()`` are guarded (Note: [What a read of an offloaded tensor does] in teraio.states.guarded):
+    gradient clipping and a GradScaler are answered without I/O (Note: [Norms are taken before the
+    write] in teraio.states.grad_norms), any other read costs a read of that gradient. Gradients still
+    move only when the user asks (``offload_gradients=True``): a loop that reads its gradients in other
+    ways pays a read per read, and by default only the optimizer's states move, which nothing outside
+    the step reads.
 
 Note: [Gradient writes are bounded during backward]
     Writes run in the background while backward goes on; each hook first frees the gradients whose
@@ -30,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from teraio.states.grad_norms import GradNorms, watch_in_backward
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 
@@ -62,6 +65,13 @@ class GradOffload:
         self._callback_queued = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self.enabled = True
+        #: Note: [Norms are taken before the write] in teraio.states.grad_norms.
+        self.norms = GradNorms()
+        if offload:
+            store.grad_norms = self.norms
+        #: Note: [Clipping when the update runs in backward] in teraio.states.grad_norms: parameters whose
+        #: gradient an update inside backward consumed since the last ``zero_grad``.
+        self.consumed: set[int] = set()
         for idx, p in enumerate(params):
             self._handles.append(p.register_hook(self._before_accumulate_hook(idx)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._after_accumulate_hook(idx)))
@@ -113,6 +123,7 @@ class GradOffload:
 
     def _before_accumulate(self, idx: int) -> None:
         """A new gradient for ``params[idx]`` arrives: bring the accumulated one back first."""
+        self.consumed.discard(idx)
         rec = self.current(idx)
         if rec is None:
             return
@@ -143,7 +154,9 @@ class GradOffload:
             self.arrival_order.append(idx)
         grad = self.params[idx].grad
         if grad is not None and self.on_complete is not None:
+            watch_in_backward(self)
             self.on_complete(idx)
+            self.consumed.add(idx)
             return
         if grad is None or not self.offload:
             return
@@ -151,8 +164,9 @@ class GradOffload:
         if rec is None or rec.tensor is not grad:
             if rec is not None:
                 self._forget(idx)
-            rec = self.records[idx] = self.store.new_record(Kind.GRADIENT, grad)
+            rec = self.records[idx] = self.store.new_record(Kind.GRADIENT, grad, param_idx=idx)
         self.store.mark_changed(rec)
+        self.norms.fill(rec)  # Note: [Norms are taken before the write] in teraio.states.grad_norms
         self.store.write(rec, grad_key(idx))
         self._writing.append(idx)
         self._writing_bytes += rec.nbytes
@@ -191,6 +205,7 @@ class GradOffload:
     def zero_grad(self, set_to_none: bool) -> None:
         """Before the stock ``zero_grad``: drop every disk copy (no I/O); with ``set_to_none=False`` give
         the offloaded gradients zeroed memory, as the stock call expects tensors it can zero."""
+        self.consumed.clear()
         for idx in list(self.records):
             rec = self.current(idx)
             if rec is None:

@@ -48,7 +48,9 @@ Note: [The optimizer step inside backward]
     contributes to that gradient first), so the result is the same, bit for bit, as the update after
     backward. ``opt.step()`` then commits what backward wrote (Note: [A step commits all of its states
     or none]); a second backward before it (gradient accumulation) is refused in one line, and clipping
-    or a GradScaler cannot work, since the gradients are gone when backward returns.
+    or a GradScaler cannot work, since the gradients are gone when backward returns: ``param.grad`` then
+    holds a placeholder whose first read raises one line (Note: [Clipping when the update runs in
+    backward] in teraio.states.guarded).
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class StreamedStep:
         for name, v in self._offloaded_items(idx):
             rec = recs.get(name)
             if rec is None:
-                rec = recs[name] = self.store.new_record(Kind.OPTIMIZER_STATE, v, name)
+                rec = recs[name] = self.store.new_record(Kind.OPTIMIZER_STATE, v, name, param_idx=idx)
             elif rec.tensor is not v:
                 self.store.adopt(rec, v)
             self.store.mark_changed(rec)
@@ -212,7 +214,7 @@ class StreamedStep:
         committed there, their memory freed."""
         fresh: list[Record] = []
         for i, name, v in items:
-            rec = self.store.new_record(Kind.OPTIMIZER_STATE, v, name)
+            rec = self.store.new_record(Kind.OPTIMIZER_STATE, v, name, param_idx=i)
             self.records.setdefault(i, {})[name] = rec
             self.store.write(rec, state_key(i, name, 0))
             fresh.append(rec)

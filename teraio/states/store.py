@@ -15,9 +15,14 @@ Note: [Offloaded tensors keep their object, not their storage]
     updates the buffer in place, and autograd accumulates into it, without the engine ever serving the
     changed bytes as the key's. Eviction points the tensor at a fresh empty storage rather than resizing
     its storage in place: a gradient autograd handed over may share its storage with other tensors,
-    which must keep theirs. Reading an evicted tensor directly is invalid (on CPU it reads a null
-    pointer): code that wants the values goes through ``optimizer.state_dict()`` or
-    :meth:`teraio.states.StateOffload.gradient`.
+    which must keep theirs. A kernel reading an evicted tensor would read a null pointer (on CPU the
+    process dies), so an evicted gradient or optimizer state is guarded while its bytes are only on
+    disk: its class is swapped and every torch call with it is served, deferred or refused in one line
+    (Note: [What a read of an offloaded tensor does] in teraio.states.guarded). Every path that gives a
+    record memory again (``load``, ``make_resident_zeros``) makes it a plain tensor first and replays
+    its pending ops (an in-place scale or clamp deferred while it was on disk) after: its memory is
+    then its value, and a write clears them. An offloaded parameter is not guarded (Note: [Reading an
+    offloaded parameter] in teraio.states.params).
 
 Note: [Device bytes of the store go through the engine's Device]
     On a GPU the store's own moves of device bytes are stream work: refilling a parameter's storage
@@ -35,12 +40,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from teraio.runtime import Engine, Handle
 from teraio.runtime.device import Device
+from teraio.states import guarded
+
+if TYPE_CHECKING:
+    from teraio.states.grad_norms import GradNorms
 
 
 class Kind(Enum):
@@ -66,7 +75,7 @@ class Record:
     """One offloaded tensor: the object others hold, and the engine key of its bytes on disk."""
 
     kind: Kind
-    tensor: torch.Tensor
+    tensor: torch.Tensor = field(repr=False)  # a repr of a guarded tensor reads it (teraio.states.guarded)
     nbytes: int
     #: The optimizer state's name ("exp_avg"), or "grad".
     name: str = "grad"
@@ -80,6 +89,21 @@ class Record:
     #: new one: a parameter, whose storage autograd's saved tensors share (Note: [A parameter keeps its
     #: storage object] in teraio.states.params).
     in_place: bool = False
+    #: The index of the parameter it belongs to (in the optimizer's order), for messages.
+    param_idx: int | None = None
+    #: False once the store stopped tracking it (``forget``): a guarded object of it raises on reads.
+    tracked: bool = True
+    #: In-place ops deferred while its bytes are on disk, replayed on every load (Note: [What a read of
+    #: an offloaded tensor does] in teraio.states.guarded); cleared by a write.
+    pending: list[Any] = field(default_factory=list, repr=False)
+    #: Norms of its value taken before its write, by (order, dtype) and chain of pending ops (Note:
+    #: [Norms are taken before the write] in teraio.states.grad_norms).
+    norms: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def guards_reads(self) -> bool:
+        """Guarded while on disk (teraio.states.guarded): gradients and optimizer states."""
+        return self.kind is not Kind.PARAMETER and not self.in_place
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -156,6 +180,8 @@ class TensorStore:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.counts = ByteCounts()
+        #: The gradients' norms (teraio.states.grad_norms), when gradients are offloaded.
+        self.grad_norms: GradNorms | None = None
 
     def _device(self, t: torch.Tensor) -> Device | None:
         """The engine's Device when ``t`` is its memory (None for host memory: plain torch calls)."""
@@ -180,10 +206,17 @@ class TensorStore:
         """Start a new window for ``counts.window_peak_resident`` at the bytes resident now."""
         self.counts.window_peak_resident = dict(self.counts.resident)
 
-    def new_record(self, kind: Kind, tensor: torch.Tensor, name: str = "grad") -> Record:
+    def new_record(
+        self, kind: Kind, tensor: torch.Tensor, name: str = "grad", param_idx: int | None = None
+    ) -> Record:
         """A record for a tensor that is in memory now (counted resident)."""
         rec = Record(
-            kind=kind, tensor=tensor, nbytes=tensor_nbytes(tensor), name=name, residency=Residency.DISK
+            kind=kind,
+            tensor=tensor,
+            nbytes=tensor_nbytes(tensor),
+            name=name,
+            residency=Residency.DISK,
+            param_idx=param_idx,
         )
         self._set(rec, Residency.MEMORY)
         return rec
@@ -193,11 +226,15 @@ class TensorStore:
         self._set(rec, Residency.DISK)
         rec.tensor = tensor
         rec.nbytes = tensor_nbytes(tensor)
+        rec.pending.clear()
+        rec.norms.clear()
         self._set(rec, Residency.MEMORY)
 
     def forget(self, rec: Record) -> None:
-        """Stop tracking ``rec`` (its tensor is no longer ours); its keys are the caller's to drop."""
+        """Stop tracking ``rec`` (its tensor is no longer ours); its keys are the caller's to drop. A
+        guarded object of it raises on reads from now on (its bytes are gone)."""
         self._set(rec, Residency.DISK)
+        rec.tracked = False
 
     # -- moves ------------------------------------------------------------------------------------
     def write(self, rec: Record, key: str) -> None:
@@ -208,6 +245,7 @@ class TensorStore:
             rec.saved_key = None  # the engine drops the old bytes of the key first
         rec.handle = self.engine.offload(key, rec.tensor)
         rec.staged_key = key
+        rec.pending.clear()  # replayed into the bytes written
         self._set(rec, Residency.WRITING)
 
     def write_done(self, rec: Record) -> bool:
@@ -249,7 +287,10 @@ class TensorStore:
         if rec.in_place:
             _fill_in_place(rec.tensor, fetched, self._device(rec.tensor))
         else:
+            guarded.release(rec.tensor)
             _point_at(rec.tensor, fetched)
+            for op in rec.pending:  # its value is its disk copy with them applied
+                op.apply(rec.tensor)
         del fetched
         self.counts.read[rec.kind] += rec.nbytes
         self._set(rec, Residency.SAVED)
@@ -263,6 +304,8 @@ class TensorStore:
         assert rec.saved_key is not None
         out = self.engine.fetch(rec.saved_key, exclusive=True)
         self.counts.read[rec.kind] += rec.nbytes
+        for op in rec.pending:
+            op.apply(out)
         return out
 
     def drain_read(self, rec: Record) -> None:
@@ -282,6 +325,8 @@ class TensorStore:
             raise AssertionError(f"evicting a record in state {rec.residency.value}: its bytes would be lost")
         _free(rec, self._device(rec.tensor))
         self._set(rec, Residency.DISK)
+        if rec.guards_reads:
+            guarded.protect(rec, self)
 
     def discard(self, rec: Record) -> None:
         """Free the record's memory whatever it held (a failed step's values); a write in flight is
@@ -297,6 +342,8 @@ class TensorStore:
         if rec.residency is not Residency.DISK:
             _free(rec, self._device(rec.tensor))
             self._set(rec, Residency.DISK)
+            if rec.guards_reads:
+                guarded.protect(rec, self)
 
     def make_resident_zeros(self, rec: Record) -> None:
         """Give an evicted record fresh zeroed memory (``zero_grad(set_to_none=False)``: no read)."""
@@ -304,11 +351,16 @@ class TensorStore:
             self.drain_read(rec)
         if rec.residency is Residency.DISK:
             t = rec.tensor
+            guarded.release(t)
             _point_at(t, torch.zeros_like(t, memory_format=torch.preserve_format))
+            rec.pending.clear()
+            rec.norms.clear()
             self._set(rec, Residency.MEMORY)
 
     def mark_changed(self, rec: Record) -> None:
-        """The record's tensor is about to change in memory: its saved bytes stop being its copy."""
+        """The record's tensor is about to change in memory: its saved bytes stop being its copy (and
+        its norms its norms)."""
+        rec.norms.clear()
         if rec.residency is Residency.SAVED:
             self._set(rec, Residency.MEMORY)
 
