@@ -204,6 +204,9 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         rss_before_backward = proc_status_bytes("VmRSS")
         first_grad_rss.clear()
         loss.backward()
+        clip_norm = None
+        if spec.get("clip") is not None:  # between backward and step, as every LLM recipe clips
+            clip_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"]))
         t2 = time.perf_counter()
         opt.step()
         t3 = time.perf_counter()
@@ -222,7 +225,8 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
                 "loss_bits": f32_bits(loss.detach()),
                 "step_s": t4 - t0,
                 "forward_s": t1 - t0,
-                "backward_s": t2 - t1,
+                "backward_s": t2 - t1,  # with --clip, the clip's call too
+                "clip_norm": clip_norm,
                 "optimizer_step_s": t3 - t2,
                 "zero_grad_s": t4 - t3,
                 "cpu_s": cpu_s,
@@ -330,6 +334,7 @@ def run(
     optimizer_in_backward: bool = False,
     budget: str | None = None,
     cpu_malloc: str = "retain",
+    clip: float | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -371,6 +376,7 @@ def run(
         "optimizer_in_backward": optimizer_in_backward,
         "budget": budget,
         "cpu_malloc": cpu_malloc,
+        "clip": clip,
     }
     try:
         child = run_train_child(spec)
@@ -490,6 +496,7 @@ def run(
             "compiled": "each block" if offload_parameters else "the whole model",
             "states_chunk_bytes": chunk_bytes,
             "cpu_malloc": child.get("cpu_malloc", "release"),
+            "clip_grad_norm": clip,
             "optimizer": f"AdamW(lr={LR})",
             "steps": steps,
         },
@@ -604,6 +611,14 @@ def main(argv: list[str] | None = None) -> int:
         "allocator would not; resident memory then stays at its high mark. release: the C library's "
         "defaults",
     )
+    p.add_argument(
+        "--clip",
+        type=float,
+        default=None,
+        metavar="MAX_NORM",
+        help="torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) between backward and opt.step() "
+        "every step (the offloaded gradients' norms are taken before they are written: no extra I/O)",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -624,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         keep_free = parse_nbytes(args.keep_free, what="--keep-free")
         if args.out is not None:
             check_output_file(args.out, overwrite=True, option="--out")
+        if args.clip is not None and not args.clip > 0:
+            raise ValueError(f"--clip must be a positive max norm, not {args.clip}")
+        if args.clip is not None and args.optimizer_in_backward:
+            raise ValueError(
+                "--clip needs the gradients after backward; --optimizer-in-backward applies each inside it"
+            )
         if args.keep_parameters and args.offload_parameters:
             raise ValueError("--keep-parameters and --offload-parameters contradict each other: give one")
     except (ValueError, OutputError) as exc:
@@ -642,6 +663,7 @@ def main(argv: list[str] | None = None) -> int:
             budget=args.budget,
             optimizer_in_backward=args.optimizer_in_backward,
             cpu_malloc=args.cpu_malloc,
+            clip=args.clip,
         )
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -12,8 +12,12 @@ def test_bench_states_tiny(capsys, tmp_path) -> None:
     data = tmp_path / "offload"
     out_file = tmp_path / "report.json"
     argv = ["--config", "tiny", "--dir", str(data), "--steps", "3", "--io-size", "1MiB", "--json"]
-    assert bench_states.main([*argv, "--keep-parameters", "--out", str(out_file)]) == 0
+    # Clipping every step: the gradients' norms are taken before they are written, so from the second
+    # step on a step reads each gradient once, as without --clip (the assertions below).
+    assert bench_states.main([*argv, "--keep-parameters", "--clip", "1.0", "--out", str(out_file)]) == 0
     r = json.loads(capsys.readouterr().out)
+    assert r["options"]["clip_grad_norm"] == 1.0
+    assert all(s["clip_norm"] > 0 for s in r["per_step"])
     assert json.loads(out_file.read_text())["state_bytes"] == r["state_bytes"]
     for key in ("state_bytes", "peak_rss_bytes", "compute_s", "io_lower_bound_s", "median_step_s"):
         assert r[key] > 0, key
@@ -41,9 +45,11 @@ def test_bench_states_bad_args_are_one_line(capsys, tmp_path) -> None:
     assert bench_states.main(["--config", "tiny", "--out", str(tmp_path / "missing" / "r.json")]) == 2
     assert bench_states.main(["--config", "tiny", "--budget", "150%"]) == 2
     assert bench_states.main(["--config", "tiny", "--keep-parameters", "--offload-parameters"]) == 2
+    assert bench_states.main(["--config", "tiny", "--clip", "0"]) == 2
+    assert bench_states.main(["--config", "tiny", "--clip", "1", "--optimizer-in-backward"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 4 and "--steps" in err and "does not exist" in err and "--budget" in err
-    assert "contradict" in err
+    assert err.count("\n") == 6 and "--steps" in err and "does not exist" in err and "--budget" in err
+    assert "contradict" in err and "positive max norm" in err and "inside it" in err
 
 
 def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:
