@@ -37,6 +37,7 @@ from teraio.lifecycle.runner import GraphRunner, describe_plan
 from teraio.lifecycle.steps import invocation_ordinals
 from teraio.planner.budget_split import GraphMemory, step_peak
 from teraio.planner.plan import Plan
+from teraio.planner.profile import Profile
 from teraio.sizes import format_size
 from teraio.states.residency import held_by_graphs, whole_step_budget_error
 
@@ -111,15 +112,22 @@ class StepPlanner:
         return calls
 
     def solve(
-        self, runner: GraphRunner, budget: int | str, solver: str | None = None, quiet: bool = False
+        self,
+        runner: GraphRunner,
+        budget: int | str,
+        solver: str | None = None,
+        quiet: bool = False,
+        profile: Profile | None = None,
     ) -> Plan:
-        """One graph's plan for ``budget`` (bytes, or "auto"), by ``solver`` (default: the configured)."""
+        """One graph's plan for ``budget`` (bytes, or "auto"), by ``solver`` (default: the configured), from
+        ``profile`` (default: the runner's; Note: [A call's saved tensors leave while the next blocks run]
+        in teraio.planner.budget_split gives it another)."""
         from teraio.planner.solve import default_recompute, solve
 
         name = solver or self.cfg.solver.name
         t0 = time.perf_counter()
         plan = solve(
-            runner.profile,
+            profile if profile is not None else runner.profile,
             budget=budget,
             solver=name,
             hardware=self.hardware_model(),
@@ -182,7 +190,8 @@ class _StepComposition:
     lifetimes: dict[GraphRunner, Lifetimes] = field(default_factory=dict)
     memory: dict[Node, GraphMemory] = field(default_factory=dict)  # as planned before this planning
     plans: dict[Node, Plan] = field(default_factory=dict)
-    solved: dict[tuple[GraphRunner, int, bool], Plan] = field(default_factory=dict)  # one plan per budget
+    #: One plan per budget (and bytes it frees at its first backward op).
+    solved: dict[tuple[GraphRunner, int, bool, int], Plan] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from teraio.planner.lifetimes import analyse
@@ -215,17 +224,35 @@ class _StepComposition:
             return GraphMemory(self.lifetimes[r].baseline_peak_bytes, held_bytes(r, None))
         return GraphMemory(plan.predicted_peak_bytes, held_bytes(r, plan))
 
-    def plan_graph(self, n: Node, b: int, fast: bool) -> GraphMemory:
-        """Plan ``n``'s graph for ``b`` bytes (greedy when ``fast``); graphs not being planned keep theirs."""
+    def plan_graph(self, n: Node, b: int, fast: bool, reduce_bytes: int = 0) -> GraphMemory:
+        """Plan ``n``'s graph for ``b`` bytes (greedy when ``fast``), freeing at least ``reduce_bytes`` at
+        its first backward op (Note: [A call's saved tensors leave while the next blocks run] in
+        teraio.planner.budget_split); graphs not being planned keep theirs."""
+        from teraio.planner.budget import BudgetError
+        from teraio.planner.budget_split import held_cap_profile
+
         r = n[0]
         if r not in self.ready:
             return self.memory[n]
-        if (r, b, fast) not in self.solved:
-            self.solved[(r, b, fast)] = self.planner.solve(
-                r, b, solver="greedy" if fast else None, quiet=fast
-            )
-        self.plans[n] = self.solved[(r, b, fast)]
+        key = (r, b, fast, reduce_bytes)
+        if key not in self.solved:
+            solver = "greedy" if fast else None
+            if reduce_bytes > 0:
+                capped = held_cap_profile(r.profile, self.lifetimes[r], b, reduce_bytes)
+                try:
+                    self.solved[key] = self.planner.solve(r, b, solver=solver, quiet=fast, profile=capped)
+                except BudgetError:  # not within the budget that way: the graph's own plan
+                    self.solved[key] = self.plan_graph_solved(r, b, fast)
+            else:
+                self.solved[key] = self.plan_graph_solved(r, b, fast)
+        self.plans[n] = self.solved[key]
         return self.memory_of(n, self.plans[n])
+
+    def plan_graph_solved(self, r: GraphRunner, b: int, fast: bool) -> Plan:
+        key = (r, b, fast, 0)
+        if key not in self.solved:
+            self.solved[key] = self.planner.solve(r, b, solver="greedy" if fast else None, quiet=fast)
+        return self.solved[key]
 
     def min_held(self, n: Node) -> int:
         """The least a call of ``n`` can hold between forward and backward (everything movable moved)."""
@@ -288,7 +315,8 @@ class _StepComposition:
         last_forward = {n: j for j, (n, k, _) in enumerate(self.node_calls) if k == "fwd"}
         failure: BudgetError | None = None
         try:
-            step_budget.split_budget(
+            # Note: [A call's saved tensors leave while the next blocks run] in teraio.planner.budget_split
+            step_budget.split_budget_holding_less(
                 self.node_calls,
                 graphs_budget,
                 self.memory,
@@ -298,6 +326,10 @@ class _StepComposition:
                 lambda n: (
                     n[0].name + (f" (call {self.first_ordinal[n]} of the step)" if n in several else "")
                 ),
+                {
+                    n: step_budget.max_reduce_bytes(self.lifetimes[n[0]]) if n[0] in ready else 0
+                    for n in nodes
+                },
                 relax=sorted(several, key=lambda n: -last_forward.get(n, -1)),
             )
         except BudgetError as exc:
