@@ -247,6 +247,9 @@ class TeraioBackend:
                     r.finish_profiling()
             unplanned = [r for r in ready if r.plan is None and r.profile is not None]
             if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
+                # Note: [The step is planned once every graph it calls is profiled] in teraio.lifecycle.step_planner
+                if self.planner.waits_for_profiles(step.index if step is not None else 0):
+                    return
                 self.planner.plan(unplanned)
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()

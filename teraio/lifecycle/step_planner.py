@@ -22,6 +22,15 @@ Note: [A graph called several times per step is planned per call]
     call's plan, which holds the least. Each plan's own time model still sees its forward followed
     by its backward: the I/O of the early calls hides behind the other blocks' compute in practice,
     which the prediction does not count (it is pessimistic there).
+
+Note: [The step is planned once every graph it calls is profiled]
+    A graph's profiling counts its calls, so a graph called once per block (``backend.compile(model)``,
+    teraio.lifecycle.model_compile) finishes profiling steps before the embeddings' and the head's
+    graphs, called once a step. Planned then, alone, it took the whole budget; the others, planned a
+    step later beside its fixed plans, found none left (the README's tiny GPT at 50%: refused with a
+    smallest peak of 1.59 MiB for a 1.52 MiB budget). So while a training graph the last complete step
+    called is still profiling, the graphs ready to plan wait (at most MAX_WAIT_STEPS steps, in case a
+    graph never finishes) and the step is planned at once.
 """
 
 from __future__ import annotations
@@ -56,6 +65,10 @@ log = logging.getLogger("teraio")
 #: times per step is planned per call]): each distinct plan is one more compilation.
 MAX_PLANS_PER_GRAPH = 4
 
+#: Steps the graphs ready to plan wait at most for the step's other graphs to finish profiling (Note:
+#: [The step is planned once every graph it calls is profiled]).
+MAX_WAIT_STEPS = 4
+
 Node = tuple[GraphRunner, int]  # a graph and the group of its calls in a step that share one plan
 Call = tuple[Any, str, int]  # (graph or node, "fwd" | "bwd", invocation id)
 
@@ -89,6 +102,20 @@ class StepPlanner:
         self.hardware_model = hardware_model
         self.save_plan = save_plan
         self.predicted_step_peak_bytes: int | None = None
+        self._waiting_since_step: int | None = None
+
+    def waits_for_profiles(self, step_index: int) -> bool:
+        """Whether the graphs ready to plan wait at step ``step_index`` for a graph the last complete step
+        called that is still profiling (Note: [The step is planned once every graph it calls is
+        profiled])."""
+        called = {g for g, _, _ in self.step_calls(self.runners, absent_too=False)}
+        profiling = any(r.phase is Phase.PROFILING and r.is_training for r in called)
+        if not profiling:
+            self._waiting_since_step = None
+            return False
+        if self._waiting_since_step is None:
+            self._waiting_since_step = step_index
+        return step_index - self._waiting_since_step < MAX_WAIT_STEPS
 
     def plan(self, ready: list[GraphRunner]) -> None:
         """Plan the graphs in ``ready`` for one step budget, with the step's other graphs as planned."""
