@@ -28,9 +28,10 @@ Note: [The step is planned once every graph it calls is profiled]
     teraio.lifecycle.model_compile) finishes profiling steps before the embeddings' and the head's
     graphs, called once a step. Planned then, alone, it took the whole budget; the others, planned a
     step later beside its fixed plans, found none left (the README's tiny GPT at 50%: refused with a
-    smallest peak of 1.59 MiB for a 1.52 MiB budget). So while a training graph the last complete step
-    called is still profiling, the graphs ready to plan wait (at most MAX_WAIT_STEPS steps, in case a
-    graph never finishes) and the step is planned at once.
+    smallest peak of 1.59 MiB for a 1.52 MiB budget). So while a training graph is still profiling that
+    the last step of some kind called together with a graph ready to plan, the graphs ready to plan wait
+    (at most MAX_WAIT_STEPS steps, in case a graph never finishes) and the step is planned at once. A
+    graph only another kind of step calls (the smaller last batch of an epoch) does not hold them.
 """
 
 from __future__ import annotations
@@ -105,11 +106,13 @@ class StepPlanner:
         self._waiting_since_step: int | None = None
 
     def waits_for_profiles(self, step_index: int) -> bool:
-        """Whether the graphs ready to plan wait at step ``step_index`` for a graph the last complete step
-        called that is still profiling (Note: [The step is planned once every graph it calls is
-        profiled])."""
-        called = {g for g, _, _ in self.step_calls(self.runners, absent_too=False)}
-        profiling = any(r.phase is Phase.PROFILING and r.is_training for r in called)
+        """Whether the graphs ready to plan wait at step ``step_index`` for a graph still profiling that a
+        step calls with them (Note: [The step is planned once every graph it calls is profiled])."""
+        profiling = False
+        for kind in self.step_stats.kinds.values():  # a graph another kind of step calls is planned alone
+            called = {g for g, _, _ in kind.last_calls}
+            if any(r.phase is Phase.PLANNING for r in called):
+                profiling |= any(r.phase is Phase.PROFILING and r.is_training for r in called)
         if not profiling:
             self._waiting_since_step = None
             return False
