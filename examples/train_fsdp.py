@@ -1,4 +1,5 @@
-"""Sharded training with teraio: FSDP2 with every block compiled on its own (torchtitan's order).
+"""Sharded training with teraio: FSDP2 with every block compiled on its own (torchtitan's order), and the
+embeddings and head as graphs of their own (``backend.compile(model)``).
 
     torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 8 --run-dir runs/fsdp
 
@@ -55,8 +56,8 @@ def main() -> None:
         inner=args.inner,
         enabled=not args.disabled,
     )
+    backend.compile(model)  # each block, the embeddings and the head as graphs of their own, in place
     for block in model.blocks:
-        block.compile(backend=backend)
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -10,14 +10,41 @@ with ``peak`` the graph's (predicted) peak and ``held`` what an invocation keeps
 This module composes that from the last complete step's call sequence, and divides the step budget:
 each graph gets the budget minus what the others hold while it runs (offloading more in one graph
 lowers what it holds during the others, so the split is searched, not computed once).
+
+Note: [A call's saved tensors leave while the next blocks run]
+    A graph's plan minimises its own step time under its own peak, and its own timeline has its
+    backward right after its forward. So what a call holds between the two costs that plan nothing
+    unless it raises the graph's own peak: at its smallest peak, a block's plan kept about half of its
+    saved tensors (a Llama-shaped model, 3 layers each compiled on its own: 1.75 of 3.3 MiB), and the
+    composition, adding the earlier blocks' held bytes to the last block's peak, could not go below 58%
+    of the step's unplanned peak, where the same model as one graph ran at 40% (one plan sees the first
+    layers' tensors idle while the later layers run, and moves them). When the split above finds no
+    fit and some call's forward is followed by other calls before its backward, the split is searched
+    again with each such graph also told how much less to hold: its profile gets, at its first backward
+    op, ``other_bytes`` that leave that op only the unplanned memory there less ``reduce`` bytes
+    (:func:`held_cap_profile`), so its plan must have moved at least that much by then. ``reduce`` goes
+    from everything its candidates can free there (at the graph's smallest budget) down to nothing (at
+    its largest), with the same scale as the budget. The plan's own timeline still has no gap between
+    forward and backward, so the moves it adds may predict stalls that the other calls' compute hides
+    in practice (pessimistic, as Note: [A graph called several times per step is planned per call] in
+    teraio.lifecycle.step_planner says), and its predicted peak may count the added bytes (at most its
+    budget). The first search runs alone whenever it fits, so plans that fit before are unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from teraio.planner.budget import BudgetError, format_size
+
+if TYPE_CHECKING:
+    from teraio.planner.lifetimes import Lifetimes
+    from teraio.planner.profile import Profile
 
 
 @dataclass(frozen=True)
@@ -164,6 +191,114 @@ def split_budget(
         if real[g].held_bytes <= fast[g].held_bytes and real[g].peak_bytes <= fast[g].peak_bytes:
             plan_graph(g, budgets[g], False)
     return budgets
+
+
+def max_reduce_bytes(lifetimes: Lifetimes) -> int:
+    """The most a graph's plan can free at its first backward op: its unplanned memory there less its
+    memory with every candidate away over its whole idle interval (0 without a backward)."""
+    nf = lifetimes.num_fwd_ops
+    if nf >= lifetimes.num_ops:
+        return 0
+    return max(0, int(lifetimes.baseline_memory_bytes[nf]) - int(lifetimes.min_memory_bytes[nf]))
+
+
+def held_cap_profile(profile: Profile, lifetimes: Lifetimes, budget_bytes: int, reduce_bytes: int) -> Profile:
+    """``profile`` (``lifetimes`` its analysis) with ``other_bytes`` at its first backward op that leave
+    that op, within ``budget_bytes``, its unplanned memory less ``reduce_bytes``: a plan for the budget
+    then moves at least that much by then (Note: [A call's saved tensors leave while the next blocks run])."""
+    nf = lifetimes.num_fwd_ops
+    if reduce_bytes <= 0 or nf >= lifetimes.num_ops:
+        return profile
+    extra = budget_bytes - (int(lifetimes.baseline_memory_bytes[nf]) - reduce_bytes)
+    if extra <= 0:  # the budget asks for that much already
+        return profile
+    ops = profile.ops.copy()
+    other = (
+        ops["other_bytes"].fillna(0).to_numpy(dtype=np.int64, copy=True)
+        if "other_bytes" in ops.columns
+        else np.zeros(len(ops), dtype=np.int64)
+    )
+    other[nf] += extra
+    ops["other_bytes"] = other
+    return dataclasses.replace(profile, ops=ops)
+
+
+def waiting_graphs(calls: Sequence[Call]) -> set[Hashable]:
+    """The graphs with a call whose forward is followed by other calls before its backward: what they
+    hold in between counts in the step's peak."""
+    waiting: set[Hashable] = set()
+    open_fwd: dict[int, Hashable] = {}
+    for graph, kind, inv in calls:
+        for i, g in open_fwd.items():
+            if i != inv:
+                waiting.add(g)
+        if kind == "fwd":
+            open_fwd[inv] = graph
+        else:
+            open_fwd.pop(inv, None)
+    return waiting
+
+
+def split_budget_holding_less(
+    calls: Sequence[Call],
+    budget_bytes: int,
+    unplanned: dict[Hashable, GraphMemory],
+    plan_graph: Callable[[Hashable, int, bool, int], GraphMemory],
+    min_peak: dict[Hashable, int],
+    min_held: dict[Hashable, int],
+    describe: Callable[[Hashable], str],
+    max_reduce: dict[Hashable, int],
+    bisections: int = 7,
+    relax: Sequence[Hashable] = (),
+) -> dict[Hashable, int]:
+    """:func:`split_budget`, and when it finds no fit, searched again with the graphs whose calls wait
+    for others also told to hold less (Note: [A call's saved tensors leave while the next blocks run]).
+
+    Args:
+        plan_graph: ``(graph, budget, fast, reduce_bytes)`` -> the graph's memory under a plan for that
+            budget that frees at least ``reduce_bytes`` at its first backward op (0: no such bound).
+        max_reduce: per graph, the most ``reduce_bytes`` can be (:func:`max_reduce_bytes`).
+        The others: as :func:`split_budget`'s.
+
+    Raises:
+        BudgetError: neither search fits; the one naming the smaller achievable step peak.
+    """
+    try:
+        return split_budget(
+            calls,
+            budget_bytes,
+            unplanned,
+            lambda g, b, fast: plan_graph(g, b, fast, 0),
+            min_peak,
+            min_held,
+            describe,
+            bisections,
+            relax,
+        )
+    except BudgetError as exc:
+        first = exc
+    waiting = {g for g in waiting_graphs(calls) if max_reduce.get(g, 0) > 0}
+    if not waiting:
+        raise first
+    floor_held = others_held_max(
+        calls, {g: GraphMemory(m.peak_bytes, min_held[g]) for g, m in unplanned.items()}
+    )
+    top = {g: budget_bytes - floor_held.get(g, 0) for g in unplanned}
+
+    def holding_less(g: Hashable, b: int, fast: bool) -> GraphMemory:
+        if g not in waiting:
+            return plan_graph(g, b, fast, 0)
+        span = top[g] - min_peak[g]
+        share = 1.0 if span <= 0 else min(1.0, max(0.0, (b - min_peak[g]) / span))
+        return plan_graph(g, b, fast, int(max_reduce[g] * (1.0 - share)))
+
+    try:
+        return split_budget(
+            calls, budget_bytes, unplanned, holding_less, min_peak, min_held, describe, bisections, relax
+        )
+    except BudgetError as second:
+        smaller = (second.smallest_peak_bytes or 0) < (first.smallest_peak_bytes or 0)
+        raise (second if smaller else first) from None
 
 
 def _overlapping(calls: Sequence[Call]) -> bool:

@@ -32,6 +32,7 @@ from teraio.errors import UserInputError
 from teraio.lifecycle import registry as process
 from teraio.lifecycle.engines import round_up, runtime_config
 from teraio.lifecycle.measurement import OutsideMemory, StepMeasurement
+from teraio.lifecycle.model_compile import compile_model
 from teraio.lifecycle.outside_time import OutsideTimer
 from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.pricing import TransferPricing
@@ -142,6 +143,16 @@ class TeraioBackend:
             return ShapeDispatch(self, gm, examples)
         return self.new_runner(gm, examples)
 
+    def compile(self, model: torch.nn.Module, **compile_kwargs: Any) -> torch.nn.Module:
+        """Compile ``model`` in place for offload: each block of its block list on its own, and the other
+        modules holding parameters (embeddings, final norm, head) as graphs of their own, so that every
+        parameter can move (teraio.lifecycle.model_compile). ``compile_kwargs`` go to ``torch.compile``.
+
+        Returns:
+            ``model`` itself: keep calling ``model(...)``.
+        """
+        return compile_model(self, model, **compile_kwargs)
+
     def new_runner(self, gm: fx.GraphModule, examples: list[Any]) -> GraphRunner:
         """A runner for one graph at one set of shapes (also called by ShapeDispatch per shape)."""
         with self._lock:
@@ -236,6 +247,9 @@ class TeraioBackend:
                     r.finish_profiling()
             unplanned = [r for r in ready if r.plan is None and r.profile is not None]
             if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
+                # Note: [The step is planned once every graph it calls is profiled] in teraio.lifecycle.step_planner
+                if self.planner.waits_for_profiles(step.index if step is not None else 0):
+                    return
                 self.planner.plan(unplanned)
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()

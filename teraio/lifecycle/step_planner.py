@@ -22,6 +22,16 @@ Note: [A graph called several times per step is planned per call]
     call's plan, which holds the least. Each plan's own time model still sees its forward followed
     by its backward: the I/O of the early calls hides behind the other blocks' compute in practice,
     which the prediction does not count (it is pessimistic there).
+
+Note: [The step is planned once every graph it calls is profiled]
+    A graph's profiling counts its calls, so a graph called once per block (``backend.compile(model)``,
+    teraio.lifecycle.model_compile) finishes profiling steps before the embeddings' and the head's
+    graphs, called once a step. Planned then, alone, it took the whole budget; the others, planned a
+    step later beside its fixed plans, found none left (the README's tiny GPT at 50%: refused with a
+    smallest peak of 1.59 MiB for a 1.52 MiB budget). So while a training graph is still profiling that
+    the last step of some kind called together with a graph ready to plan, the graphs ready to plan wait
+    (at most MAX_WAIT_STEPS steps, in case a graph never finishes) and the step is planned at once. A
+    graph only another kind of step calls (the smaller last batch of an epoch) does not hold them.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from teraio.lifecycle.runner import GraphRunner, describe_plan
 from teraio.lifecycle.steps import invocation_ordinals
 from teraio.planner.budget_split import GraphMemory, step_peak
 from teraio.planner.plan import Plan
+from teraio.planner.profile import Profile
 from teraio.sizes import format_size
 from teraio.states.residency import held_by_graphs, whole_step_budget_error
 
@@ -54,6 +65,10 @@ log = logging.getLogger("teraio")
 #: Plans per graph at most, for a graph called several times per step (Note: [A graph called several
 #: times per step is planned per call]): each distinct plan is one more compilation.
 MAX_PLANS_PER_GRAPH = 4
+
+#: Steps the graphs ready to plan wait at most for the step's other graphs to finish profiling (Note:
+#: [The step is planned once every graph it calls is profiled]).
+MAX_WAIT_STEPS = 4
 
 Node = tuple[GraphRunner, int]  # a graph and the group of its calls in a step that share one plan
 Call = tuple[Any, str, int]  # (graph or node, "fwd" | "bwd", invocation id)
@@ -88,6 +103,22 @@ class StepPlanner:
         self.hardware_model = hardware_model
         self.save_plan = save_plan
         self.predicted_step_peak_bytes: int | None = None
+        self._waiting_since_step: int | None = None
+
+    def waits_for_profiles(self, step_index: int) -> bool:
+        """Whether the graphs ready to plan wait at step ``step_index`` for a graph still profiling that a
+        step calls with them (Note: [The step is planned once every graph it calls is profiled])."""
+        profiling = False
+        for kind in self.step_stats.kinds.values():  # a graph another kind of step calls is planned alone
+            called = {g for g, _, _ in kind.last_calls}
+            if any(r.phase is Phase.PLANNING for r in called):
+                profiling |= any(r.phase is Phase.PROFILING and r.is_training for r in called)
+        if not profiling:
+            self._waiting_since_step = None
+            return False
+        if self._waiting_since_step is None:
+            self._waiting_since_step = step_index
+        return step_index - self._waiting_since_step < MAX_WAIT_STEPS
 
     def plan(self, ready: list[GraphRunner]) -> None:
         """Plan the graphs in ``ready`` for one step budget, with the step's other graphs as planned."""
@@ -111,15 +142,22 @@ class StepPlanner:
         return calls
 
     def solve(
-        self, runner: GraphRunner, budget: int | str, solver: str | None = None, quiet: bool = False
+        self,
+        runner: GraphRunner,
+        budget: int | str,
+        solver: str | None = None,
+        quiet: bool = False,
+        profile: Profile | None = None,
     ) -> Plan:
-        """One graph's plan for ``budget`` (bytes, or "auto"), by ``solver`` (default: the configured)."""
+        """One graph's plan for ``budget`` (bytes, or "auto"), by ``solver`` (default: the configured), from
+        ``profile`` (default: the runner's; Note: [A call's saved tensors leave while the next blocks run]
+        in teraio.planner.budget_split gives it another)."""
         from teraio.planner.solve import default_recompute, solve
 
         name = solver or self.cfg.solver.name
         t0 = time.perf_counter()
         plan = solve(
-            runner.profile,
+            profile if profile is not None else runner.profile,
             budget=budget,
             solver=name,
             hardware=self.hardware_model(),
@@ -182,7 +220,8 @@ class _StepComposition:
     lifetimes: dict[GraphRunner, Lifetimes] = field(default_factory=dict)
     memory: dict[Node, GraphMemory] = field(default_factory=dict)  # as planned before this planning
     plans: dict[Node, Plan] = field(default_factory=dict)
-    solved: dict[tuple[GraphRunner, int, bool], Plan] = field(default_factory=dict)  # one plan per budget
+    #: One plan per budget (and bytes it frees at its first backward op).
+    solved: dict[tuple[GraphRunner, int, bool, int], Plan] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from teraio.planner.lifetimes import analyse
@@ -215,17 +254,35 @@ class _StepComposition:
             return GraphMemory(self.lifetimes[r].baseline_peak_bytes, held_bytes(r, None))
         return GraphMemory(plan.predicted_peak_bytes, held_bytes(r, plan))
 
-    def plan_graph(self, n: Node, b: int, fast: bool) -> GraphMemory:
-        """Plan ``n``'s graph for ``b`` bytes (greedy when ``fast``); graphs not being planned keep theirs."""
+    def plan_graph(self, n: Node, b: int, fast: bool, reduce_bytes: int = 0) -> GraphMemory:
+        """Plan ``n``'s graph for ``b`` bytes (greedy when ``fast``), freeing at least ``reduce_bytes`` at
+        its first backward op (Note: [A call's saved tensors leave while the next blocks run] in
+        teraio.planner.budget_split); graphs not being planned keep theirs."""
+        from teraio.planner.budget import BudgetError
+        from teraio.planner.budget_split import held_cap_profile
+
         r = n[0]
         if r not in self.ready:
             return self.memory[n]
-        if (r, b, fast) not in self.solved:
-            self.solved[(r, b, fast)] = self.planner.solve(
-                r, b, solver="greedy" if fast else None, quiet=fast
-            )
-        self.plans[n] = self.solved[(r, b, fast)]
+        key = (r, b, fast, reduce_bytes)
+        if key not in self.solved:
+            solver = "greedy" if fast else None
+            if reduce_bytes > 0:
+                capped = held_cap_profile(r.profile, self.lifetimes[r], b, reduce_bytes)
+                try:
+                    self.solved[key] = self.planner.solve(r, b, solver=solver, quiet=fast, profile=capped)
+                except BudgetError:  # not within the budget that way: the graph's own plan
+                    self.solved[key] = self.plan_graph_solved(r, b, fast)
+            else:
+                self.solved[key] = self.plan_graph_solved(r, b, fast)
+        self.plans[n] = self.solved[key]
         return self.memory_of(n, self.plans[n])
+
+    def plan_graph_solved(self, r: GraphRunner, b: int, fast: bool) -> Plan:
+        key = (r, b, fast, 0)
+        if key not in self.solved:
+            self.solved[key] = self.planner.solve(r, b, solver="greedy" if fast else None, quiet=fast)
+        return self.solved[key]
 
     def min_held(self, n: Node) -> int:
         """The least a call of ``n`` can hold between forward and backward (everything movable moved)."""
@@ -288,7 +345,8 @@ class _StepComposition:
         last_forward = {n: j for j, (n, k, _) in enumerate(self.node_calls) if k == "fwd"}
         failure: BudgetError | None = None
         try:
-            step_budget.split_budget(
+            # Note: [A call's saved tensors leave while the next blocks run] in teraio.planner.budget_split
+            step_budget.split_budget_holding_less(
                 self.node_calls,
                 graphs_budget,
                 self.memory,
@@ -298,6 +356,10 @@ class _StepComposition:
                 lambda n: (
                     n[0].name + (f" (call {self.first_ordinal[n]} of the step)" if n in several else "")
                 ),
+                {
+                    n: step_budget.max_reduce_bytes(self.lifetimes[n[0]]) if n[0] in ready else 0
+                    for n in nodes
+                },
                 relax=sorted(several, key=lambda n: -last_forward.get(n, -1)),
             )
         except BudgetError as exc:
