@@ -39,6 +39,21 @@ Note: [A torch.nn module needs a frame Dynamo traces]
     (``torch._dynamo.config.recompile_limit``, 8): one entry per class and shape (a model's token and
     position embeddings are two); past it Dynamo runs the module eagerly, and its parameters stay
     resident (Note: [A parameter eager code uses stays resident] in teraio.states.params).
+
+Note: [Parameters are guarded behind backend.compile's entries]
+    A parameter on disk keeps its object over an empty storage, so user code that reads it between its
+    uses (an EMA's ``ema.lerp_(p, 0.01)`` after ``opt.step()``, a logged norm, a model's own eager
+    ``F.linear(x, self.tok.weight)``) would read a null pointer. Gradients and optimizer states are
+    guarded while on disk by swapping their class (Note: [What a read of an offloaded tensor does] in
+    teraio.states.guarded); a parameter cannot be swapped where Dynamo will see it, since Dynamo's
+    guards check a graph input's exact type and a guarded parameter would recompile its graph. Here
+    every graph that takes a parameter is entered through a call this module installs: each compiled
+    module's ``_compiled_call_impl`` becomes a plain function that gives the module's parameters their
+    own class back and then calls the compiled one, before Dynamo's guards run. So the parameters of a
+    model compiled by ``backend.compile`` are guarded while on disk (reads served, writes refused in one
+    line), and released at the entry of the graph that fetches them. Parameters reached through graphs
+    compiled otherwise (``torch.compile(model, backend=...)``, ``block.compile(...)`` by hand) are not
+    guarded: teraio cannot run anything between their call and Dynamo's guards.
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ import torch
 from torch import nn
 
 from teraio.errors import UserInputError
+from teraio.states.guarded import release
 
 if TYPE_CHECKING:
     from teraio.lifecycle.backend import TeraioBackend
@@ -137,13 +153,30 @@ def _forward_in_torch(module: nn.Module) -> bool:
 
 def compile_in_place(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]) -> None:
     """``module.compile(backend=backend, **compile_kwargs)``, through a frame Dynamo traces for a
-    ``torch.nn`` class (Note: [A torch.nn module needs a frame Dynamo traces])."""
+    ``torch.nn`` class (Note: [A torch.nn module needs a frame Dynamo traces]), entered through a call
+    that releases the module's guarded parameters first (Note: [Parameters are guarded behind
+    backend.compile's entries])."""
     if _forward_in_torch(module):
         module._compiled_call_impl = torch.compile(
             _traced_entry(module._call_impl), backend=backend, **compile_kwargs
         )
     else:
         module.compile(backend=backend, **compile_kwargs)
+    module._compiled_call_impl = _releasing_entry(module, module._compiled_call_impl)
+
+
+def _releasing_entry(module: nn.Module, compiled: Any) -> Any:
+    """Note: [Parameters are guarded behind backend.compile's entries]: a plain function (Dynamo never
+    sees it: ``Module.__call__`` calls it eagerly) that gives ``module``'s parameters their own class
+    back, then calls the compiled module."""
+    params = list(module.parameters())
+
+    def releasing_entry(*args: Any, **kwargs: Any) -> Any:
+        for p in params:
+            release(p)
+        return compiled(*args, **kwargs)
+
+    return releasing_entry
 
 
 def check_compilable(model: Any, backend_id: int) -> None:
@@ -200,6 +233,7 @@ def compile_model(backend: TeraioBackend, model: nn.Module, /, **compile_kwargs:
         )
     check_compilable(model, backend.backend_id)
     plan = plan_compile(model)
+    _guard_parameters(backend, model)
     if plan.why_whole is not None:
         compile_in_place(model, backend, compile_kwargs)
         setattr(model, _MARK, backend.backend_id)
@@ -230,6 +264,14 @@ def compile_model(backend: TeraioBackend, model: nn.Module, /, **compile_kwargs:
         ),
     )
     return model
+
+
+def _guard_parameters(backend: TeraioBackend, model: nn.Module) -> None:
+    """Guard the model's parameters while on disk (Note: [Parameters are guarded behind
+    backend.compile's entries]) when the backend keeps parameters on disk."""
+    residency = getattr(getattr(backend, "states", None), "residency", None)
+    if residency is not None:
+        residency.guard_reads(model.parameters())
 
 
 __all__ = [

@@ -36,6 +36,7 @@ from teraio.planner.profile import Profile
 from teraio.profiling import forward_count
 from teraio.profiling.op_timing import StepProfiler, classify_inputs, profiling_split
 from teraio.sizes import format_size
+from teraio.states.guarded import unguarded
 
 if TYPE_CHECKING:
     from teraio.config import BackendConfig
@@ -272,14 +273,15 @@ class GraphRunner:
             )
             return self.rewrite.step
 
-        return compile_graph(
-            self.gm,
-            self.example_inputs,
-            self.cfg.inner,
-            on_partition,
-            identity=identity,
-            inductor_options=self.backend.inductor_options,
-        )
+        with unguarded(self.example_inputs):  # Note in teraio.states.guarded.unguarded
+            return compile_graph(
+                self.gm,
+                self.example_inputs,
+                self.cfg.inner,
+                on_partition,
+                identity=identity,
+                inductor_options=self.backend.inductor_options,
+            )
 
     def _without_plan(self) -> Callable[..., Any]:
         """The graph compiled without migration ops, for calls whose outputs are never backpropagated
@@ -290,14 +292,15 @@ class GraphRunner:
                 "migration (their saved tensors are freed with their autograd graph)",
                 self.name,
             )
-            self._plain = compile_graph(
-                self.gm,
-                self.example_inputs,
-                self.cfg.inner,
-                lambda step: None,
-                identity="final:no-plan",
-                inductor_options=self.backend.inductor_options,
-            )
+            with unguarded(self.example_inputs):  # Note in teraio.states.guarded.unguarded
+                self._plain = compile_graph(
+                    self.gm,
+                    self.example_inputs,
+                    self.cfg.inner,
+                    lambda step: None,
+                    identity="final:no-plan",
+                    inductor_options=self.backend.inductor_options,
+                )
         return self._plain
 
     # ------------------------------------------------------------------------------------- calling

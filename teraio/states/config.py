@@ -50,8 +50,9 @@ class States:
     parameters: bool = False
     """The optimizer's parameters on disk too between the graph calls that compute with them
     (teraio.states.params), and the model's frozen ones (``requires_grad=False``, not in the optimizer: a
-    LoRA base) read-only, written once (teraio.states.frozen); needs ``model``. Code outside the compiled
-    graphs must not read them directly."""
+    LoRA base) read-only, written once (teraio.states.frozen); needs ``model``. Guarded while on disk (reads
+    served, writes refused) when the model is compiled by ``backend.compile(model)``; otherwise code
+    outside the compiled graphs must not read them directly."""
 
     optimizer_in_backward: bool = False
     """Each parameter updated inside backward once its gradient is complete, the gradient freed at once;

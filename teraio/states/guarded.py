@@ -47,7 +47,8 @@ Note: [What a read of an offloaded tensor does]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,7 @@ from teraio.states.errors import StatesError
 if TYPE_CHECKING:
     from teraio.states.store import Record, TensorStore
 
-__all__ = ["OffloadedTensor", "PendingOp", "guard_of", "protect", "release"]
+__all__ = ["OffloadedTensor", "PendingOp", "guard_of", "protect", "release", "unguarded"]
 
 #: Calls that read nothing but the tensor's metadata (property getters by their property's name).
 METADATA_OPS = frozenset(
@@ -168,12 +169,18 @@ class Guard:
     primary: torch.Tensor | None
     #: The views from the record's tensor to this object (empty: the whole tensor).
     view: tuple[ViewStep, ...] = ()
+    #: The class the object had before it was guarded, given back by :func:`release`.
+    original: type = torch.Tensor
 
     def label(self) -> str:
         rec = self.record
         idx = "?" if rec.param_idx is None else rec.param_idx
-        what = "the gradient" if rec.name == "grad" else f"optimizer state {rec.name!r}"
-        return f"{'a view of ' if self.view else ''}{what} of parameter {idx}"
+        if rec.kind.value == "parameter":
+            what = "parameter"
+        else:
+            what = "the gradient" if rec.name == "grad" else f"optimizer state {rec.name!r}"
+            what += " of parameter"
+        return f"{'a view of ' if self.view else ''}{what} {idx}"
 
     def tracked(self) -> bool:
         rec = self.record
@@ -183,6 +190,14 @@ class Guard:
 class OffloadedTensor(torch.Tensor):
     """The class of an offloaded gradient or optimizer state while its bytes are on disk (Note: [What a
     read of an offloaded tensor does]). Never constructed: :func:`protect` swaps a tensor's class to it."""
+
+    def __repr__(self, **kwargs: Any) -> str:  # type: ignore[override]
+        # A parameter prints as one (its values served like any read); nn.Parameter's own __repr__
+        # cannot take this object (not its subclass for super()).
+        text = torch.Tensor.__repr__(self, **kwargs)
+        if issubclass(_guard_of(self).original, torch.nn.Parameter):
+            return "Parameter containing:\n" + text
+        return text
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -235,6 +250,11 @@ def guard_of(t: object) -> Guard | None:
 
 def _refusal(guard: Guard, what: str) -> StatesError:
     rec = guard.record
+    if rec is not None and rec.kind.value == "parameter":
+        return StatesError(
+            f"{guard.label()} is on disk (teraio.States(parameters=True)): {what} would change it in place; "
+            "change it with model.load_state_dict(), or inside `with backend.states.parameters_materialized():`"
+        )
     if rec is not None and rec.name == "grad":
         return StatesError(
             f"{guard.label()} is on disk (teraio.States(gradients=True)): {what} would change it in place, "
@@ -349,17 +369,45 @@ if OffloadedTensor not in _foreach_utils._foreach_supported_types:
 
 
 def protect(rec: Record, store: TensorStore) -> None:
-    """The record's bytes are only on disk now: its tensor becomes guarded."""
+    """The record's bytes are only on disk now: its tensor becomes guarded. A parameter stays an
+    ``nn.Parameter`` to ``isinstance`` (torch's ``_is_param`` mark, which the check honours for any
+    tensor) while guarded (Note: [Parameters are guarded behind backend.compile's entries] in
+    teraio.lifecycle.model_compile)."""
     t = rec.tensor
-    t.__dict__["_teraio_guard"] = Guard(store=store, record=rec, primary=t)
+    original = _guard_of(t).original if type(t) is OffloadedTensor else type(t)
+    t.__dict__["_teraio_guard"] = Guard(store=store, record=rec, primary=t, original=original)
+    if issubclass(original, torch.nn.Parameter):
+        t.__dict__["_is_param"] = True
     t.__class__ = OffloadedTensor
 
 
 def release(t: torch.Tensor) -> None:
-    """The tensor's bytes are (about to be) in memory: a plain tensor again."""
+    """The tensor's bytes are (about to be) in memory: its own class again."""
     if type(t) is OffloadedTensor:
-        t.__class__ = torch.Tensor
-        t.__dict__.pop("_teraio_guard", None)
+        guard = t.__dict__.pop("_teraio_guard", None)
+        t.__class__ = guard.original if guard is not None else torch.Tensor
+        if guard is not None and issubclass(guard.original, torch.nn.Parameter):
+            t.__dict__.pop("_is_param", None)
+
+
+@contextmanager
+def unguarded(objs: Iterable[Any]) -> Iterator[None]:
+    """These objects in their own classes for a while, guarded again after if still on disk: a graph
+    compiled with a guarded parameter among its example inputs (teraio compiles a graph's final version
+    while other graphs' parameters are on disk) reads their metadata only, but fake-tensor conversion
+    would take the guard's calls for reads."""
+    from teraio.states.store import Residency
+
+    guards = [(t, _guard_of(t)) for t in objs if type(t) is OffloadedTensor]
+    for t, _ in guards:
+        release(t)
+    try:
+        yield
+    finally:
+        for t, guard in guards:
+            rec = guard.record
+            if rec.tensor is t and not guard.view and rec.residency is Residency.DISK and rec.guards_reads:
+                protect(rec, guard.store)
 
 
 def alias_of(t: torch.Tensor) -> torch.Tensor:

@@ -47,12 +47,13 @@ Note: [Reading an offloaded parameter]
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from teraio.states import guarded
 from teraio.states.errors import StatesError
 from teraio.states.frozen import FrozenWeights, saved_by_backward
 from teraio.states.store import Kind, Record, Residency, TensorStore
@@ -142,6 +143,9 @@ class ParamResidency:
         )
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.kept: frozenset[int] = frozenset()
+        #: Parameters guarded on disk (Note: [Parameters are guarded behind backend.compile's entries]
+        #: in teraio.lifecycle.model_compile), by index.
+        self._entry_guarded: set[int] = set()
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -152,11 +156,31 @@ class ParamResidency:
             if i is not None and i not in out:
                 out.append(i)
                 if i not in self.records:
-                    rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param")
+                    rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param", param_idx=i)
                     rec.in_place = True
+                    rec.entry_guarded = i in self._entry_guarded
                     self.records[i] = rec
                     self.uses[i] = 0
         return tuple(out)
+
+    def guard_reads(self, params: Iterable[torch.nn.Parameter]) -> int:
+        """Guard these parameters while on disk (reads served, writes refused: teraio.states.guarded);
+        only for parameters every compiled entry of which releases them before Dynamo's guards (Note:
+        [Parameters are guarded behind backend.compile's entries] in teraio.lifecycle.model_compile).
+        Returns how many of them can be offloaded (the others stay in memory, unguarded)."""
+        count = 0
+        for p in params:
+            i = self.index_of.get(id(p))
+            if i is None or i in self._entry_guarded:
+                continue
+            self._entry_guarded.add(i)
+            count += 1
+            rec = self.records.get(i)
+            if rec is not None:
+                rec.entry_guarded = True
+                if rec.residency is Residency.DISK:
+                    guarded.protect(rec, self.store)
+        return count
 
     # -- fetch and free ------------------------------------------------------------------------------
     def acquire(self, idxs: tuple[int, ...]) -> None:

@@ -100,10 +100,18 @@ class Record:
     #: [Norms are taken before the write] in teraio.states.grad_norms).
     norms: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
+    #: A parameter whose every compiled entry gives it back its class before Dynamo's guards check it
+    #: (Note: [Parameters are guarded behind backend.compile's entries] in
+    #: teraio.lifecycle.model_compile): guarded while on disk, as gradients and states are.
+    entry_guarded: bool = False
+
     @property
     def guards_reads(self) -> bool:
-        """Guarded while on disk (teraio.states.guarded): gradients and optimizer states."""
-        return self.kind is not Kind.PARAMETER and not self.in_place
+        """Guarded while on disk (teraio.states.guarded): gradients, optimizer states, and parameters
+        compiled by ``backend.compile``."""
+        if self.kind is Kind.PARAMETER:
+            return self.entry_guarded
+        return not self.in_place
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
@@ -285,6 +293,7 @@ class TensorStore:
             self._set(rec, Residency.DISK)
             raise
         if rec.in_place:
+            guarded.release(rec.tensor)
             _fill_in_place(rec.tensor, fetched, self._device(rec.tensor))
         else:
             guarded.release(rec.tensor)

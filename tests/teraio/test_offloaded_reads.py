@@ -156,3 +156,101 @@ def test_the_reads_change_nothing_the_step_computes(runs):
     assert ref["state"].keys() == got["state"].keys() and ref["state"]
     for i in ref["state"]:
         assert all(torch.equal(ref["state"][i][k], got["state"][i][k]) for k in ref["state"][i]), i
+
+
+# -- parameters on disk (Note: [Parameters are guarded behind backend.compile's entries] in
+# teraio.lifecycle.model_compile) --------------------------------------------------------------------
+def _param_loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
+    """The tiny GPT compiled by ``backend.compile`` with every parameter on disk: after a backward, each
+    way of reading a parameter (and each refused change); after ``opt.step()``, an EMA of every parameter
+    (``ema.lerp_(p, 0.01)``, the read that crashed once the model spanned more than the step's last
+    chunk); then more steps, whose results show the reads changed nothing."""
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if enabled:
+        states = teraio.States(
+            optimizer=opt,
+            model=model,
+            chunk_bytes=CHUNK_BYTES,
+            gradients=True,
+            parameters=True,
+            min_param_bytes=0,
+        )
+        be = teraio.backend(inner="eager", states=states, offload_dirs=[offload_dir], io_backend="posix")
+    else:
+        be = teraio.backend(inner="eager", enabled=False)
+    be.compile(model)
+    ema = [p.detach().clone() for p in model.parameters()]
+    out: dict[str, Any] = {"reads": {}, "refused": {}, "residency": [], "ema": []}
+    try:
+        for step in range(2):
+            compute_loss(model, w, step).backward()
+            opt.step()
+            opt.zero_grad()
+            if enabled:  # the step keeps its last chunk (the first layers') for the next forward
+                recs = be.states.residency.records.values()
+                out["on_disk_at_ema"] = sum(r.residency is Residency.DISK for r in recs)
+            for e, p in zip(ema, model.parameters()):
+                e.lerp_(p, 0.01)
+            out["ema"].append([e.clone() for e in ema])
+        compute_loss(model, w, 2).backward()
+        p = list(model.parameters())[PARAM]
+        for name, read in READS.items():
+            if enabled:
+                out["residency"].append(be.states.residency.records[PARAM].residency)
+            out["reads"][name] = read(p)
+        for name, mutate in MUTATIONS.items():
+            try:
+                with torch.no_grad():
+                    mutate(p if enabled else p.detach().clone())
+            except StatesError as exc:
+                out["refused"][name] = str(exc)
+        out["is_parameter"] = isinstance(p, torch.nn.Parameter)
+        opt.step()
+        opt.zero_grad()
+        compute_loss(model, w, 3).backward()
+        opt.step()
+        out["params"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        if enabled:
+            out["parameter_read_bytes"] = be.stats()["read_bytes_by_kind"]["parameter"]
+    finally:
+        be.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def param_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("param-reads")
+    return _param_loop(False, str(tmp / "ref")), _param_loop(True, str(tmp / "off"))
+
+
+def test_each_read_of_an_offloaded_parameter_gives_the_values_without_teraio(param_runs):
+    ref, got = param_runs
+    assert got["residency"] and all(r is Residency.DISK for r in got["residency"])
+    for name in READS:
+        assert _same(ref["reads"][name], got["reads"][name]), name
+    assert got["is_parameter"] is True  # isinstance(p, nn.Parameter) holds while it is on disk
+
+
+def test_an_ema_of_parameters_on_disk_after_the_step_is_exact(param_runs):
+    ref, got = param_runs
+    assert got["on_disk_at_ema"] > len(ref["ema"][0]) // 2
+    for step_ref, step_got in zip(ref["ema"], got["ema"], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(step_ref, step_got, strict=True))
+
+
+def test_changes_to_a_parameter_on_disk_are_refused_in_one_line(param_runs):
+    ref, got = param_runs
+    assert not ref["refused"]
+    for name in MUTATIONS:
+        msg = got["refused"][name]
+        assert "\n" not in msg and "parameter 0 is on disk" in msg and "load_state_dict" in msg, msg
+
+
+def test_reads_of_parameters_change_nothing_the_next_steps_compute(param_runs):
+    ref, got = param_runs
+    assert ref["params"].keys() == got["params"].keys()
+    assert all(torch.equal(ref["params"][n], got["params"][n]) for n in ref["params"])
+    assert got["parameter_read_bytes"] > 0
