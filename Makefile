@@ -41,7 +41,7 @@ format: $(STAMP)
 # Note: [The longest tests start first] in tests/conftest.py.
 TEST_WORKERS ?= 2
 test: lint $(KVIKIO_STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --maxschedchunk 1 --durations=15
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --maxschedchunk 1 --durations=40
 
 clean:
 	rm -rf $(VENV) build *.egg-info
