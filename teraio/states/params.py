@@ -146,6 +146,7 @@ class ParamResidency:
         #: Parameters guarded on disk (Note: [Parameters are guarded behind backend.compile's entries]
         #: in teraio.lifecycle.model_compile), by index.
         self._entry_guarded: set[int] = set()
+        self._told_unguarded = False
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -160,6 +161,13 @@ class ParamResidency:
                     rec.in_place = True
                     rec.entry_guarded = i in self._entry_guarded
                     self.records[i] = rec
+                    if not rec.entry_guarded and not self._told_unguarded:
+                        self._told_unguarded = True
+                        log.info(
+                            "parameters on disk are not guarded in graphs compiled by torch.compile or "
+                            "Module.compile: code outside them must not read one (on CPU the read kills the "
+                            "process); compile the model with backend.compile(model) to have reads served"
+                        )
                     self.uses[i] = 0
         return tuple(out)
 

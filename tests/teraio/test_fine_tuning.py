@@ -1,6 +1,6 @@
 """The loop a fine-tuner writes, with parameters, gradients and optimizer states on disk (issue 38's
 first check): tests/teraio/fine_tune_run.py trains three steps, saves a checkpoint, and a new process
-resumes it for three more; every loss, every clip norm, the final parameters and optimizer states equal
+resumes it for two more; every loss, every clip norm, the final parameters and optimizer states equal
 the same loop run uninterrupted with ``enabled=False``, bit for bit, for the whole model compiled as one
 (``torch.compile``) and for ``backend.compile(model)``, and with the latter every parameter (embeddings and
 head included) is written once a step."""
@@ -29,8 +29,10 @@ def _resumed(spec: dict, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+# The Llama-shaped model both ways; GPT-2 (tied head, LayerNorm biases, learned positions) the way the
+# README recommends.
 @pytest.mark.parametrize(
-    ("arch", "compile_mode"), [("llama", "whole"), ("llama", "blocks"), ("gpt2", "whole"), ("gpt2", "blocks")]
+    ("arch", "compile_mode"), [("llama", "whole"), ("llama", "blocks"), ("gpt2", "blocks")]
 )
 def test_fine_tuning_with_the_whole_state_on_disk_resumes_bit_identically(
     arch: str, compile_mode: str, tmp_path: Path
@@ -38,10 +40,10 @@ def test_fine_tuning_with_the_whole_state_on_disk_resumes_bit_identically(
     offload = tmp_path / "offload"
     offload.mkdir()
     base = {"arch": arch, "compile": compile_mode, "offload_dir": str(offload)}
-    reference = fine_tune_run.run({**base, "enabled": False, "first": 0, "steps": 6})
+    reference = fine_tune_run.run({**base, "enabled": False, "first": 0, "steps": 5})
     ckpt = str(tmp_path / "ckpt.pt")
     first = fine_tune_run.run({**base, "enabled": True, "first": 0, "steps": 3, "save": ckpt})
-    second = _resumed({**base, "enabled": True, "first": 3, "steps": 3, "load": ckpt}, tmp_path)
+    second = _resumed({**base, "enabled": True, "first": 3, "steps": 2, "load": ckpt}, tmp_path)
 
     assert first["losses"] + second["losses"] == reference["losses"]
     assert first["norms"] + second["norms"] == reference["norms"]
