@@ -12,23 +12,14 @@ import torch
 
 import teraio
 
-from .fine_tune_run import optimizer_digest
+from .fine_tune_run import build, optimizer_digest
 
 
 def _train(enabled: bool, tmp_path: Path) -> dict[str, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from transformers import Trainer, TrainingArguments
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = build("llama")  # the fine-tuning check's Llama-shaped model, seeded
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 32))]
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
