@@ -48,9 +48,9 @@ Note: [The optimizer step inside backward]
     contributes to that gradient first), so the result is the same, bit for bit, as the update after
     backward. ``opt.step()`` then commits what backward wrote (Note: [A step commits all of its states
     or none]); a second backward before it (gradient accumulation) is refused in one line, and clipping
-    or a GradScaler cannot work, since the gradients are gone when backward returns: ``param.grad`` then
-    holds a placeholder whose first read raises one line (Note: [Clipping when the update runs in
-    backward] in teraio.states.guarded).
+    or a GradScaler cannot work, since the gradients are gone when backward returns: a clip or an unscale
+    over them raises one line (Note: [Clipping when the update runs in backward] in
+    teraio.states.grad_norms).
 """
 
 from __future__ import annotations
