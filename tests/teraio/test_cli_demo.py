@@ -14,8 +14,8 @@ TINY = ["demo", "--model", "tiny", "--steps", "2", "--solver", "greedy"]
 
 # The FX path and the built-in hardware model where a test is about neither Inductor nor calibration
 # (compiles, and timing the directory and pricing transfers under the model's compute, took most of a
-# demo run: 65 s under a loaded CI): the documented-keys test and the README's `make demo` block run the
-# demo on Inductor with the calibration.
+# demo run: 65 s under a loaded CI): the documented-keys test runs the demo on Inductor with the
+# calibration, and the README's `make demo` block (through the installed command) on the FX path with it.
 def tiny_fx(tmp_path: Path) -> list[str]:
     hardware = tmp_path / "hw.json"
     HardwareModel().save(hardware)
