@@ -82,8 +82,9 @@ UNMET_BUDGET = ("unmet-budget", True, {"budget": "4096"})
 def _job_ending_in_a_refusal(
     tmp_path_factory, mode: str, runs: list, last: tuple, refusal: str
 ) -> dict[str, Any]:
-    """One job of ``runs`` then ``last``, which every rank must refuse with ``refusal`` (ending the job), 8
-    steps each, once per test run: each run's results by name, and the refusal's message (None: not refused)."""
+    """One job of ``runs`` then ``last``, which must be refused with ``refusal`` (a rank's error ends the job
+    on every rank: Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks), 8 steps each,
+    once per test run: each run's results by name, and the refusal's message (None: ran to its end)."""
 
     def job() -> dict[str, Any]:
         tmp = tmp_path_factory.mktemp(mode)
