@@ -7,3 +7,7 @@ from teraio.errors import UserInputError
 
 class StatesError(UserInputError):
     """A misuse of ``states="offload"`` (an unsupported optimizer, a step after a failed one, ...)."""
+
+
+class CheckpointError(StatesError):
+    """A checkpoint or pretrained file that cannot be read, loaded or written as asked (one line)."""

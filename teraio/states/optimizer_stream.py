@@ -209,6 +209,11 @@ class StreamedStep:
         self.kept = frozenset(idxs)
         self._write_committed([(i, name, v) for i in leaving for name, v in self._offloaded_items(i)])
 
+    def write_loaded(self, idx: int, name: str, tensor: torch.Tensor) -> None:
+        """A state tensor just loaded from a checkpoint (and put in ``opt.state``): written to slot 0,
+        committed there, its memory freed (teraio.states.checkpoint)."""
+        self._write_committed([(idx, name, tensor)])
+
     def _write_committed(self, items: list[tuple[int, str, torch.Tensor]]) -> None:
         """New records for these state tensors ``(param index, name, tensor)``, written to slot 0 and
         committed there, their memory freed."""

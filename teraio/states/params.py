@@ -157,19 +157,38 @@ class ParamResidency:
             if i is not None and i not in out:
                 out.append(i)
                 if i not in self.records:
-                    rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param", param_idx=i)
-                    rec.in_place = True
-                    rec.entry_guarded = i in self._entry_guarded
-                    self.records[i] = rec
-                    if not rec.entry_guarded and not self._told_unguarded:
-                        self._told_unguarded = True
-                        log.info(
-                            "parameters on disk are not guarded in graphs compiled by torch.compile or "
-                            "Module.compile: code outside them must not read one (on CPU the read kills the "
-                            "process); compile the model with backend.compile(model) to have reads served"
-                        )
-                    self.uses[i] = 0
+                    self._new_record(i)
         return tuple(out)
+
+    def _new_record(self, i: int) -> Record:
+        rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param", param_idx=i)
+        rec.in_place = True
+        rec.entry_guarded = i in self._entry_guarded
+        self.records[i] = rec
+        if not rec.entry_guarded and not self._told_unguarded:
+            self._told_unguarded = True
+            log.info(
+                "parameters on disk are not guarded in graphs compiled by torch.compile or "
+                "Module.compile: code outside them must not read one (on CPU the read kills the "
+                "process); compile the model with backend.compile(model) to have reads served"
+            )
+        self.uses[i] = 0
+        return rec
+
+    def offload_loaded(self, i: int) -> bool:
+        """Parameter ``i`` was just loaded (teraio.states.loading): write it to disk and free its memory
+        at once, before any graph takes it, so a model larger than memory can be loaded (Note: [A model
+        is loaded one tensor at a time] in teraio.states.loading). False: it stays in memory (too small,
+        or not a tensor the storage swap can free)."""
+        if i not in self._offloadable or i in self._eager or i in self.kept:
+            return False
+        if self.index_of.get(id(self.params[i])) != i:
+            return False
+        rec = self.records.get(i) or self._new_record(i)
+        self.store.mark_changed(rec)
+        self.write_now(i)
+        self.store.evict(rec)
+        return True
 
     def guard_reads(self, params: Iterable[torch.nn.Parameter]) -> int:
         """Guard these parameters while on disk (reads served, writes refused: teraio.states.guarded);

@@ -1,0 +1,497 @@
+"""Checkpoints of a state larger than memory, saved and loaded one tensor at a time, and the trained
+weights exported for ``transformers``: ``backend.states.save_checkpoint(dir)``, ``load_checkpoint(dir)``
+and ``save_pretrained(dir)``.
+
+Note: [The checkpoint format]
+    A checkpoint directory holds the model's parameters and persistent buffers as Hugging Face names them
+    (``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` shards with their
+    ``model.safetensors.index.json``; ``config.json`` for a Hugging Face model): the directory is also
+    what ``from_pretrained`` and ``save_pretrained`` read and write. The optimizer's tensors go to
+    ``optimizer*.safetensors`` under ``state.{parameter name}.{state name}`` (the flattened names of
+    ``torch.distributed.checkpoint``'s optimizer state dicts), the rest (param groups, the teraio step
+    count, the random generators, a scheduler's or a GradScaler's state) to ``train_state.json`` (Note: [A
+    checkpoint's small values round-trip exactly] in teraio.states.train_state), and the manifest
+    ``teraio-checkpoint.json``, with every file's size and every tensor's crc32c, last. Why not
+    ``torch.distributed.checkpoint``'s own files: its ``FileSystemWriter`` holds every tensor of a file
+    until the file closes (the whole rank's state by default), its metadata and non-tensor values are
+    pickles (loading would run code), and it has no checksums; its ``HuggingFaceStorageReader`` reads the
+    safetensors files here.
+
+Note: [A checkpoint is complete or absent]
+    Every file is written into a fresh private directory next to the target (``.{name}.{random}.partial``,
+    each file created with ``O_CREAT|O_EXCL|O_NOFOLLOW``), fsynced, the manifest last; then the directory
+    is renamed to its name in one step and the parent fsynced. A crash before the rename leaves only the
+    hidden directory, without the manifest until its last write, which ``load_checkpoint`` refuses; the
+    previous checkpoint, in another directory, is never touched. An existing target is refused:
+    checkpoints go to new directories (``ckpt/step-000100``), so the one before is intact whatever
+    happens to the next.
+
+Note: [What a checkpoint needs to resume bit for bit]
+    Parameters, optimizer states with their ``step`` tensors and param groups (hyperparameters exactly,
+    ``initial_lr`` of a scheduler included), the random generators (dropout draws from them), and the
+    state of what the user passes as ``extra`` (an LR scheduler, a GradScaler). Gradients are not saved: a
+    checkpoint is taken between steps, after ``opt.step()`` and ``opt.zero_grad()``. The plan is not
+    saved either: the resumed run profiles and plans again, which changes where tensors live, not their
+    values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import secrets
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from teraio.planner.private_dir import PrivateDir
+from teraio.states.errors import CheckpointError
+from teraio.states.loading import load_model, model_tensors
+from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
+from teraio.states.safetensors_files import (
+    Planned,
+    crc32c_of,
+    headers_by_tensor,
+    read_into,
+    write_shards,
+)
+from teraio.states.store import Residency
+from teraio.states.train_state import decode, encode, restore_rng_state, rng_state
+
+if TYPE_CHECKING:
+    from teraio.states.offload import StateOffload
+
+FORMAT = "teraio-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "teraio-checkpoint.json"
+TRAIN_STATE = "train_state.json"
+
+
+# -- the atomic directory ------------------------------------------------------------------------------
+_RENAME_NOREPLACE = 1
+
+
+def _rename_noreplace(parent_fd: int, src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` in ``parent_fd`` unless ``dst`` exists (Linux ``renameat2``), else a plain
+    rename after a last check (a directory created in between by someone else, empty, would be replaced)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is not None:
+        rc = fn(parent_fd, src.encode(), parent_fd, dst.encode(), _RENAME_NOREPLACE)
+        if rc == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dst)
+    if os.path.lexists(os.path.join(f"/proc/self/fd/{parent_fd}", dst)):
+        raise FileExistsError(errno.EEXIST, "exists", dst)
+    os.rename(src, dst, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+
+
+def write_directory(target: str | os.PathLike, populate: Any, *, what: str) -> Path:
+    """Build the directory ``target`` with ``populate(staged: PrivateDir)`` and rename it into place (Note:
+    [A checkpoint is complete or absent]).
+
+    Raises:
+        CheckpointError: ``target`` exists.
+    """
+    path = Path(os.path.abspath(os.fspath(target)))
+    if os.path.lexists(path):
+        raise CheckpointError(
+            f"'{path}' exists: save each {what} to a new directory (say ckpt/step-000100); teraio does not "
+            "replace it"
+        )
+    parent = PrivateDir.open(path.parent, what=f"the {what}'s parent directory")
+    with parent:
+        staged_name = f".{path.name[:60]}.{secrets.token_hex(6)}.partial"
+        os.mkdir(staged_name, 0o700, dir_fd=parent.fd)
+        done = False
+        try:
+            staged, _ = parent.subdir(staged_name, create=False)
+            with staged:
+                populate(staged)
+                os.fsync(staged.fd)
+            try:
+                _rename_noreplace(parent.fd, staged_name, path.name)
+            except FileExistsError:
+                raise CheckpointError(
+                    f"'{path}' appeared while the {what} was written; it was left alone"
+                ) from None
+            done = True
+            with contextlib.suppress(OSError):
+                os.fsync(parent.fd)
+        finally:
+            if not done:
+                parent._remove_ours(staged_name)
+    return path
+
+
+def _write_file(d: PrivateDir, name: str, data: bytes) -> None:
+    with d.open_new(name) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- what is saved -------------------------------------------------------------------------------------
+def _names(
+    offload: StateOffload, model: torch.nn.Module
+) -> tuple[list[tuple[str, torch.Tensor]], dict[int, str]]:
+    """The model's tensors to save (each object once, under its first name) and each optimizer
+    parameter's name by index."""
+    params, buffers = model_tensors(model)
+    tensors = [(s.names[0], s.param) for s in params] + [(b.names[0], b.tensor) for b in buffers]
+    by_id = {id(s.param): s.names[0] for s in params}
+    fqn: dict[int, str] = {}
+    for i, p in enumerate(offload.params):
+        if id(p) not in by_id:
+            raise CheckpointError(
+                f"the optimizer's parameter {i} {tuple(p.shape)} is not the model's: pass the model the "
+                "optimizer trains as teraio.States(model=...)"
+            )
+        fqn[i] = by_id[id(p)]
+    return tensors, fqn
+
+
+def _param_reader(offload: StateOffload) -> Any:
+    """``fetch(tensor)``: its value, read back from disk (one tensor's memory) when it is offloaded."""
+    res = offload.residency
+    records = {} if res is None else {id(res.params[i]): r for i, r in res.records.items()}
+
+    def fetch(t: torch.Tensor) -> torch.Tensor:
+        rec = records.get(id(t))
+        if rec is not None and rec.residency in (Residency.DISK, Residency.READING):
+            return offload.store.read_copy(rec)
+        return t.detach()
+
+    return fetch
+
+
+def _check_between_steps(offload: StateOffload, action: str) -> None:
+    if offload.closed:
+        raise CheckpointError(f"{action}: these states are closed")
+    offload.stream.check_usable()
+    if offload.stream.updating_in_backward:
+        raise CheckpointError(f"{action}: an update made inside backward awaits opt.step(); call it first")
+    offload.grads.settle()
+    pending = [
+        i for i, p in enumerate(offload.params) if p.grad is not None or offload.grads.current(i) is not None
+    ]
+    if pending:
+        raise CheckpointError(
+            f"{action}: {len(pending)} parameters have gradients; a checkpoint is taken between steps, after "
+            "opt.step() and opt.zero_grad()"
+        )
+
+
+def _save_model(
+    offload: StateOffload, model: torch.nn.Module, d: PrivateDir, max_shard_bytes: int
+) -> dict[str, dict[str, int]]:
+    tensors, _ = _names(offload, model)
+    by_name = dict(tensors)
+    planned = [Planned(n, t.dtype, tuple(t.shape)) for n, t in tensors]
+    fetch = _param_reader(offload)
+    sums = write_shards(
+        d.open_new,
+        "model",
+        planned,
+        lambda pl: fetch(by_name[pl.name]),
+        max_shard_bytes=max_shard_bytes,
+        metadata={"format": "pt"},
+    )
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        _write_file(d, "config.json", config.to_json_string().encode())
+    return sums
+
+
+def save_pretrained(
+    offload: StateOffload, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int
+) -> Path:
+    """The model's parameters and persistent buffers as a Hugging Face model directory (Note: [The
+    checkpoint format]), one tensor in memory at a time."""
+    if offload.closed:
+        raise CheckpointError("save_pretrained: these states are closed")
+    offload.stream.check_usable()
+    return write_directory(directory, lambda d: _save_model(offload, model, d, max_shard_bytes), what="model")
+
+
+def _optimizer_tensors(
+    offload: StateOffload, fqn: dict[int, str]
+) -> tuple[list[Planned], dict[str, Any], dict[str, Any]]:
+    """The optimizer's tensors to save (``state.{name}.{key}``), a fetch for each, and its non-tensor
+    state values by parameter name."""
+    opt = offload.optimizer
+    planned: list[Planned] = []
+    sources: dict[str, Any] = {}
+    values: dict[str, Any] = {}
+    for i, p in enumerate(offload.params):
+        st = opt.state.get(p)
+        if not st:
+            continue
+        recs = offload.stream.records.get(i, {})
+        order = []
+        for k, v in st.items():
+            order.append(k)
+            if isinstance(v, torch.Tensor):
+                name = f"state.{fqn[i]}.{k}"
+                planned.append(Planned(name, v.dtype, tuple(v.shape)))
+                sources[name] = recs.get(k) if k in recs else v
+            else:
+                values.setdefault(fqn[i], {})[k] = encode(v, f"optimizer state {fqn[i]}.{k}")
+        values.setdefault(fqn[i], {})["__order__"] = order
+    return planned, sources, values
+
+
+def save_checkpoint(
+    offload: StateOffload,
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    *,
+    extra: dict[str, Any] | None,
+    max_shard_bytes: int,
+) -> Path:
+    """Note: [The checkpoint format], [A checkpoint is complete or absent]."""
+    _check_between_steps(offload, "save_checkpoint")
+    _, fqn = _names(offload, model)
+    opt = offload.optimizer
+    planned, sources, values = _optimizer_tensors(offload, fqn)
+    groups = []
+    for g in opt.param_groups:
+        entry = {k: encode(v, f"param group setting {k!r}") for k, v in g.items() if k != "params"}
+        entry["params"] = [fqn[offload.stream.by_id[id(p)]] for p in g["params"]]
+        groups.append(entry)
+    extras = {}
+    for key, obj in (extra or {}).items():
+        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+            raise CheckpointError(
+                f"extra[{key!r}] has no state_dict()/load_state_dict(): pass an LR scheduler, a GradScaler, ..."
+            )
+        extras[key] = encode(obj.state_dict(), f"extra[{key!r}]")
+    train_state = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "optimizer": {"class": type(opt).__name__, "param_groups": groups, "state_values": values},
+        "committed_steps": offload.committed_steps,
+        "arrival_order": [fqn[i] for i in offload.grads.arrival_order],
+        "rng": rng_state(),
+        "extra": extras,
+        "torch_version": torch.__version__,
+    }
+
+    def fetch_state(pl: Planned) -> torch.Tensor:
+        src = sources[pl.name]
+        if isinstance(src, torch.Tensor):
+            return src.detach()
+        return offload.store.read_copy(src)
+
+    def populate(d: PrivateDir) -> None:
+        sums = _save_model(offload, model, d, max_shard_bytes)
+        model_files = list(sums)
+        opt_sums = write_shards(
+            d.open_new, "optimizer", planned, fetch_state, max_shard_bytes=max_shard_bytes
+        )
+        sums.update(opt_sums)
+        state_bytes = json.dumps(train_state, indent=1).encode()
+        _write_file(d, TRAIN_STATE, state_bytes)
+        files = {n: os.stat(n, dir_fd=d.fd).st_size for n in os.listdir(d.fd)}
+        manifest = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "model_files": model_files,
+            "optimizer_files": list(opt_sums),
+            "file_bytes": files,
+            "crc32c": sums,
+            "train_state_crc32c": crc32c_of(torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8)),
+        }
+        _write_file(
+            d, MANIFEST, json.dumps(manifest, indent=1).encode()
+        )  # last: Note: [A checkpoint is complete or absent]
+
+    return write_directory(directory, populate, what="checkpoint")
+
+
+# -- loading -------------------------------------------------------------------------------------------
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise CheckpointError(f"'{directory}' is not a directory: give a checkpoint save_checkpoint wrote")
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"'{directory}' is not a complete teraio checkpoint (no {MANIFEST}): a save that did not finish, or "
+            "another kind of directory; load the checkpoint before it"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"'{directory / MANIFEST}' cannot be read: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"'{directory / MANIFEST}' is not a teraio checkpoint manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"'{directory}' is a version {manifest.get('version')} checkpoint; this teraio reads version {FORMAT_VERSION}"
+        )
+    for name, size in manifest["file_bytes"].items():
+        p = directory / name
+        if not p.is_file() or p.stat().st_size != size:
+            raise CheckpointError(
+                f"'{p}' is missing or has changed size since it was saved: the checkpoint is damaged"
+            )
+    return manifest
+
+
+def _check_fresh(offload: StateOffload, action: str) -> None:
+    opt = offload.optimizer
+    if offload.closed:
+        raise CheckpointError(f"{action}: these states are closed")
+    if offload.committed_steps or any(opt.state.get(p) for p in offload.params):
+        raise CheckpointError(
+            f"{action} comes before the first step: this optimizer has state already; build a fresh model, "
+            "optimizer and backend (the model on the meta device) and load into them"
+        )
+    if offload.residency is not None and offload.residency.records:
+        raise CheckpointError(
+            f"{action} comes before the first compiled call: parameters are already on disk; load into a fresh "
+            "model, optimizer and backend"
+        )
+
+
+def load_checkpoint(
+    offload: StateOffload,
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    *,
+    extra: dict[str, Any] | None,
+    restore_rng: bool,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Restore what :func:`save_checkpoint` wrote into a fresh model, optimizer and backend, straight to
+    disk (Note: [What a checkpoint needs to resume bit for bit])."""
+    path = Path(directory)
+    _check_fresh(offload, "load_checkpoint")
+    manifest = _read_manifest(path)
+    state_bytes = (path / TRAIN_STATE).read_bytes()
+    if (
+        crc32c_of(torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8))
+        != manifest["train_state_crc32c"]
+    ):
+        raise CheckpointError(
+            f"'{path / TRAIN_STATE}' does not match its checksum: the checkpoint is damaged"
+        )
+    train = json.loads(state_bytes)
+    opt = offload.optimizer
+    saved_opt = train["optimizer"]
+    if saved_opt["class"] != type(opt).__name__:
+        raise CheckpointError(
+            f"'{path}' holds a {saved_opt['class']} optimizer's state, this one is a {type(opt).__name__}"
+        )
+    _, fqn = _names(offload, model)
+    groups = saved_opt["param_groups"]
+    mine = [[fqn[offload.stream.by_id[id(p)]] for p in g["params"]] for g in opt.param_groups]
+    if [g["params"] for g in groups] != mine:
+        raise CheckpointError(
+            f"'{path}': the optimizer's param groups do not hold the same parameters as when it was saved "
+            f"({len(groups)} groups there, {len(mine)} here): build the optimizer as the saved run did"
+        )
+    opt_files = [path / n for n in manifest["optimizer_files"]]
+    opt_headers = headers_by_tensor(opt_files)
+    index = {name: i for i, name in fqn.items()}
+    values = saved_opt["state_values"]
+    wanted: list[tuple[int, str, str]] = []
+    for name_fqn, entries in values.items():
+        if name_fqn not in index:
+            raise CheckpointError(
+                f"'{path}': optimizer state for {name_fqn!r}, which the model does not have"
+            )
+        for k in entries["__order__"]:
+            if k not in entries:
+                tname = f"state.{name_fqn}.{k}"
+                if tname not in opt_headers:
+                    raise CheckpointError(f"'{path}': the optimizer files lack {tname!r}")
+                wanted.append((index[name_fqn], k, tname))
+    extras = train.get("extra", {})
+    for key in extra or {}:
+        if key not in extras:
+            raise CheckpointError(
+                f"'{path}' holds no state for extra[{key!r}] (it has: {sorted(extras) or 'none'})"
+            )
+    # Everything checked: now the bytes move.
+    checksums = manifest["crc32c"]
+    report = load_model(
+        model,
+        [path / n for n in manifest["model_files"]],
+        residency=offload.residency,
+        device=device,
+        source=f"'{path}'",
+        checksums=checksums,
+    )
+    states_bytes = _load_optimizer_states(offload, wanted, values, opt_headers, checksums, device, fqn)
+    for g, saved in zip(opt.param_groups, groups):
+        for k, v in saved.items():
+            if k != "params":
+                g[k] = decode(v)
+    offload.stream.committed_steps = int(train["committed_steps"])
+    order = [index[n] for n in train.get("arrival_order", []) if n in index]
+    offload.grads.arrival_order[:] = order
+    offload.grads._seen = set(order)
+    for key, obj in (extra or {}).items():
+        obj.load_state_dict(decode(extras[key]))
+    if restore_rng:
+        restore_rng_state(train["rng"])
+    return {
+        "committed_steps": offload.committed_steps,
+        "model": report.as_dict(),
+        "optimizer_state_bytes": states_bytes,
+    }
+
+
+def _load_optimizer_states(
+    offload: StateOffload,
+    wanted: list[tuple[int, str, str]],
+    values: dict[str, Any],
+    headers: dict[str, Any],
+    checksums: dict[str, dict[str, int]],
+    device: torch.device,
+    fqn: dict[int, str],
+) -> int:
+    """Each state tensor read into its own memory and, unless it stays resident (``step``), written to
+    slot 0 on disk and freed before the next (Note: [A model is loaded one tensor at a time] in
+    teraio.states.loading)."""
+    opt = offload.optimizer
+    total = 0
+    fds: dict[Path, int] = {}
+    try:
+        for idx, k, tname in wanted:
+            header = headers[tname]
+            entry = header.entries[tname]
+            buf = torch.empty(entry.shape, dtype=entry.dtype)
+            if header.path not in fds:
+                fds[header.path] = os.open(header.path, os.O_RDONLY | os.O_CLOEXEC)
+            read_into(fds[header.path], entry, buf, path=header.path)
+            if crc32c_of(buf) != checksums.get(header.path.name, {}).get(tname):
+                raise CheckpointError(
+                    f"'{header.path}': {tname!r} does not match its checksum: the checkpoint is damaged"
+                )
+            t = buf if device.type == "cpu" or k in RESIDENT_STATE_KEYS else buf.to(device)
+            total += entry.nbytes
+            p = offload.params[idx]
+            st = opt.state.setdefault(p, {})
+            st[k] = t
+            if k not in RESIDENT_STATE_KEYS:
+                offload.stream.write_loaded(idx, k, t)
+            del buf, t
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    # The non-tensor values, and each state's keys in their saved order (state_dict() lists them so).
+    index = {n: i for i, n in fqn.items()}
+    for name, entries in values.items():
+        p = offload.params[index[name]]
+        loaded = opt.state.get(p, {})
+        opt.state[p] = {k: (decode(entries[k]) if k in entries else loaded[k]) for k in entries["__order__"]}
+    return total
