@@ -266,6 +266,38 @@ class PrivateDir:
             if pending is not None:
                 self._remove_ours(pending)
 
+    def create_subdir(self, name: str, populate: Callable[[PrivateDir], None]) -> None:
+        """Build the new subdirectory ``name`` with ``populate(staged)`` in a fresh private sibling
+        (``.{name}.{random}.partial``), fsync it, and rename it to ``name`` only if nothing is there: the
+        name is then absent or complete, never partial. A failure removes the staged directory; a crash
+        leaves it, hidden.
+
+        Raises:
+            OutputError: ``name`` exists (when the rename comes; callers check first for a clearer message).
+        """
+        _one_name(name)
+        staged_name = f".{name[:60]}.{secrets.token_hex(6)}.partial"
+        os.mkdir(staged_name, _PRIVATE_DIR_MODE, dir_fd=self.fd)
+        done = False
+        try:
+            staged, _ = self.subdir(staged_name, create=False)
+            with staged:
+                os.fchmod(staged.fd, _PRIVATE_DIR_MODE)  # made by mkdir above: exact whatever the umask
+                populate(staged)
+                os.fsync(staged.fd)
+            try:
+                _rename_noreplace(self.fd, staged_name, name)
+            except FileExistsError:
+                raise OutputError(
+                    f"'{self.path / name}' appeared while it was being written; it was left alone"
+                ) from None
+            done = True
+            with contextlib.suppress(OSError):
+                os.fsync(self.fd)  # the rename is durable once the parent is
+        finally:
+            if not done:
+                self._remove_ours(staged_name)
+
     def _remove_ours(self, name: str) -> None:
         """Remove a subdirectory this process created or just moved aside as a teraio artefact (its
         regular files, then itself); anything else in it keeps it in place."""
@@ -282,6 +314,32 @@ class PrivateDir:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.rmdir(name, dir_fd=self.fd)
+
+
+_RENAME_NOREPLACE = 1  # linux/fs.h
+
+
+def _rename_noreplace(dir_fd: int, src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` in ``dir_fd`` unless ``dst`` exists: Linux's ``renameat2`` with
+    ``RENAME_NOREPLACE`` (Python's ``os`` has no such call); where the kernel or filesystem lacks it, a
+    plain rename after a last check (an empty directory created in between would then be replaced)."""
+    import ctypes
+
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if fn is not None:
+        if fn(dir_fd, src.encode(), dir_fd, dst.encode(), _RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), dst)
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), dst)
+    try:
+        os.stat(dst, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.rename(src, dst, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return
+    raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), dst)
 
 
 def _empty_dir_at(parent_fd: int, name: str) -> bool:

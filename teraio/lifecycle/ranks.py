@@ -90,6 +90,14 @@ class RankAgreement:
             self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         return self._group
 
+    def gather_objects(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (small, picklable: these ranks' own data, never a file's), by rank."""
+        if not self.active():
+            return [value]
+        out: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(out, value, group=self._pg())
+        return out
+
     def reduce(self, values: Sequence[float], op: ReduceOp) -> list[float]:
         """Every rank's ``values`` combined elementwise with ``op`` (the values unchanged without a job)."""
         if not self.active():

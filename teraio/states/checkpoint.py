@@ -37,20 +37,18 @@ Note: [What a checkpoint needs to resume bit for bit]
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import errno
 import json
 import os
-import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from teraio.lifecycle.ranks import RankAgreement
 from teraio.planner.private_dir import PrivateDir
 from teraio.states.errors import CheckpointError
-from teraio.states.loading import load_model, model_tensors
+from teraio.states.loading import LoadReport, load_model, model_tensors, pretrained_files
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
 from teraio.states.safetensors_files import (
     Planned,
@@ -71,32 +69,50 @@ MANIFEST = "teraio-checkpoint.json"
 TRAIN_STATE = "train_state.json"
 
 
-# -- the atomic directory ------------------------------------------------------------------------------
-_RENAME_NOREPLACE = 1
+# -- several ranks ---------------------------------------------------------------------------------------
+#: Note: [A checkpoint of a DDP job]. One per process: its gloo group is made the first time a job needs it.
+_RANKS = RankAgreement()
 
 
-def _rename_noreplace(parent_fd: int, src: str, dst: str) -> None:
-    """Rename ``src`` to ``dst`` in ``parent_fd`` unless ``dst`` exists (Linux ``renameat2``), else a plain
-    rename after a last check (a directory created in between by someone else, empty, would be replaced)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fn = getattr(libc, "renameat2", None)
-    if fn is not None:
-        rc = fn(parent_fd, src.encode(), parent_fd, dst.encode(), _RENAME_NOREPLACE)
-        if rc == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise FileExistsError(err, os.strerror(err), dst)
-        if err not in (errno.ENOSYS, errno.EINVAL):
-            raise OSError(err, os.strerror(err), dst)
-    if os.path.lexists(os.path.join(f"/proc/self/fd/{parent_fd}", dst)):
-        raise FileExistsError(errno.EEXIST, "exists", dst)
-    os.rename(src, dst, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+def _rank() -> tuple[int, int]:
+    """This process's rank and the job's world size (0, 1 without a process group)."""
+    if not _RANKS.active():
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
-def write_directory(target: str | os.PathLike, populate: Any, *, what: str) -> Path:
-    """Build the directory ``target`` with ``populate(staged: PrivateDir)`` and rename it into place (Note:
-    [A checkpoint is complete or absent]).
+def _on_every_rank(fn: Callable[[], Any], what: str) -> Any:
+    """Run ``fn`` on this rank; when any rank's raised, raise the first one's message on every rank (one
+    rank's error must not leave the others waiting in the job's next collective)."""
+    if not _RANKS.active():
+        return fn()
+    try:
+        result, error = fn(), None
+    except CheckpointError as exc:
+        result, error = None, str(exc)
+    errors = _RANKS.gather_objects(error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+    return result
+
+
+# Note: [A checkpoint of a DDP job]
+#     Under DDP every rank holds the same parameters and optimizer states, so rank 0 alone writes them,
+#     once; the other ranks send it their random generators' states, which differ (dropout), and the
+#     manifest records the job's world size. Every rank calls ``save_checkpoint`` and ``load_checkpoint``
+#     (they are collectives, on teraio's gloo group: Note: [Ranks agree at the start of every step] in
+#     teraio.lifecycle.ranks); every rank loads the same directory (a filesystem all ranks see) into its
+#     own offload directory and restores its own generators. An error on one rank raises on every rank.
+#     DDP broadcasts rank 0's parameters when it wraps a model: after a load that put them on disk, wrap
+#     with ``DDP(model, init_sync=False)`` (every rank loaded the same values; there is nothing to send).
+#     FSDP2's sharded states are not supported by ``teraio.States`` yet.
+
+
+def write_directory(target: str | os.PathLike, populate: Callable[[PrivateDir], None], *, what: str) -> Path:
+    """Build the new directory ``target`` with ``populate(staged)`` and rename it into place (Note: [A
+    checkpoint is complete or absent]).
 
     Raises:
         CheckpointError: ``target`` exists.
@@ -107,28 +123,8 @@ def write_directory(target: str | os.PathLike, populate: Any, *, what: str) -> P
             f"'{path}' exists: save each {what} to a new directory (say ckpt/step-000100); teraio does not "
             "replace it"
         )
-    parent = PrivateDir.open(path.parent, what=f"the {what}'s parent directory")
-    with parent:
-        staged_name = f".{path.name[:60]}.{secrets.token_hex(6)}.partial"
-        os.mkdir(staged_name, 0o700, dir_fd=parent.fd)
-        done = False
-        try:
-            staged, _ = parent.subdir(staged_name, create=False)
-            with staged:
-                populate(staged)
-                os.fsync(staged.fd)
-            try:
-                _rename_noreplace(parent.fd, staged_name, path.name)
-            except FileExistsError:
-                raise CheckpointError(
-                    f"'{path}' appeared while the {what} was written; it was left alone"
-                ) from None
-            done = True
-            with contextlib.suppress(OSError):
-                os.fsync(parent.fd)
-        finally:
-            if not done:
-                parent._remove_ours(staged_name)
+    with PrivateDir.open(path.parent, what=f"the {what}'s parent directory") as parent:
+        parent.create_subdir(path.name, populate)
     return path
 
 
@@ -216,10 +212,19 @@ def save_pretrained(
 ) -> Path:
     """The model's parameters and persistent buffers as a Hugging Face model directory (Note: [The
     checkpoint format]), one tensor in memory at a time."""
-    if offload.closed:
-        raise CheckpointError("save_pretrained: these states are closed")
-    offload.stream.check_usable()
-    return write_directory(directory, lambda d: _save_model(offload, model, d, max_shard_bytes), what="model")
+    rank, _ = _rank()
+
+    def write() -> Path:
+        if offload.closed:
+            raise CheckpointError("save_pretrained: these states are closed")
+        offload.stream.check_usable()
+        if rank != 0:  # Note: [A checkpoint of a DDP job]
+            return Path(os.path.abspath(os.fspath(directory)))
+        return write_directory(
+            directory, lambda d: _save_model(offload, model, d, max_shard_bytes), what="model"
+        )
+
+    return _on_every_rank(write, "save_pretrained")
 
 
 def _optimizer_tensors(
@@ -257,33 +262,19 @@ def save_checkpoint(
     extra: dict[str, Any] | None,
     max_shard_bytes: int,
 ) -> Path:
-    """Note: [The checkpoint format], [A checkpoint is complete or absent]."""
-    _check_between_steps(offload, "save_checkpoint")
+    """Note: [The checkpoint format], [A checkpoint is complete or absent], [A checkpoint of a DDP job]."""
+    rank, world = _rank()
+
+    def prepare() -> dict[str, Any]:
+        _check_between_steps(offload, "save_checkpoint")
+        return _train_state(offload, model, extra)
+
+    train_state = _on_every_rank(prepare, "save_checkpoint")
+    rngs = _RANKS.gather_objects(train_state.pop("rng"))
+    train_state["world_size"] = world
+    train_state["rng_by_rank"] = rngs
     _, fqn = _names(offload, model)
-    opt = offload.optimizer
-    planned, sources, values = _optimizer_tensors(offload, fqn)
-    groups = []
-    for g in opt.param_groups:
-        entry = {k: encode(v, f"param group setting {k!r}") for k, v in g.items() if k != "params"}
-        entry["params"] = [fqn[offload.stream.by_id[id(p)]] for p in g["params"]]
-        groups.append(entry)
-    extras = {}
-    for key, obj in (extra or {}).items():
-        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
-            raise CheckpointError(
-                f"extra[{key!r}] has no state_dict()/load_state_dict(): pass an LR scheduler, a GradScaler, ..."
-            )
-        extras[key] = encode(obj.state_dict(), f"extra[{key!r}]")
-    train_state = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "optimizer": {"class": type(opt).__name__, "param_groups": groups, "state_values": values},
-        "committed_steps": offload.committed_steps,
-        "arrival_order": [fqn[i] for i in offload.grads.arrival_order],
-        "rng": rng_state(),
-        "extra": extras,
-        "torch_version": torch.__version__,
-    }
+    planned, sources, _ = _optimizer_tensors(offload, fqn)
 
     def fetch_state(pl: Planned) -> torch.Tensor:
         src = sources[pl.name]
@@ -314,10 +305,61 @@ def save_checkpoint(
             d, MANIFEST, json.dumps(manifest, indent=1).encode()
         )  # last: Note: [A checkpoint is complete or absent]
 
-    return write_directory(directory, populate, what="checkpoint")
+    def write() -> Path:
+        if rank != 0:  # every rank holds the same state under DDP: rank 0 writes it once
+            return Path(os.path.abspath(os.fspath(directory)))
+        return write_directory(directory, populate, what="checkpoint")
+
+    return _on_every_rank(write, "save_checkpoint")
+
+
+def _train_state(
+    offload: StateOffload, model: torch.nn.Module, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``train_state.json``'s content, but the generators of the other ranks (Note: [What a checkpoint
+    needs to resume bit for bit])."""
+    _, fqn = _names(offload, model)
+    opt = offload.optimizer
+    _, _, values = _optimizer_tensors(offload, fqn)
+    groups = []
+    for g in opt.param_groups:
+        entry = {k: encode(v, f"param group setting {k!r}") for k, v in g.items() if k != "params"}
+        entry["params"] = [fqn[offload.stream.by_id[id(p)]] for p in g["params"]]
+        groups.append(entry)
+    extras = {}
+    for key, obj in (extra or {}).items():
+        if not hasattr(obj, "state_dict") or not hasattr(obj, "load_state_dict"):
+            raise CheckpointError(
+                f"extra[{key!r}] has no state_dict()/load_state_dict(): pass an LR scheduler, a GradScaler, ..."
+            )
+        extras[key] = encode(obj.state_dict(), f"extra[{key!r}]")
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "optimizer": {"class": type(opt).__name__, "param_groups": groups, "state_values": values},
+        "committed_steps": offload.committed_steps,
+        "arrival_order": [fqn[i] for i in offload.grads.arrival_order],
+        "rng": rng_state(),
+        "extra": extras,
+        "torch_version": torch.__version__,
+    }
 
 
 # -- loading -------------------------------------------------------------------------------------------
+def load_pretrained(
+    offload: StateOffload, model: torch.nn.Module, path: str | os.PathLike, *, device: torch.device
+) -> LoadReport:
+    """Note: [A model is loaded one tensor at a time] in teraio.states.loading; under a process group every
+    rank loads the same files (Note: [A checkpoint of a DDP job])."""
+
+    def load() -> LoadReport:
+        _check_fresh(offload, "load_pretrained")
+        files = pretrained_files(path)
+        return load_model(model, files, residency=offload.residency, device=device, source=f"'{path}'")
+
+    return _on_every_rank(load, "load_pretrained")
+
+
 def _read_manifest(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise CheckpointError(f"'{directory}' is not a directory: give a checkpoint save_checkpoint wrote")
@@ -371,8 +413,21 @@ def load_checkpoint(
     device: torch.device,
 ) -> dict[str, Any]:
     """Restore what :func:`save_checkpoint` wrote into a fresh model, optimizer and backend, straight to
-    disk (Note: [What a checkpoint needs to resume bit for bit])."""
-    path = Path(directory)
+    disk (Note: [What a checkpoint needs to resume bit for bit]); under a process group every rank loads
+    the same directory (Note: [A checkpoint of a DDP job])."""
+    return _on_every_rank(
+        lambda: _load_here(offload, model, Path(directory), extra, restore_rng, device), "load_checkpoint"
+    )
+
+
+def _load_here(
+    offload: StateOffload,
+    model: torch.nn.Module,
+    path: Path,
+    extra: dict[str, Any] | None,
+    restore_rng: bool,
+    device: torch.device,
+) -> dict[str, Any]:
     _check_fresh(offload, "load_checkpoint")
     manifest = _read_manifest(path)
     state_bytes = (path / TRAIN_STATE).read_bytes()
@@ -414,6 +469,12 @@ def load_checkpoint(
                 if tname not in opt_headers:
                     raise CheckpointError(f"'{path}': the optimizer files lack {tname!r}")
                 wanted.append((index[name_fqn], k, tname))
+    rank, world = _rank()
+    if restore_rng and train["world_size"] != world:
+        raise CheckpointError(
+            f"'{path}' was saved by a job of {train['world_size']} ranks, this one has {world}: the random "
+            "generators cannot be restored rank by rank; pass restore_rng=False"
+        )
     extras = train.get("extra", {})
     for key in extra or {}:
         if key not in extras:
@@ -442,7 +503,7 @@ def load_checkpoint(
     for key, obj in (extra or {}).items():
         obj.load_state_dict(decode(extras[key]))
     if restore_rng:
-        restore_rng_state(train["rng"])
+        restore_rng_state(train["rng_by_rank"][rank])
     return {
         "committed_steps": offload.committed_steps,
         "model": report.as_dict(),

@@ -202,7 +202,11 @@ def _materialize(p: torch.Tensor, device: torch.device) -> None:
     """Note: [A loaded parameter keeps its object]."""
     cls = type(p)
     data = torch.empty(p.shape, dtype=p.dtype, device=device)
-    new = cls(data, requires_grad=p.requires_grad) if cls is torch.nn.Parameter else data
+    new = (
+        cls(data, requires_grad=p.requires_grad)
+        if cls is torch.nn.Parameter
+        else data.requires_grad_(p.requires_grad)
+    )
     new.__dict__.update(p.__dict__)
     try:
         torch.utils.swap_tensors(p, new)

@@ -378,15 +378,9 @@ class StateOffload:
             CheckpointError: one line naming the first missing, unexpected or mismatched tensor, before
                 any byte is written.
         """
-        from teraio.states.checkpoint import _check_fresh
-        from teraio.states.loading import load_model, pretrained_files
+        from teraio.states.checkpoint import load_pretrained
 
-        model = self._model_for("load_pretrained")
-        _check_fresh(self, "load_pretrained")
-        files = pretrained_files(path)
-        return load_model(
-            model, files, residency=self.residency, device=torch.device(device), source=f"'{path}'"
-        )
+        return load_pretrained(self, self._model_for("load_pretrained"), path, device=torch.device(device))
 
     def save_checkpoint(
         self,

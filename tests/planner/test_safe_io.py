@@ -319,3 +319,34 @@ def test_inputs_are_read_only_when_regular_files_and_up_to_a_limit(tmp_path):
             load_json(tmp_path / "c.json")
     (tmp_path / "ok.json").write_text('{"a": 1e30}')
     assert load_json(tmp_path / "ok.json") == {"a": 1e30}  # a finite number parses; its loader bounds it
+
+
+def test_create_subdir_is_complete_or_absent_and_never_replaces(tmp_path):
+    """PrivateDir.create_subdir (checkpoints): a failure in populate leaves nothing; a name that appears
+    while it is populated is left alone (renameat2 RENAME_NOREPLACE) and the staged files go."""
+    from teraio.planner.private_dir import PrivateDir
+
+    def write(d):
+        with d.open_new("a.bin") as f:
+            f.write(b"x" * 10)
+
+    with PrivateDir.open(tmp_path) as parent:
+        parent.create_subdir("ok", write)
+        assert (tmp_path / "ok" / "a.bin").read_bytes() == b"x" * 10
+
+        def fails(d):
+            write(d)
+            raise RuntimeError("populate failed")
+
+        with pytest.raises(RuntimeError):
+            parent.create_subdir("bad", fails)
+
+        def someone_else_creates_it(d):
+            write(d)
+            (tmp_path / "raced").mkdir()
+            (tmp_path / "raced" / "theirs.txt").write_text("keep")
+
+        with pytest.raises(OutputError, match="appeared while it was being written"):
+            parent.create_subdir("raced", someone_else_creates_it)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ok", "raced"]
+    assert [p.name for p in (tmp_path / "raced").iterdir()] == ["theirs.txt"]

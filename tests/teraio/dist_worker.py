@@ -66,7 +66,16 @@ def _train(
     import teraio
     from tests.teraio.loops import GPTLoss, _tokens
 
-    model = GPTLoss()
+    # Note: [A checkpoint of a DDP job] in teraio.states.checkpoint: a resumed run builds its model on the
+    # meta device and loads every tensor from the checkpoint the run before it saved.
+    resume = options.get("resume")
+    ckpt_root = Path(out_dir).parent
+    if resume:
+        with torch.device("meta"):
+            model = GPTLoss()
+    else:
+        model = GPTLoss()
+    first = int(options.get("first", 0))
     steps = int(options.get("steps", 6))
     kill_at = options.get("kill_rank_at")
     # teraio.States needs the optimizer when the backend is built (DDP keeps the model's parameters).
@@ -99,7 +108,10 @@ def _train(
         }[mode]
         # Small buckets, so that DDP's graph optimizer splits the tiny model into several graphs.
         dist._DEFAULT_FIRST_BUCKET_BYTES = 16 * 1024
-        compiled = torch.compile(DDP(model, bucket_cap_mb=0.02), backend=backend)
+        if resume:
+            backend.states.load_checkpoint(ckpt_root / resume)
+        # Loaded from the same checkpoint on every rank, the parameters are on disk: nothing to broadcast.
+        compiled = torch.compile(DDP(model, bucket_cap_mb=0.02, init_sync=not resume), backend=backend)
         params = model.parameters()
     elif mode == "fsdp-per-block":
         from torch.distributed.fsdp import fully_shard
@@ -116,7 +128,7 @@ def _train(
     make = _tokens(64, 2)
     losses, grads = [], []
     try:
-        for step in range(steps):
+        for step in range(first, steps):
             if kill_at is not None and rank == 1 and step == kill_at:
                 os.kill(
                     os.getpid(), signal.SIGKILL
@@ -140,6 +152,8 @@ def _train(
             )
             opt.step()
             opt.zero_grad()
+            if options.get("save_at") == step + 1:
+                backend.states.save_checkpoint(ckpt_root / options["save_to"])
         state = {
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()
         }

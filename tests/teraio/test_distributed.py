@@ -74,7 +74,19 @@ NOSPLIT_RUNS = [
     # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: the budget is of
     # the whole step; at half of it the graphs still move activations beside the resident parameters.
     ("states", True, {"states": "offload", "budget": "50%"}),
-    ("parameters", True, {"states": "offload", "offload_parameters": True, "budget": "35%"}),
+    # The parameters' run saves a checkpoint after step 4; "resumed" starts fresh processes' worth of
+    # objects (a meta model, a new optimizer and backend) from it and trains steps 4-7 (Note: [A checkpoint
+    # of a DDP job] in teraio.states.checkpoint).
+    (
+        "parameters",
+        True,
+        {"states": "offload", "offload_parameters": True, "budget": "35%", "save_at": 4, "save_to": "ckpt"},
+    ),
+    (
+        "resumed",
+        True,
+        {"states": "offload", "offload_parameters": True, "budget": "35%", "resume": "ckpt", "first": 4},
+    ),
 ]
 UNMET_BUDGET = ("unmet-budget", True, {"budget": "4096"})
 
@@ -96,7 +108,7 @@ def _job_ending_in_a_refusal(
                 raise
             refused = str(e)
         results = _results(tmp / "results", mode, runs)
-        return {"refused": refused, **{name: r for (name, _, _), r in zip(runs, results)}}
+        return {"refused": refused, "dir": str(tmp), **{name: r for (name, _, _), r in zip(runs, results)}}
 
     return once_per_run(f"distributed-{mode}-job", job)
 
@@ -167,6 +179,21 @@ def test_ddp_with_the_parameters_on_disk(nosplit_job) -> None:
     plans made then are measured on a later step, hence 8 steps."""
     results = _nosplit(nosplit_job, "parameters")
     assert all(r["stats"]["moved_bytes_by_kind"]["parameter"] > 0 for r in results)
+
+
+def test_ddp_resumes_bit_identically_from_a_checkpoint_rank_0_wrote(nosplit_job) -> None:
+    """Both ranks save (rank 0 writes, once), then load the same directory into a model built on the meta
+    device and continue: losses, gradients and final parameters equal the uninterrupted run's."""
+    saved, resumed = nosplit_job["parameters"], nosplit_job["resumed"]
+    for rank, (got, want) in enumerate(zip(resumed, saved)):
+        assert got["losses"] == want["losses"][4:], f"rank {rank}: losses differ"
+        assert got["grads"] == want["grads"][4:], f"rank {rank}: gradients differ"
+        assert got["params"] == want["params"], f"rank {rank}: parameters differ"
+        kinds = got["stats"]["moved_bytes_by_kind"]
+        assert kinds["parameter"] > 0 and kinds["optimizer_state"] > 0, (rank, kinds)
+        assert got["leftover_files"] == [], (rank, got["leftover_files"])
+    train_state = json.loads((Path(nosplit_job["dir"]) / "ckpt" / "train_state.json").read_text())
+    assert train_state["world_size"] == 2 and len(train_state["rng_by_rank"]) == 2
 
 
 def test_fsdp2_per_block_compilation(tmp_path) -> None:
