@@ -397,10 +397,12 @@ def run_train_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 # -- the run -------------------------------------------------------------------------------------------
 def leftovers(directory: Path) -> list[str]:
-    """teraio's own subdirectories left in ``directory`` (its offload files live in them)."""
+    """teraio's own subdirectories left in ``directory`` (its offload files live in them), and
+    --from-checkpoint's run directories (a run killed before removing its model file and checkpoint)."""
     if not directory.is_dir():
         return []
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith(("teraio-", ".teraio-new-")))
+    ours = ("teraio-", ".teraio-new-", "bench_states-ckpt-")
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(ours))
 
 
 def run(
