@@ -47,9 +47,19 @@ bandwidth (one device: a write and a read do not add bandwidth). The compute alo
 measured before training and again after it; the goal uses the smaller compute and the faster disk (the
 report keeps both measurements), since load from anything else only inflates them.
 
+``--from-checkpoint`` starts as a user with a pretrained checkpoint larger than memory would (issue 39):
+the GPT's initial weights are first written as a safetensors file without ever holding the model
+(``benchmarks.gpt_weights``: the submodules built one at a time from the same seed, in ``GPT.__init__``'s
+order, each streamed into the file and dropped); the training process builds the model on the meta
+device, loads it with ``backend.states.load_pretrained`` (each offloaded parameter straight to its slot
+on disk), trains, and after the last step writes ``backend.states.save_checkpoint`` into the run's
+private directory (removed at the end). ``peak_rss_by_phase`` then has ``load`` and ``save`` beside the
+steps, and ``from_checkpoint`` reports each phase's time and bytes against the raw bandwidths of the same
+run and its peak RSS against the largest running step's.
+
     python -m benchmarks.bench_states [--dir DIR] [--config 2b|tiny] [--steps 4] [--keep-parameters]
                                       [--optimizer-in-backward] [--budget B] [--cpu-malloc release]
-                                      [--json] [--out F.json]
+                                      [--from-checkpoint] [--json] [--out F.json]
 """
 
 from __future__ import annotations
@@ -87,7 +97,7 @@ from benchmarks.states_reference import (  # noqa: E402
 )
 from teraio.planner.model_states import io_lower_bound_s, offload_step_traffic  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
-from teraio.tools.models.gpt import GPTConfig, synthetic_batch  # noqa: E402
+from teraio.tools.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -129,15 +139,78 @@ def _log(msg: str) -> None:
     print(f"[bench_states {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def _load_phase(be: Any, weights: str, can_reset: bool) -> tuple[dict[str, Any], int]:
+    """``backend.states.load_pretrained(weights)``: what it did (its ``LoadReport``, the bytes the
+    states wrote by kind) and the phase's peak resident memory."""
+    if can_reset:
+        reset_peak_rss()
+    before = _io_by_kind(be)
+    loaded = be.states.load_pretrained(weights).as_dict()
+    peak = proc_status_bytes("VmHWM")
+    moved = _delta(before, _io_by_kind(be))
+    out = {
+        **loaded,
+        "written_bytes": sum(moved["written"].values()),
+        "written_bytes_by_kind": moved["written"],
+        "peak_rss_bytes": peak,
+        "rss_after_bytes": proc_status_bytes("VmRSS"),
+    }
+    _log(
+        f"load_pretrained: {loaded['tensors']} tensors, read {loaded['read_bytes'] / 1e9:.2f} GB, wrote "
+        f"{out['written_bytes'] / 1e9:.2f} GB to the offload files in {loaded['seconds']:.1f} s, peak RSS "
+        f"{peak / 1e9:.2f} GB"
+    )
+    return out, peak
+
+
+def _save_phase(be: Any, directory: str, can_reset: bool) -> tuple[dict[str, Any], int]:
+    """``backend.states.save_checkpoint(directory)`` after the last step: time, the bytes read back from
+    the offload files by kind, the files written, and the phase's peak resident memory."""
+    if can_reset:
+        reset_peak_rss()
+    before = _io_by_kind(be)
+    t0 = time.perf_counter()
+    path = be.states.save_checkpoint(directory)
+    seconds = time.perf_counter() - t0
+    peak = proc_status_bytes("VmHWM")
+    moved = _delta(before, _io_by_kind(be))
+    files = {p.name: p.stat().st_size for p in sorted(Path(path).iterdir())}
+    out = {
+        "seconds": seconds,
+        "read_bytes": sum(moved["read"].values()),
+        "read_bytes_by_kind": moved["read"],
+        # What the offload files got meanwhile (nothing: a save only reads them).
+        "offload_written_bytes": sum(moved["written"].values()),
+        "written_bytes": sum(files.values()),
+        "files": files,
+        "peak_rss_bytes": peak,
+        "rss_after_bytes": proc_status_bytes("VmRSS"),
+    }
+    _log(
+        f"save_checkpoint: {len(files)} files, {out['written_bytes'] / 1e9:.2f} GB written, "
+        f"{out['read_bytes'] / 1e9:.2f} GB read back from the offload files in {seconds:.1f} s, peak RSS "
+        f"{peak / 1e9:.2f} GB"
+    )
+    return out, peak
+
+
 def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     """The training run (in a fresh process: :func:`main` ``--train-child``)."""
     import teraio
 
     cfg = GPTConfig(**spec["cfg"])
+    ckpt = spec.get("from_checkpoint")
     peaks: dict[str, int] = {}
     can_reset = reset_peak_rss()
     t0 = time.perf_counter()
-    model = build_model(cfg, spec["seed"])
+    if ckpt:
+        # --from-checkpoint: no byte of the model in memory; load_pretrained gives each parameter its
+        # memory (or its disk slot) below. GPT has no buffer, so nothing is left on meta (Note: [Buffers
+        # the model computes] in teraio.states.loading).
+        with torch.device("meta"):
+            model = GPT(cfg)
+    else:
+        model = build_model(cfg, spec["seed"])
     model.train()
     build_s = time.perf_counter() - t0
     peaks["build"] = proc_status_bytes("VmHWM")
@@ -167,12 +240,19 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
             gradients=not spec["optimizer_in_backward"],
             optimizer_in_backward=spec["optimizer_in_backward"],
             parameters=spec["offload_parameters"],
-            model=model if spec["offload_parameters"] else None,
+            # load_pretrained and save_checkpoint need the model, whichever parameters move.
+            model=model if spec["offload_parameters"] or ckpt else None,
             chunk_bytes=spec["chunk_bytes"],
         ),
         offload_dirs=[spec["dir"]],
         io_backend="posix",
     )
+    load: dict[str, Any] | None = None
+    if ckpt:
+        # Before any compile: a loaded parameter keeps its object through torch.utils.swap_tensors, which
+        # nothing else may hold yet (Note: [A loaded parameter keeps its object] in
+        # teraio.states.loading).
+        load, peaks["load"] = _load_phase(be, ckpt["weights"], can_reset)
     if spec["offload_parameters"]:
         # Each block its own graph (torchtitan's order): one block's weights fetched at a time, and each
         # backward returns one block's gradients.
@@ -251,6 +331,9 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
             f"{(first_grad_rss or [0])[0] / 1e9:.2f} GB at its first gradient), wrote {sum(moved['written'].values()) / 1e9:.2f} GB, "
             f"read {sum(moved['read'].values()) / 1e9:.2f} GB"
         )
+    save: dict[str, Any] | None = None
+    if ckpt:
+        save, peaks["save"] = _save_phase(be, ckpt["checkpoint"], can_reset)
     final = be.stats()
     state_stats = be.states.stats()
     engine = be.states.engine.stats()
@@ -281,6 +364,8 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         "checksum": be.states.engine.config.checksum,
         "cpu_malloc": cpu_malloc,
         "closed_with": "close()" if closes else "exit",
+        "load": load,
+        "save": save,
     }
     if closes:
         be.close()
@@ -312,10 +397,12 @@ def run_train_child(spec: dict[str, Any]) -> dict[str, Any]:
 
 # -- the run -------------------------------------------------------------------------------------------
 def leftovers(directory: Path) -> list[str]:
-    """teraio's own subdirectories left in ``directory`` (its offload files live in them)."""
+    """teraio's own subdirectories left in ``directory`` (its offload files live in them), and
+    --from-checkpoint's run directories (a run killed before removing its model file and checkpoint)."""
     if not directory.is_dir():
         return []
-    return sorted(p.name for p in directory.iterdir() if p.name.startswith(("teraio-", ".teraio-new-")))
+    ours = ("teraio-", ".teraio-new-", "bench_states-ckpt-")
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(ours))
 
 
 def run(
@@ -335,6 +422,7 @@ def run(
     budget: str | None = None,
     cpu_malloc: str = "retain",
     clip: float | None = None,
+    from_checkpoint: bool = False,
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -347,10 +435,14 @@ def run(
     directory.mkdir(parents=True, exist_ok=True)
     size = sizes(cfg)
     free = shutil.disk_usage(directory).free
-    if free - size["disk_bytes_needed"] - io_size < keep_free:
+    # --from-checkpoint: the initial weights' file and the checkpoint (weights and moments) too.
+    files_needed = 2 * size["weight_bytes"] + size["optimizer_state_bytes"] if from_checkpoint else 0
+    needed = size["disk_bytes_needed"] + files_needed
+    if free - needed - io_size < keep_free:
         raise RuntimeError(
-            f"{directory} has {free / 1e9:.1f} GB free; the run needs {size['disk_bytes_needed'] / 1e9:.1f} GB "
-            f"for the states and gradients and must leave {keep_free / 1e9:.1f} GB free: use fewer --layers"
+            f"{directory} has {free / 1e9:.1f} GB free; the run needs {needed / 1e9:.1f} GB for the states and "
+            f"gradients{' and the model and checkpoint files' if from_checkpoint else ''} and must leave "
+            f"{keep_free / 1e9:.1f} GB free: use fewer --layers"
         )
     machine = machine_info()
     t_start = time.perf_counter()
@@ -378,9 +470,22 @@ def run(
         "cpu_malloc": cpu_malloc,
         "clip": clip,
     }
+    work: Path | None = None
+    written: dict[str, Any] | None = None
     try:
+        if from_checkpoint:
+            # The model's file and the checkpoint on the disk the offload files use (and the raw
+            # bandwidths were measured on), in a private directory of this run.
+            work = Path(tempfile.mkdtemp(prefix="bench_states-ckpt-", dir=directory))
+            written = _write_weights_phase(cfg, seed, work / "gpt-init")
+            spec["from_checkpoint"] = {
+                "weights": written["directory"],
+                "checkpoint": str(work / "checkpoint"),
+            }
         child = run_train_child(spec)
     finally:
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
         left = leftovers(directory)
     # Both figures of max(compute, I/O lower bound) are measured again after training, and the smaller
     # compute and the faster disk are used: anything else running on the machine only ever inflates
@@ -433,6 +538,11 @@ def run(
     measured_written = statistics.median(sum(r["written_bytes"].values()) for r in running)
     measured_read = statistics.median(sum(r["read_bytes"].values()) for r in running)
     bound = max(compute["compute_s"], io_lower_bound)
+    phases = child["peak_rss_by_phase"]
+    running_peak = max((phases[f"step{r['step']}"] for r in running), default=0)
+    checkpoint = (
+        _checkpoint_report(written, child, phases, running_peak, wbw, rbw) if from_checkpoint else None
+    )
     return {
         "config": config,
         "gpt": asdict(cfg),
@@ -486,6 +596,9 @@ def run(
         "training": {k: v for k, v in child.items() if k not in ("steps", "peak_rss_by_phase")},
         "reference_s": reference_s,
         "leftovers": left,
+        # The largest peak RSS of a running step: the yardstick of every phase's (issue 39: at most 1.25x).
+        "peak_rss_running_step_bytes": running_peak,
+        "from_checkpoint": checkpoint,
         "options": {
             "inner": "eager",
             "memory_budget": budget,
@@ -497,12 +610,89 @@ def run(
             "states_chunk_bytes": chunk_bytes,
             "cpu_malloc": child.get("cpu_malloc", "release"),
             "clip_grad_norm": clip,
+            "from_checkpoint": from_checkpoint,
             "optimizer": f"AdamW(lr={LR})",
             "steps": steps,
         },
         "machine": machine,
         "loadavg_at_end": os.getloadavg(),
         "wall_s": time.perf_counter() - t_start,
+    }
+
+
+def _write_weights_phase(cfg: GPTConfig, seed: int, target: Path) -> dict[str, Any]:
+    """--from-checkpoint's first phase, in this process: the GPT's initial weights written tensor by
+    tensor (benchmarks.gpt_weights), with this process's peak resident memory meanwhile."""
+    from benchmarks.gpt_weights import write_gpt_weights
+
+    can_reset = reset_peak_rss()
+    before = proc_status_bytes("VmRSS")
+    report = write_gpt_weights(cfg, seed, target).as_dict()
+    report["peak_rss_bytes"] = proc_status_bytes("VmHWM")
+    report["rss_before_bytes"] = before
+    report["peak_rss_window_reset"] = can_reset
+    _log(
+        f"initial weights written: {report['file_bytes'] / 1e9:.2f} GB in {report['seconds']:.1f} s, peak RSS "
+        f"of this process {report['peak_rss_bytes'] / 1e9:.2f} GB ({before / 1e9:.2f} GB before)"
+    )
+    return report
+
+
+def _rates(seconds: float, read_bytes: int, written_bytes: int, wbw: float, rbw: float) -> dict[str, Any]:
+    """A phase's bytes against the raw bandwidths of the same run: its own rates, their ratio to the raw
+    ones, and its time against moving the same bytes at the raw rates (one device: a read and a write do
+    not add bandwidth)."""
+    bound = io_lower_bound_s(written_bytes, read_bytes, wbw, rbw)
+    secs = max(seconds, 1e-9)
+    return {
+        "seconds": seconds,
+        "read_bytes": read_bytes,
+        "written_bytes": written_bytes,
+        "read_gb_per_s": read_bytes / secs / 1e9,
+        "write_gb_per_s": written_bytes / secs / 1e9,
+        "ratio_to_raw_read": read_bytes / secs / rbw,
+        "ratio_to_raw_write": written_bytes / secs / wbw,
+        "io_lower_bound_s": bound,
+        "seconds_vs_io_lower_bound": seconds / bound if bound > 0 else None,
+    }
+
+
+def _checkpoint_report(
+    written: dict[str, Any] | None,
+    child: dict[str, Any],
+    phases: dict[str, int],
+    running_peak: int,
+    wbw: float,
+    rbw: float,
+) -> dict[str, Any]:
+    """--from-checkpoint's phases: the initial weights' write (this process), the load and the save (the
+    training process), each against the raw disk, and every phase's peak RSS against the running steps'."""
+    assert written is not None and child["load"] is not None and child["save"] is not None
+    load, save = child["load"], child["save"]
+    ratios = {k: v / running_peak if running_peak else None for k, v in phases.items()}
+    return {
+        "write_initial_weights": {
+            **_rates(written["seconds"], 0, written["file_bytes"], wbw, rbw),
+            **{k: written[k] for k in ("files", "tensors", "tensor_bytes", "dropped_page_cache")},
+            "peak_rss_bytes": written["peak_rss_bytes"],
+            "process": "the benchmark's (not the training process)",
+        },
+        "load": {
+            **_rates(load["seconds"], load["read_bytes"], load["written_bytes"], wbw, rbw),
+            **{
+                k: load[k]
+                for k in ("tensors", "offloaded_bytes", "resident_bytes", "written_bytes_by_kind", "files")
+            },
+            "peak_rss_bytes": load["peak_rss_bytes"],
+        },
+        "save": {
+            **_rates(save["seconds"], save["read_bytes"], save["written_bytes"], wbw, rbw),
+            **{k: save[k] for k in ("read_bytes_by_kind", "offload_written_bytes", "files")},
+            "peak_rss_bytes": save["peak_rss_bytes"],
+        },
+        "peak_rss_vs_running_step": ratios,
+        # Issue 39's target: no phase of the training process above 1.25x its largest running step.
+        "every_phase_within_1_25x_of_running_step": all(r is not None and r <= 1.25 for r in ratios.values()),
     }
 
 
@@ -558,6 +748,22 @@ def print_table(r: dict[str, Any]) -> None:
         f"step / I/O lower bound {r['step_vs_io_lower_bound']:.2f}; step / max(compute, I/O) "
         f"{r['step_vs_max_compute_io']:.2f} (goal <= 1.3: {r['within_1_3x_of_max_compute_io']})"
     )
+    ck = r.get("from_checkpoint")
+    if ck:
+        for name in ("write_initial_weights", "load", "save"):
+            ph = ck[name]
+            print(
+                f"{name}: {ph['seconds']:.1f} s, read {_fmt_gb(ph['read_bytes'])} ({ph['read_gb_per_s']:.2f} GB/s, "
+                f"{ph['ratio_to_raw_read']:.2f}x raw), wrote {_fmt_gb(ph['written_bytes'])} "
+                f"({ph['write_gb_per_s']:.2f} GB/s, {ph['ratio_to_raw_write']:.2f}x raw); "
+                f"{ph['seconds'] / max(ph['io_lower_bound_s'], 1e-9):.2f}x its raw-disk time; peak RSS "
+                f"{_fmt_gb(ph['peak_rss_bytes'])}"
+            )
+        ratios = ", ".join(f"{k} {v:.2f}" for k, v in ck["peak_rss_vs_running_step"].items() if v is not None)
+        print(
+            f"peak RSS by phase / largest running step's ({_fmt_gb(r['peak_rss_running_step_bytes'])}): {ratios} "
+            f"(goal <= 1.25: {ck['every_phase_within_1_25x_of_running_step']})"
+        )
     print(
         f"first loss {r['first_loss']!r} vs layer-by-layer reference {r['reference_first_loss']!r}: bit-equal "
         f"{r['first_loss_bit_equal']}; files left in the directory: {r['leftovers'] or 'none'}"
@@ -619,6 +825,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM) between backward and opt.step() "
         "every step (the offloaded gradients' norms are taken before they are written: no extra I/O)",
     )
+    p.add_argument(
+        "--from-checkpoint",
+        action="store_true",
+        help="write the GPT's initial weights as a safetensors file tensor by tensor (the model never in "
+        "memory), build the model on the meta device, load it with backend.states.load_pretrained, train, "
+        "and save_checkpoint after the last step; reports the load and save phases (issue 39)",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -664,6 +877,7 @@ def main(argv: list[str] | None = None) -> int:
             optimizer_in_backward=args.optimizer_in_backward,
             cpu_malloc=args.cpu_malloc,
             clip=args.clip,
+            from_checkpoint=args.from_checkpoint,
         )
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)

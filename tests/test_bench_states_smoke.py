@@ -68,3 +68,79 @@ def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:
         r["io_must_write_bytes"] == r["gradient_bytes"] + r["optimizer_state_bytes"] + r["block_weight_bytes"]
     )
     assert r["leftovers"] == [] and list(data.iterdir()) == []
+
+
+def test_gpt_weights_file_equals_build_gpt_bit_for_bit(tmp_path) -> None:
+    """The file written one submodule at a time holds ``build_gpt``'s initial weights, every bit, in the
+    state dict's order; the generator is left as it was (a different seed gives other weights: the
+    comparison can fail)."""
+    import os
+
+    import torch
+
+    from benchmarks.gpt_weights import write_gpt_weights
+    from teraio.states.safetensors_files import read_header, read_into
+    from teraio.tools.models.gpt import CONFIGS, build_gpt
+
+    rng = torch.get_rng_state()
+    report = write_gpt_weights(CONFIGS["tiny"], 3, tmp_path / "w")
+    assert torch.equal(torch.get_rng_state(), rng)
+    path = tmp_path / "w" / "model.safetensors"
+    assert report.files == ["model.safetensors"] and sorted(os.listdir(tmp_path / "w")) == report.files
+    header = read_header(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = {}
+        for name, entry in header.entries.items():
+            got[name] = torch.empty(entry.shape, dtype=entry.dtype)
+            read_into(fd, entry, got[name])
+    finally:
+        os.close(fd)
+    want = build_gpt("tiny", 3).state_dict()
+    assert list(header.entries) == list(want) and report.tensors == len(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    other = build_gpt("tiny", 4).state_dict()
+    assert not any(torch.equal(got[k], other[k]) for k in want if k.endswith(("qkv.weight", "tok.weight")))
+
+
+def test_bench_states_tiny_from_checkpoint(capsys, tmp_path) -> None:
+    """--from-checkpoint: the weights written without the model, loaded onto the meta-built model by
+    load_pretrained, trained, saved by save_checkpoint; load and save reported beside the steps, and the
+    first loss still the layer-by-layer reference's, bit for bit."""
+    data = tmp_path / "offload"
+    argv = ["--config", "tiny", "--dir", str(data), "--steps", "2", "--io-size", "1MiB", "--json"]
+    assert bench_states.main([*argv, "--from-checkpoint"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["options"]["from_checkpoint"] is True
+    assert r["first_loss_bit_equal"] is True and r["losses_finite"] is True
+    assert set(r["peak_rss_by_phase"]) == {"build", "load", "step0", "step1", "save"}
+    assert all(v > 0 for v in r["peak_rss_by_phase"].values())
+    ck = r["from_checkpoint"]
+    assert set(ck["peak_rss_vs_running_step"]) == set(r["peak_rss_by_phase"])
+    assert isinstance(ck["every_phase_within_1_25x_of_running_step"], bool)
+    write, load, save = ck["write_initial_weights"], ck["load"], ck["save"]
+    for phase in (write, load, save):
+        for key in (
+            "seconds",
+            "read_gb_per_s",
+            "ratio_to_raw_read",
+            "ratio_to_raw_write",
+            "io_lower_bound_s",
+        ):
+            assert phase[key] >= 0, key
+    # Every weight written once, read once by the load; the large ones written to their disk slots.
+    assert write["tensor_bytes"] == r["weight_bytes"] == load["read_bytes"]
+    assert load["tensors"] == write["tensors"]
+    assert load["offloaded_bytes"] + load["resident_bytes"] == r["weight_bytes"]
+    assert 0 < load["offloaded_bytes"] == load["written_bytes"] == load["written_bytes_by_kind"]["parameter"]
+    # The save reads back every moment from disk and writes weights and moments (with headers).
+    assert save["read_bytes_by_kind"]["optimizer_state"] == r["optimizer_state_bytes"]
+    assert save["offload_written_bytes"] == 0
+    assert save["written_bytes"] > r["weight_bytes"] + r["optimizer_state_bytes"]
+    assert {
+        "model.safetensors",
+        "optimizer.safetensors",
+        "train_state.json",
+        "teraio-checkpoint.json",
+    } <= set(save["files"])
+    assert r["leftovers"] == [] and list(data.iterdir()) == []  # the model file and checkpoint too
