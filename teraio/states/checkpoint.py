@@ -48,7 +48,7 @@ import torch
 from teraio.lifecycle.ranks import RankAgreement
 from teraio.planner.private_dir import PrivateDir
 from teraio.states.errors import CheckpointError
-from teraio.states.loading import LoadReport, load_model, model_tensors, pretrained_files
+from teraio.states.loading import LoadReport, is_hf_model, load_model, model_tensors, pretrained_files
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
 from teraio.states.safetensors_files import (
     Planned,
@@ -57,7 +57,7 @@ from teraio.states.safetensors_files import (
     read_into,
     write_shards,
 )
-from teraio.states.store import Residency
+from teraio.states.store import Record, Residency
 from teraio.states.train_state import decode, encode, restore_rng_state, rng_state
 
 if TYPE_CHECKING:
@@ -155,18 +155,36 @@ def _names(
     return tensors, fqn
 
 
-def _param_reader(offload: StateOffload) -> Any:
-    """``fetch(tensor)``: its value, read back from disk (one tensor's memory) when it is offloaded."""
+class _Sources:
+    """Where each tensor of a file comes from: a record on disk (read back, one at a time, the next one's
+    read started while the current one is written) or a tensor in memory (written from it, no copy)."""
+
+    def __init__(self, offload: StateOffload, sources: dict[str, Record | torch.Tensor]) -> None:
+        self.offload = offload
+        self.sources = sources
+
+    def _on_disk(self, name: str) -> Record | None:
+        src = self.sources[name]
+        if isinstance(src, torch.Tensor) or src.residency is not Residency.DISK:
+            return None
+        return src
+
+    def prefetch(self, pl: Planned) -> None:
+        rec = self._on_disk(pl.name)
+        if rec is not None and rec.saved_key is not None:
+            self.offload.engine.prefetch(rec.saved_key)
+
+    def fetch(self, pl: Planned) -> torch.Tensor:
+        src = self.sources[pl.name]
+        if isinstance(src, torch.Tensor):
+            return src.detach()
+        return self.offload.store.read_copy(src)
+
+
+def _model_sources(offload: StateOffload, tensors: list[tuple[str, torch.Tensor]]) -> _Sources:
     res = offload.residency
     records = {} if res is None else {id(res.params[i]): r for i, r in res.records.items()}
-
-    def fetch(t: torch.Tensor) -> torch.Tensor:
-        rec = records.get(id(t))
-        if rec is not None and rec.residency in (Residency.DISK, Residency.READING):
-            return offload.store.read_copy(rec)
-        return t.detach()
-
-    return fetch
+    return _Sources(offload, {name: records.get(id(t), t) for name, t in tensors})
 
 
 def _check_between_steps(offload: StateOffload, action: str) -> None:
@@ -190,16 +208,16 @@ def _save_model(
     offload: StateOffload, model: torch.nn.Module, d: PrivateDir, max_shard_bytes: int
 ) -> dict[str, dict[str, int]]:
     tensors, _ = _names(offload, model)
-    by_name = dict(tensors)
     planned = [Planned(n, t.dtype, tuple(t.shape)) for n, t in tensors]
-    fetch = _param_reader(offload)
+    sources = _model_sources(offload, tensors)
     sums = write_shards(
         d.open_new,
         "model",
         planned,
-        lambda pl: fetch(by_name[pl.name]),
+        sources.fetch,
         max_shard_bytes=max_shard_bytes,
         metadata={"format": "pt"},
+        prefetch=sources.prefetch,
     )
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_json_string"):
@@ -276,17 +294,18 @@ def save_checkpoint(
     _, fqn = _names(offload, model)
     planned, sources, _ = _optimizer_tensors(offload, fqn)
 
-    def fetch_state(pl: Planned) -> torch.Tensor:
-        src = sources[pl.name]
-        if isinstance(src, torch.Tensor):
-            return src.detach()
-        return offload.store.read_copy(src)
+    states = _Sources(offload, sources)
 
     def populate(d: PrivateDir) -> None:
         sums = _save_model(offload, model, d, max_shard_bytes)
         model_files = list(sums)
         opt_sums = write_shards(
-            d.open_new, "optimizer", planned, fetch_state, max_shard_bytes=max_shard_bytes
+            d.open_new,
+            "optimizer",
+            planned,
+            states.fetch,
+            max_shard_bytes=max_shard_bytes,
+            prefetch=states.prefetch,
         )
         sums.update(opt_sums)
         state_bytes = json.dumps(train_state, indent=1).encode()
@@ -355,7 +374,10 @@ def load_pretrained(
     def load() -> LoadReport:
         _check_fresh(offload, "load_pretrained")
         files = pretrained_files(path)
-        return load_model(model, files, residency=offload.residency, device=device, source=f"'{path}'")
+        report = load_model(model, files, residency=offload.residency, device=device, source=f"'{path}'")
+        if is_hf_model(model):
+            model.eval()  # as from_pretrained leaves it: the same dropout from the same loop
+        return report
 
     return _on_every_rank(load, "load_pretrained")
 

@@ -8,8 +8,9 @@ Note: [A model is loaded one tensor at a time]
     unexpected keys, shapes, dtypes, file sizes): the first problem is one line, before any byte is
     allocated or written. Then each parameter in turn gets real memory, is read into it with ``pread``
     (Note: [Tensors are read with pread, not mapped] in teraio.states.safetensors_files), and, when the
-    states offload it, is written to its slot on disk and freed before the next one is read: the load's
-    resident memory is one tensor plus the parameters that stay in memory, whatever the model's size.
+    states offload it, is written to its slot on disk while the next one is read, and freed once
+    written: the load's resident memory is two tensors plus the parameters that stay in memory, whatever
+    the model's size.
 
 Note: [A loaded parameter keeps its object]
     The model, the optimizer and teraio's own hooks hold each parameter by object, so a parameter built on
@@ -222,7 +223,7 @@ def _materialize(p: torch.Tensor, device: torch.device) -> None:
             setattr(p, attr, hooks)
 
 
-def _is_hf_model(model: torch.nn.Module) -> bool:
+def is_hf_model(model: torch.nn.Module) -> bool:
     transformers = sys.modules.get("transformers")  # never imported for a model that is not one
     pretrained_cls = getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
     return pretrained_cls is not None and isinstance(model, pretrained_cls)
@@ -234,7 +235,7 @@ def check_computable_buffers(model: torch.nn.Module) -> None:
     _, persistent = model_tensors(model)
     loaded = {id(b.tensor) for b in persistent}
     meta = [n for n, b in model.named_buffers() if b.is_meta and id(b) not in loaded]
-    if meta and not _is_hf_model(model):
+    if meta and not is_hf_model(model):
         raise CheckpointError(
             f"buffer {meta[0]!r} is on the meta device and in no file (its model computes it): build the model "
             "under accelerate.init_empty_weights() (parameters on meta, buffers computed) instead of "
@@ -333,20 +334,27 @@ def load_model(
             report.read_bytes += header.entries[name].nbytes
             report.resident_bytes += header.entries[name].nbytes
         _init_meta_buffers(model, device)
+        writing: int | None = None  # the parameter whose write to disk is in flight
         for slot, name, header in plan.params:
             p = slot.param
             if p.is_meta:
                 _materialize(p, device)
             with torch.no_grad():
-                _read(opened, header, name, p, checksums)
+                _read(opened, header, name, p, checksums)  # while the previous one is written
+            if writing is not None and residency is not None:
+                residency.finish_offload_loaded(writing)
+                writing = None
             nbytes = header.entries[name].nbytes
             report.tensors += 1
             report.read_bytes += nbytes
             idx = None if residency is None else residency.index_of.get(id(p))
-            if idx is not None and residency is not None and residency.offload_loaded(idx):
+            if idx is not None and residency is not None and residency.start_offload_loaded(idx):
+                writing = idx
                 report.offloaded_bytes += nbytes
             else:
                 report.resident_bytes += nbytes
+        if writing is not None and residency is not None:
+            residency.finish_offload_loaded(writing)
     finally:
         opened.close()
     report.seconds = time.perf_counter() - start

@@ -175,20 +175,28 @@ class ParamResidency:
         self.uses[i] = 0
         return rec
 
-    def offload_loaded(self, i: int) -> bool:
-        """Parameter ``i`` was just loaded (teraio.states.loading): write it to disk and free its memory
-        at once, before any graph takes it, so a model larger than memory can be loaded (Note: [A model
-        is loaded one tensor at a time] in teraio.states.loading). False: it stays in memory (too small,
-        or not a tensor the storage swap can free)."""
+    def start_offload_loaded(self, i: int) -> bool:
+        """Parameter ``i`` was just loaded (teraio.states.loading): start writing it to slot 0, before any
+        graph takes it, so a model larger than memory can be loaded (Note: [A model is loaded one tensor
+        at a time] in teraio.states.loading); :meth:`finish_offload_loaded` waits and frees it. False: it
+        stays in memory (too small, or not a tensor the storage swap can free)."""
         if i not in self._offloadable or i in self._eager or i in self.kept:
             return False
-        if self.index_of.get(id(self.params[i])) != i:
+        if self.index_of.get(id(self.params[i])) != i or i in self.records:
             return False
-        rec = self.records.get(i) or self._new_record(i)
-        self.store.mark_changed(rec)
-        self.write_now(i)
-        self.store.evict(rec)
+        rec = self._new_record(i)
+        self.store.write(rec, param_key(i, 0))
         return True
+
+    def finish_offload_loaded(self, i: int) -> None:
+        """Wait for the write :meth:`start_offload_loaded` started; the parameter's memory goes."""
+        rec = self.records[i]
+        rec.saved_key = self.store.finish_write(rec)
+        rec.staged_key = None
+        if i in self.frozen:  # Note: [Frozen weights are read-only state] in teraio.states.frozen
+            self.frozen.written_bytes += rec.nbytes
+        self._version[i] = rec.tensor._version
+        self.store.evict(rec)
 
     def guard_reads(self, params: Iterable[torch.nn.Parameter]) -> int:
         """Guard these parameters while on disk (reads served, writes refused: teraio.states.guarded);

@@ -11,6 +11,15 @@ Note: [A safetensors file is written as a stream]
     manifest. The header is padded with spaces to a multiple of 8 bytes, as the reference writer does, so
     the tensors are aligned for readers that map the file.
 
+Note: [A checkpoint's writes do not pile up in the page cache]
+    A checkpoint is written once and not read again by this process, but buffered writes leave its bytes
+    in the page cache as dirty pages until the kernel writes them back: gigabytes of memory for a state
+    that was kept off memory, and on this project's VM a buffered write ran at 0.18 GB/s against 2.4-2.9
+    GB/s with O_DIRECT (benchmarks/results/states_from_checkpoint_2c24g-virtio_202611.md). So every
+    :data:`SYNC_EVERY_BYTES` the writer flushes, ``fdatasync``s and drops the file's cached pages
+    (``POSIX_FADV_DONTNEED``): the dirty bytes stay bounded and the disk writes while the next tensors
+    are read.
+
 Note: [Tensors are read with pread, not mapped]
     ``safe_open`` maps the whole file; every page a read touches then counts in the process's resident
     memory (and its peak) until the mapping goes, which for a shard of several gigabytes is the shard's
@@ -62,6 +71,8 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _NAMES: dict[torch.dtype, str] = {dt: name for name, dt in DTYPES.items()}
 
+#: Note: [A checkpoint's writes do not pile up in the page cache].
+SYNC_EVERY_BYTES = 64 << 20
 #: The reference implementation refuses larger headers too.
 MAX_HEADER_BYTES = 100 << 20
 _ALIGN_BYTES = 8
@@ -289,6 +300,7 @@ class ShardWriter:
         self.data_bytes = offset
         self.file_bytes = 8 + len(raw) + offset
         self._next = 0
+        self._unsynced_bytes = 0
         #: crc32c of each tensor's bytes, by name.
         self.crc32c: dict[str, int] = {}
 
@@ -304,12 +316,24 @@ class ShardWriter:
             self.f.write(_bytes_of(t))
         self.crc32c[name] = crc32c_of(t)
         self._next += 1
+        self._unsynced_bytes += t.numel() * t.element_size()
+        if self._unsynced_bytes >= SYNC_EVERY_BYTES:
+            self._sync()
+
+    def _sync(self) -> None:
+        """Note: [A checkpoint's writes do not pile up in the page cache]."""
+        self.f.flush()
+        fd = self.f.fileno()
+        os.fdatasync(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._unsynced_bytes = 0
 
     def close(self) -> None:
         """Flush and fsync; every planned tensor must have been written."""
         if self._next != len(self.tensors):
             raise AssertionError(f"{len(self.tensors) - self._next} planned tensors were not written")
-        self.f.flush()
+        self._sync()
         os.fsync(self.f.fileno())
         self.f.close()
 
@@ -322,10 +346,12 @@ def write_shards(
     *,
     max_shard_bytes: int,
     metadata: dict[str, str] | None = None,
+    prefetch: Callable[[Planned], None] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Write ``tensors`` as ``{stem}.safetensors``, or as Hugging Face shards
     ``{stem}-00001-of-0000N.safetensors`` with their ``{stem}.safetensors.index.json`` when they exceed
-    ``max_shard_bytes``; each tensor's bytes come from ``fetch`` one at a time (and go when written).
+    ``max_shard_bytes``; each tensor's bytes come from ``fetch`` one at a time (and go when written),
+    ``prefetch`` of the next one called before a tensor is written, so that its read overlaps the write.
     Returns the crc32c of every tensor by file and name."""
     shards = split_shards(tensors, max_shard_bytes) or [[]]
     n = len(shards)
@@ -335,11 +361,17 @@ def write_shards(
         else [f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
     )
     sums: dict[str, dict[str, int]] = {}
+    following = {id(a): b for a, b in zip(tensors, list(tensors)[1:])}
+    if prefetch is not None and tensors:
+        prefetch(tensors[0])
     for fname, shard in zip(names, shards):
         writer = ShardWriter(open_new(fname), shard, metadata)
         try:
             for t in shard:
                 value = fetch(t)
+                nxt = following.get(id(t))
+                if prefetch is not None and nxt is not None:
+                    prefetch(nxt)
                 writer.write(t.name, value)
                 del value
             writer.close()

@@ -168,6 +168,7 @@ def test_load_pretrained_equals_from_pretrained_and_draws_no_random_number(arch:
     rng = torch.get_rng_state()
     report = backend.states.load_pretrained(src)
     assert torch.equal(rng, torch.get_rng_state())
+    assert model.training is reference.training is False  # from_pretrained leaves it in eval mode
     assert report.offloaded_bytes > 0 and report.resident_bytes > 0  # norms stay (min_param_bytes)
     mine, theirs = model.state_dict(), reference.state_dict()
     assert mine.keys() == theirs.keys()
