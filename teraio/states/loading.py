@@ -12,6 +12,12 @@ Note: [A model is loaded one tensor at a time]
     written: the load's resident memory is two tensors plus the parameters that stay in memory, whatever
     the model's size.
 
+Note: [A load reads ahead and leaves no page cache behind]
+    Reading a tensor with ``pread`` goes through the page cache, and a tensor is read once: while one
+    is read the kernel is asked to read the next one's bytes ahead (``POSIX_FADV_WILLNEED``), and once
+    one is read its cached pages are dropped (``POSIX_FADV_DONTNEED``), so a load of a file larger than
+    memory does not fill memory with the file's pages.
+
 Note: [A loaded parameter keeps its object]
     The model, the optimizer and teraio's own hooks hold each parameter by object, so a parameter built on
     the meta device must become a real one without becoming another object (``from_pretrained`` and
@@ -273,6 +279,12 @@ class _Files:
             self.fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         return self.fds[path]
 
+    def advise(self, header: Header, name: str, advice: int) -> None:
+        """Note: [A load reads ahead and leaves no page cache behind]."""
+        if hasattr(os, "posix_fadvise"):
+            entry = header.entries[name]
+            os.posix_fadvise(self.fd(header.path), entry.offset_bytes, entry.nbytes, advice)
+
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
@@ -290,6 +302,8 @@ def _read(
     direct = target.device.type == "cpu" and target.is_contiguous()
     buf = target if direct else torch.empty(entry.shape, dtype=entry.dtype)
     read_into(files.fd(header.path), entry, buf, path=header.path)
+    if hasattr(os, "POSIX_FADV_DONTNEED"):
+        files.advise(header, name, os.POSIX_FADV_DONTNEED)
     if checksums is not None:
         want = checksums.get(header.path.name, {}).get(name)
         if want is None or crc32c_of(buf.detach()) != want:
@@ -335,7 +349,10 @@ def load_model(
             report.resident_bytes += header.entries[name].nbytes
         _init_meta_buffers(model, device)
         writing: int | None = None  # the parameter whose write to disk is in flight
-        for slot, name, header in plan.params:
+        for k, (slot, name, header) in enumerate(plan.params):
+            if k + 1 < len(plan.params) and hasattr(os, "POSIX_FADV_WILLNEED"):
+                _, next_name, next_header = plan.params[k + 1]
+                opened.advise(next_header, next_name, os.POSIX_FADV_WILLNEED)
             p = slot.param
             if p.is_meta:
                 _materialize(p, device)
