@@ -47,14 +47,14 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def runs(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The reference (from_pretrained, no offload, 5 steps); 3 steps loaded with load_pretrained then saved
-    and exported; 2 more in a new process from the checkpoint."""
+    """The reference (from_pretrained, no offload, 6 steps); 3 steps loaded with load_pretrained then saved
+    and exported; 3 more in a new process from the checkpoint."""
     tmp = tmp_path_factory.mktemp("checkpoints")
     offload = tmp / "offload"
     offload.mkdir()
     base = {"hf_dir": str(hf_dir), "offload_dir": str(offload)}
     ckpt, export = tmp / "ckpt" / "step-000003", tmp / "export"
-    reference = checkpoint_run.run({**base, "source": "from_pretrained", "first": 0, "steps": 5})
+    reference = checkpoint_run.run({**base, "source": "from_pretrained", "first": 0, "steps": 6})
     first = checkpoint_run.run(
         {
             **base,
@@ -66,7 +66,7 @@ def runs(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
         }
     )
     second = _script(
-        {**base, "source": "load_checkpoint", "load": str(ckpt), "first": 3, "steps": 2}, tmp, "resume"
+        {**base, "source": "load_checkpoint", "load": str(ckpt), "first": 3, "steps": 3}, tmp, "resume"
     )
     return {"reference": reference, "first": first, "second": second, "ckpt": ckpt, "export": export}
 
