@@ -97,6 +97,64 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=rank)  # stable: file order within each rank
 
 
+# Note: [A module's shared runs stay on one worker]
+#     xdist deals the tests out one by one as its workers free up, so the tests of one module alternate
+#     between the two workers. A module fixture then runs on each worker that runs one of its tests (an
+#     Inductor reference and a planned run twice: test_inductor.py's took 76 s on one worker and 33 s on
+#     the other), and a run shared through ``tests.teraio.shared.once_per_run`` leaves the second worker
+#     waiting on its file lock while the first computes it (test_distributed.py's DDP jobs: 26 s idle).
+#     The modules below each share such runs among their tests: their tests are handed out together, as
+#     one chunk, to whichever worker asks first. Nothing else changes: the order is the collection's
+#     (Note: [The longest tests start first]) and every other test is dealt out one at a time.
+#     test_module_groups.py fails when a module of tests/ shares a fixture or a run and is not listed.
+SHARED_RUN_MODULES = frozenset(
+    {
+        "tests/test_notebooks.py",
+        "tests/teraio/test_cli_estimate.py",
+        "tests/teraio/test_cli_fuzz.py",
+        "tests/teraio/test_distributed.py",
+        "tests/teraio/test_estimate.py",
+        "tests/teraio/test_frozen_params.py",
+        "tests/teraio/test_inductor.py",
+        "tests/teraio/test_offload_e2e.py",
+        "tests/teraio/test_offloaded_reads.py",
+        "tests/teraio/test_per_call_plans.py",
+        "tests/teraio/test_recompute.py",
+        "tests/teraio/test_states.py",
+        "tests/teraio/test_whole_step.py",
+    }
+)
+
+
+def shared_run_group(nodeid: str) -> str | None:
+    """The module whose tests go to one worker together, or None for a test dealt out on its own."""
+    path = nodeid.split("::", 1)[0]
+    return path if path in SHARED_RUN_MODULES else None
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's load scheduling, with the tests of each module of SHARED_RUN_MODULES sent as one chunk
+    (Note: [A module's shared runs stay on one worker]). Other --dist modes are xdist's own."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScheduling
+
+    class SharedRunsTogether(LoadScheduling):
+        def _send_tests(self, node, num: int) -> None:
+            if 0 < num < len(self.pending):
+                group = shared_run_group(self.collection[self.pending[num - 1]])
+                while (
+                    group is not None
+                    and num < len(self.pending)
+                    and shared_run_group(self.collection[self.pending[num]]) == group
+                ):
+                    num += 1
+            super()._send_tests(node, num)
+
+    return SharedRunsTogether(config, log)
+
+
 # Note: [Each test starts with the same environment]
 #     Library code that tests run in-process may set environment variables for the rest of the process:
 #     ``teraio.cli.main`` sets THP_MEM_ALLOC_ENABLE=1 (torch reads it at its first allocation, long past in
