@@ -110,6 +110,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 SHARED_RUN_MODULES = frozenset(
     {
         "tests/test_notebooks.py",
+        "tests/teraio/test_checkpoints.py",
         "tests/teraio/test_cli_estimate.py",
         "tests/teraio/test_cli_fuzz.py",
         "tests/teraio/test_distributed.py",
