@@ -177,6 +177,11 @@ class StateOffload:
         # The streamed step runs the optimizer's step hooks once, as the stock step does
         # (Optimizer.profile_hook_step), and calls the raw algorithm once per chunk.
         streamed = torch.optim.Optimizer.profile_hook_step(_streamed_step)
+        # An LR scheduler made before the backend wrapped the stock step to record that it ran, and warns
+        # at its first step when that wrapper is gone. The streamed step records it itself
+        # (``_opt_called``, below), so it carries the scheduler's mark: no false warning, and the real
+        # one (the scheduler stepped before the optimizer) still comes.
+        streamed._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         optimizer.step = types.MethodType(streamed, optimizer)  # type: ignore[method-assign]
         optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)  # type: ignore[method-assign]
         self._hooks = [

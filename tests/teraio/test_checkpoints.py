@@ -387,3 +387,32 @@ def test_a_meta_buffer_of_a_plain_module_is_refused_before_anything_moves(tmp_pa
         backend.states.load_pretrained(tmp_path / "w.safetensors")
     assert all(p.is_meta for p in model.parameters()) and _contents(tmp_path / "offload") == before
     backend.close()
+
+
+def test_a_scheduler_made_before_the_backend_does_not_warn(tmp_path: Path) -> None:
+    """The fine-tuner's order (optimizer, scheduler, then the backend, which replaces ``opt.step``): torch's
+    "optimizer.step() has been overridden" warning would be false; stepping the scheduler first still warns."""
+    import warnings
+
+    def attached() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any, teraio.TeraioBackend]:
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LinearLR(opt, total_iters=4)
+        backend = teraio.backend(
+            inner="eager", states=teraio.States(opt), io_backend="posix", offload_dirs=[str(tmp_path)]
+        )
+        assert getattr(opt, "_teraio_states", None) is not None
+        return model, opt, sched, backend
+
+    model, opt, sched, backend = attached()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    assert [str(w.message) for w in caught if "optimizer.step()" in str(w.message)] == []
+    backend.close()
+    _, _, sched, backend = attached()
+    with pytest.warns(UserWarning, match=r"before `optimizer.step\(\)`"):
+        sched.step()
+    backend.close()
