@@ -35,6 +35,11 @@ def main() -> None:
         help="the compiler teraio hands the planned graphs to (eager: the FX path, compiles in seconds)",
     )
     parser.add_argument(
+        "--solver",
+        default="ilp",
+        help="the planner's solver: ilp (CP-SAT, optimal within its time limit), greedy, pipeline",
+    )
+    parser.add_argument(
         "--disabled", action="store_true", help="enabled=False: the same run without teraio's plan"
     )
     args = parser.parse_args()
@@ -54,6 +59,7 @@ def main() -> None:
         offload_dirs=[args.offload_dir] if args.offload_dir else None,
         run_dir=args.run_dir,
         inner=args.inner,
+        solver=args.solver,
         enabled=not args.disabled,
     )
     backend.compile(model)  # each block, the embeddings and the head as graphs of their own, in place
