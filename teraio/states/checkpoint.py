@@ -86,15 +86,17 @@ def _on_every_rank(fn: Callable[[], Any], what: str) -> Any:
     rank's error must not leave the others waiting in the job's next collective)."""
     if not _RANKS.active():
         return fn()
+    own: Exception | None = None
     try:
         result, error = fn(), None
-    except CheckpointError as exc:
-        result, error = None, str(exc)
+    except Exception as exc:  # any error (a refused step, a full disk), not only ours: the others must hear
+        own, result = exc, None
+        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
     errors = _RANKS.gather_objects(error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}")
+        raise CheckpointError(f"{what} failed on rank {rank}: {message}") from own
     return result
 
 
