@@ -154,6 +154,16 @@ def _train(
             opt.zero_grad()
             if options.get("save_at") == step + 1:
                 backend.states.save_checkpoint(ckpt_root / options["save_to"])
+        refused = None
+        if options.get("refused_save"):  # rank 1 alone has a gradient pending: every rank must raise
+            first_param = next(model.parameters())
+            if rank == 1:
+                first_param.grad = torch.zeros_like(first_param)
+            try:
+                backend.states.save_checkpoint(ckpt_root / options["refused_save"])
+            except Exception as exc:  # noqa: BLE001 - recorded for the test
+                refused = f"{type(exc).__name__}: {exc}"
+            first_param.grad = None
         state = {
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()
         }
@@ -179,6 +189,7 @@ def _train(
             )
         },
         "compiled_autograd": counters,
+        "refused_save": refused,
         "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
     }
     Path(out_dir, out_name).write_text(json.dumps(result))

@@ -85,7 +85,14 @@ NOSPLIT_RUNS = [
     (
         "resumed",
         True,
-        {"states": "offload", "offload_parameters": True, "budget": "35%", "resume": "ckpt", "first": 4},
+        {
+            "states": "offload",
+            "offload_parameters": True,
+            "budget": "35%",
+            "resume": "ckpt",
+            "first": 4,
+            "refused_save": "ckpt-refused",
+        },
     ),
 ]
 UNMET_BUDGET = ("unmet-budget", True, {"budget": "4096"})
@@ -194,6 +201,11 @@ def test_ddp_resumes_bit_identically_from_a_checkpoint_rank_0_wrote(nosplit_job)
         assert got["leftover_files"] == [], (rank, got["leftover_files"])
     train_state = json.loads((Path(nosplit_job["dir"]) / "ckpt" / "train_state.json").read_text())
     assert train_state["world_size"] == 2 and len(train_state["rng_by_rank"]) == 2
+    # A save only rank 1 refuses (a gradient pending there) raises on both ranks, and writes nothing.
+    for got in resumed:
+        assert got["refused_save"].startswith("CheckpointError: save_checkpoint failed on rank 1:"), got
+        assert "have gradients" in got["refused_save"], got
+    assert not (Path(nosplit_job["dir"]) / "ckpt-refused").exists()
 
 
 def test_fsdp2_per_block_compilation(tmp_path) -> None:
