@@ -47,6 +47,7 @@ import torch
 
 from teraio.lifecycle.ranks import RankAgreement
 from teraio.planner.private_dir import PrivateDir
+from teraio.runtime.config import parse_nbytes
 from teraio.states.errors import CheckpointError
 from teraio.states.loading import LoadReport, is_hf_model, load_model, model_tensors, pretrained_files
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
@@ -62,6 +63,9 @@ from teraio.states.train_state import decode, encode, restore_rng_state, rng_sta
 
 if TYPE_CHECKING:
     from teraio.states.offload import StateOffload
+
+#: ``save_checkpoint`` and ``save_pretrained`` shards (``transformers``' own default is 50GB).
+DEFAULT_MAX_SHARD_BYTES = "5GB"
 
 FORMAT = "teraio-checkpoint"
 FORMAT_VERSION = 1
@@ -227,7 +231,7 @@ def _save_model(
     return sums
 
 
-def save_pretrained(
+def _save_pretrained(
     offload: StateOffload, model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int
 ) -> Path:
     """The model's parameters and persistent buffers as a Hugging Face model directory (Note: [The
@@ -274,7 +278,7 @@ def _optimizer_tensors(
     return planned, sources, values
 
 
-def save_checkpoint(
+def _save_checkpoint(
     offload: StateOffload,
     model: torch.nn.Module,
     directory: str | os.PathLike,
@@ -285,17 +289,16 @@ def save_checkpoint(
     """Note: [The checkpoint format], [A checkpoint is complete or absent], [A checkpoint of a DDP job]."""
     rank, world = _rank()
 
-    def prepare() -> dict[str, Any]:
+    def prepare() -> tuple[dict[str, Any], list[Planned], dict[str, Any]]:
         _check_between_steps(offload, "save_checkpoint")
-        return _train_state(offload, model, extra)
+        _, fqn = _names(offload, model)
+        planned, sources, values = _optimizer_tensors(offload, fqn)
+        return _train_state(offload, fqn, values, extra), planned, sources
 
-    train_state = _on_every_rank(prepare, "save_checkpoint")
+    train_state, planned, sources = _on_every_rank(prepare, "save_checkpoint")
     rngs = _RANKS.gather_objects(train_state.pop("rng"))
     train_state["world_size"] = world
     train_state["rng_by_rank"] = rngs
-    _, fqn = _names(offload, model)
-    planned, sources, _ = _optimizer_tensors(offload, fqn)
-
     states = _Sources(offload, sources)
 
     def populate(d: PrivateDir) -> None:
@@ -335,13 +338,11 @@ def save_checkpoint(
 
 
 def _train_state(
-    offload: StateOffload, model: torch.nn.Module, extra: dict[str, Any] | None
+    offload: StateOffload, fqn: dict[int, str], values: dict[str, Any], extra: dict[str, Any] | None
 ) -> dict[str, Any]:
-    """``train_state.json``'s content, but the generators of the other ranks (Note: [What a checkpoint
-    needs to resume bit for bit])."""
-    _, fqn = _names(offload, model)
+    """``train_state.json``'s content (``values``: the optimizer's non-tensor state by parameter name), but
+    the generators of the other ranks (Note: [What a checkpoint needs to resume bit for bit])."""
     opt = offload.optimizer
-    _, _, values = _optimizer_tensors(offload, fqn)
     groups = []
     for g in opt.param_groups:
         entry = {k: encode(v, f"param group setting {k!r}") for k, v in g.items() if k != "params"}
@@ -367,7 +368,7 @@ def _train_state(
 
 
 # -- loading -------------------------------------------------------------------------------------------
-def load_pretrained(
+def _load_pretrained(
     offload: StateOffload, model: torch.nn.Module, path: str | os.PathLike, *, device: torch.device
 ) -> LoadReport:
     """Note: [A model is loaded one tensor at a time] in teraio.states.loading; under a process group every
@@ -427,7 +428,7 @@ def _check_fresh(offload: StateOffload, action: str) -> None:
         )
 
 
-def load_checkpoint(
+def _load_checkpoint(
     offload: StateOffload,
     model: torch.nn.Module,
     directory: str | os.PathLike,
@@ -436,7 +437,7 @@ def load_checkpoint(
     restore_rng: bool,
     device: torch.device,
 ) -> dict[str, Any]:
-    """Restore what :func:`save_checkpoint` wrote into a fresh model, optimizer and backend, straight to
+    """Restore what :func:`_save_checkpoint` wrote into a fresh model, optimizer and backend, straight to
     disk (Note: [What a checkpoint needs to resume bit for bit]); under a process group every rank loads
     the same directory (Note: [A checkpoint of a DDP job])."""
     return _on_every_rank(
@@ -580,3 +581,76 @@ def _load_optimizer_states(
         loaded = opt.state.get(p, {})
         opt.state[p] = {k: (decode(entries[k]) if k in entries else loaded[k]) for k in entries["__order__"]}
     return total
+
+
+class Checkpoints:
+    """The checkpoint methods of ``backend.states`` (:class:`teraio.states.offload.StateOffload` has them),
+    kept with the code they call."""
+
+    model: torch.nn.Module | None
+
+    def _model_for(self, action: str) -> torch.nn.Module:
+        if self.model is None:
+            raise CheckpointError(f"{action} needs the model: teraio.States(optimizer=opt, model=model, ...)")
+        return self.model
+
+    def load_pretrained(self, path: str | os.PathLike, *, device: str | torch.device = "cpu") -> LoadReport:
+        """Load the model's weights from ``path`` (a ``.safetensors`` file or a Hugging Face model
+        directory) straight to their place, one tensor at a time: offloaded parameters to disk, the others
+        into memory on ``device`` (Note: [A model is loaded one tensor at a time] in
+        teraio.states.loading). Call it after making the backend, before the first step, on a model built on
+        the meta device (or a real one, whose values are replaced).
+
+        Raises:
+            CheckpointError: one line naming the first missing, unexpected or mismatched tensor, before
+                any byte is written.
+        """
+        return _load_pretrained(self, self._model_for("load_pretrained"), path, device=torch.device(device))
+
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike,
+        *,
+        extra: dict[str, Any] | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+    ) -> Path:
+        """Save parameters, optimizer states, param groups, teraio's step count, the random generators
+        and ``extra``'s state (``{"lr_scheduler": sched, "scaler": scaler}``) to the new directory
+        ``directory``, one tensor in memory at a time, complete or not at all (Note: [The checkpoint
+        format] in teraio.states.checkpoint). Call it between steps (after ``opt.step()`` and
+        ``opt.zero_grad()``)."""
+        model = self._model_for("save_checkpoint")
+        return _save_checkpoint(
+            self,
+            model,
+            directory,
+            extra=extra,
+            max_shard_bytes=parse_nbytes(max_shard_size, what="max_shard_size"),
+        )
+
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike,
+        *,
+        extra: dict[str, Any] | None = None,
+        restore_rng: bool = True,
+        device: str | torch.device = "cpu",
+    ) -> dict[str, Any]:
+        """Restore a checkpoint of :meth:`save_checkpoint` into this fresh model, optimizer and backend,
+        straight to disk; ``extra``'s objects get their saved state, and (``restore_rng``) the random
+        generators theirs. Returns what was loaded (``committed_steps``, bytes)."""
+        model = self._model_for("load_checkpoint")
+        return _load_checkpoint(
+            self, model, directory, extra=extra, restore_rng=restore_rng, device=torch.device(device)
+        )
+
+    def save_pretrained(
+        self, directory: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES
+    ) -> Path:
+        """Export the model's parameters (and persistent buffers) as a Hugging Face model directory that
+        ``from_pretrained`` loads (``config.json`` too for a Hugging Face model), one tensor in memory at a
+        time."""
+        model = self._model_for("save_pretrained")
+        return _save_pretrained(
+            self, model, directory, max_shard_bytes=parse_nbytes(max_shard_size, what="max_shard_size")
+        )

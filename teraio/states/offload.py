@@ -11,10 +11,8 @@ read-only (:mod:`teraio.states.frozen`).
 
 from __future__ import annotations
 
-import os
 import types
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,8 +20,8 @@ import torch
 from teraio.planner.budget import format_size
 from teraio.planner.model_states import offload_states_record
 from teraio.runtime import Engine, RuntimeConfig
-from teraio.runtime.config import parse_nbytes
-from teraio.states.errors import CheckpointError, StatesError
+from teraio.states.checkpoint import Checkpoints
+from teraio.states.errors import StatesError
 from teraio.states.frozen import frozen_parameters
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
@@ -31,11 +29,10 @@ from teraio.states.params import ParamResidency
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 if TYPE_CHECKING:
-    from teraio.states.loading import LoadReport
+    pass
 
 DEFAULT_CHUNK_BYTES = 64 << 20
-#: ``save_checkpoint`` and ``save_pretrained`` shards (``transformers``' own default is 50GB).
-DEFAULT_MAX_SHARD_BYTES = "5GB"
+
 #: Parameters smaller than this stay resident with offload_parameters=True (norms, biases: Note: [When a
 #: parameter is resident] in teraio.states.params).
 DEFAULT_MIN_PARAM_BYTES = 64 << 10
@@ -84,7 +81,7 @@ def check_optimizer(optimizer: object, option: str = "optimizer") -> None:
                 )
 
 
-class StateOffload:
+class StateOffload(Checkpoints):
     """Gradients and optimizer states of ``optimizer`` on disk between their uses; the step streamed.
 
     Args:
@@ -367,80 +364,6 @@ class StateOffload:
         return record
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def _model_for(self, action: str) -> torch.nn.Module:
-        if self.model is None:
-            raise CheckpointError(f"{action} needs the model: teraio.States(optimizer=opt, model=model, ...)")
-        return self.model
-
-    def load_pretrained(self, path: str | os.PathLike, *, device: str | torch.device = "cpu") -> LoadReport:
-        """Load the model's weights from ``path`` (a ``.safetensors`` file or a Hugging Face model
-        directory) straight to their place, one tensor at a time: offloaded parameters to disk, the others
-        into memory on ``device`` (Note: [A model is loaded one tensor at a time] in
-        teraio.states.loading). Call it after making the backend, before the first step, on a model built on
-        the meta device (or a real one, whose values are replaced).
-
-        Raises:
-            CheckpointError: one line naming the first missing, unexpected or mismatched tensor, before
-                any byte is written.
-        """
-        from teraio.states.checkpoint import load_pretrained
-
-        return load_pretrained(self, self._model_for("load_pretrained"), path, device=torch.device(device))
-
-    def save_checkpoint(
-        self,
-        directory: str | os.PathLike,
-        *,
-        extra: dict[str, Any] | None = None,
-        max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
-    ) -> Path:
-        """Save parameters, optimizer states, param groups, teraio's step count, the random generators
-        and ``extra``'s state (``{"lr_scheduler": sched, "scaler": scaler}``) to the new directory
-        ``directory``, one tensor in memory at a time, complete or not at all (Note: [The checkpoint
-        format] in teraio.states.checkpoint). Call it between steps (after ``opt.step()`` and
-        ``opt.zero_grad()``)."""
-        from teraio.states.checkpoint import save_checkpoint
-
-        model = self._model_for("save_checkpoint")
-        return save_checkpoint(
-            self,
-            model,
-            directory,
-            extra=extra,
-            max_shard_bytes=parse_nbytes(max_shard_size, what="max_shard_size"),
-        )
-
-    def load_checkpoint(
-        self,
-        directory: str | os.PathLike,
-        *,
-        extra: dict[str, Any] | None = None,
-        restore_rng: bool = True,
-        device: str | torch.device = "cpu",
-    ) -> dict[str, Any]:
-        """Restore a checkpoint of :meth:`save_checkpoint` into this fresh model, optimizer and backend,
-        straight to disk; ``extra``'s objects get their saved state, and (``restore_rng``) the random
-        generators theirs. Returns what was loaded (``committed_steps``, bytes)."""
-        from teraio.states.checkpoint import load_checkpoint
-
-        model = self._model_for("load_checkpoint")
-        return load_checkpoint(
-            self, model, directory, extra=extra, restore_rng=restore_rng, device=torch.device(device)
-        )
-
-    def save_pretrained(
-        self, directory: str | os.PathLike, *, max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES
-    ) -> Path:
-        """Export the model's parameters (and persistent buffers) as a Hugging Face model directory that
-        ``from_pretrained`` loads (``config.json`` too for a Hugging Face model), one tensor in memory at a
-        time."""
-        from teraio.states.checkpoint import save_pretrained
-
-        model = self._model_for("save_pretrained")
-        return save_pretrained(
-            self, model, directory, max_shard_bytes=parse_nbytes(max_shard_size, what="max_shard_size")
-        )
-
     def _fill_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
         self.stream.check_usable()
         self.grads.settle()

@@ -180,9 +180,7 @@ class ParamResidency:
         graph takes it, so a model larger than memory can be loaded (Note: [A model is loaded one tensor
         at a time] in teraio.states.loading); :meth:`finish_offload_loaded` waits and frees it. False: it
         stays in memory (too small, or not a tensor the storage swap can free)."""
-        if i not in self._offloadable or i in self._eager or i in self.kept:
-            return False
-        if self.index_of.get(id(self.params[i])) != i or i in self.records:
+        if self.index_of.get(id(self.params[i])) != i or i in self.records:  # not offloadable (any more)
             return False
         rec = self._new_record(i)
         self.store.write(rec, param_key(i, 0))
