@@ -83,6 +83,15 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 
+from benchmarks.states_phases import (  # noqa: E402
+    checkpoint_report,
+    delta,
+    io_by_kind,
+    load_phase,
+    log,
+    save_phase,
+    write_weights_phase,
+)
 from benchmarks.states_reference import (  # noqa: E402
     LR,
     build_model,
@@ -111,89 +120,6 @@ CONFIGS: dict[str, GPTConfig] = {
 
 
 # -- the training child ------------------------------------------------------------------------------
-KINDS = ("activation", "parameter", "gradient", "optimizer_state")
-
-
-def _io_by_kind(be: Any) -> dict[str, dict[str, int]]:
-    """Cumulative bytes written and read per kind: activations from the backend's engine, gradients and
-    optimizer states and parameters from ``backend.states``."""
-    st = be.stats()
-    ss = be.states.stats()
-    written = dict.fromkeys(KINDS, 0)
-    read = dict.fromkeys(KINDS, 0)
-    written["activation"] = int(st.get("offloaded_bytes", 0))
-    read["activation"] = int(st.get("prefetched_bytes", 0))
-    for k in ("parameter", "gradient", "optimizer_state"):
-        written[k] = ss["written_bytes"][k]
-        read[k] = ss["read_bytes"][k]
-    return {"written": written, "read": read, "moved": dict(st["moved_bytes_by_kind"]), "phase": st["phase"]}
-
-
-def _delta(a: dict[str, dict[str, int]], b: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
-    return {
-        what: {k: b[what][k] - a[what].get(k, 0) for k in b[what]} for what in ("written", "read", "moved")
-    }
-
-
-def _log(msg: str) -> None:
-    print(f"[bench_states {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def _load_phase(be: Any, weights: str, can_reset: bool) -> tuple[dict[str, Any], int]:
-    """``backend.states.load_pretrained(weights)``: what it did (its ``LoadReport``, the bytes the
-    states wrote by kind) and the phase's peak resident memory."""
-    if can_reset:
-        reset_peak_rss()
-    before = _io_by_kind(be)
-    loaded = be.states.load_pretrained(weights).as_dict()
-    peak = proc_status_bytes("VmHWM")
-    moved = _delta(before, _io_by_kind(be))
-    out = {
-        **loaded,
-        "written_bytes": sum(moved["written"].values()),
-        "written_bytes_by_kind": moved["written"],
-        "peak_rss_bytes": peak,
-        "rss_after_bytes": proc_status_bytes("VmRSS"),
-    }
-    _log(
-        f"load_pretrained: {loaded['tensors']} tensors, read {loaded['read_bytes'] / 1e9:.2f} GB, wrote "
-        f"{out['written_bytes'] / 1e9:.2f} GB to the offload files in {loaded['seconds']:.1f} s, peak RSS "
-        f"{peak / 1e9:.2f} GB"
-    )
-    return out, peak
-
-
-def _save_phase(be: Any, directory: str, can_reset: bool) -> tuple[dict[str, Any], int]:
-    """``backend.states.save_checkpoint(directory)`` after the last step: time, the bytes read back from
-    the offload files by kind, the files written, and the phase's peak resident memory."""
-    if can_reset:
-        reset_peak_rss()
-    before = _io_by_kind(be)
-    t0 = time.perf_counter()
-    path = be.states.save_checkpoint(directory)
-    seconds = time.perf_counter() - t0
-    peak = proc_status_bytes("VmHWM")
-    moved = _delta(before, _io_by_kind(be))
-    files = {p.name: p.stat().st_size for p in sorted(Path(path).iterdir())}
-    out = {
-        "seconds": seconds,
-        "read_bytes": sum(moved["read"].values()),
-        "read_bytes_by_kind": moved["read"],
-        # What the offload files got meanwhile (nothing: a save only reads them).
-        "offload_written_bytes": sum(moved["written"].values()),
-        "written_bytes": sum(files.values()),
-        "files": files,
-        "peak_rss_bytes": peak,
-        "rss_after_bytes": proc_status_bytes("VmRSS"),
-    }
-    _log(
-        f"save_checkpoint: {len(files)} files, {out['written_bytes'] / 1e9:.2f} GB written, "
-        f"{out['read_bytes'] / 1e9:.2f} GB read back from the offload files in {seconds:.1f} s, peak RSS "
-        f"{peak / 1e9:.2f} GB"
-    )
-    return out, peak
-
-
 def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     """The training run (in a fresh process: :func:`main` ``--train-child``)."""
     import teraio
@@ -224,7 +150,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         from teraio.platform.cpu_malloc import apply_cpu_malloc
 
         cpu_malloc = apply_cpu_malloc("retain")
-    _log(f"model built in {build_s:.1f} s, RSS {rss_after_build / 1e9:.2f} GB")
+    log(f"model built in {build_s:.1f} s, RSS {rss_after_build / 1e9:.2f} GB")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     be = teraio.backend(
         inner="eager",
@@ -252,7 +178,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         # Before any compile: a loaded parameter keeps its object through torch.utils.swap_tensors, which
         # nothing else may hold yet (Note: [A loaded parameter keeps its object] in
         # teraio.states.loading).
-        load, peaks["load"] = _load_phase(be, ckpt["weights"], can_reset)
+        load, peaks["load"] = load_phase(be, ckpt["weights"], can_reset)
     if spec["offload_parameters"]:
         # Each block its own graph (torchtitan's order): one block's weights fetched at a time, and each
         # backward returns one block's gradients.
@@ -272,7 +198,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
     for prm in model.parameters():
         prm.register_post_accumulate_grad_hook(on_grad)
     steps = []
-    before = _io_by_kind(be)
+    before = io_by_kind(be)
     for step in range(spec["steps"]):
         idx, targets = synthetic_batch(cfg, step)
         if can_reset:
@@ -294,8 +220,8 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         t4 = time.perf_counter()
         cpu_s = time.process_time() - cpu0
         hwm = proc_status_bytes("VmHWM")
-        after = _io_by_kind(be)
-        moved = _delta(before, after)
+        after = io_by_kind(be)
+        moved = delta(before, after)
         before = after
         state_stats = be.states.stats()
         steps.append(
@@ -325,7 +251,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         )
         peaks[f"step{step}"] = hwm
         del loss
-        _log(
+        log(
             f"step {step}: {t4 - t0:.1f} s (fwd {t1 - t0:.1f}, bwd {t2 - t1:.1f}, opt.step {t3 - t2:.1f}), "
             f"peak RSS {hwm / 1e9:.2f} GB (RSS {rss_before_backward / 1e9:.2f} GB before backward, "
             f"{(first_grad_rss or [0])[0] / 1e9:.2f} GB at its first gradient), wrote {sum(moved['written'].values()) / 1e9:.2f} GB, "
@@ -333,7 +259,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         )
     save: dict[str, Any] | None = None
     if ckpt:
-        save, peaks["save"] = _save_phase(be, ckpt["checkpoint"], can_reset)
+        save, peaks["save"] = save_phase(be, ckpt["checkpoint"], can_reset)
     final = be.stats()
     state_stats = be.states.stats()
     engine = be.states.engine.stats()
@@ -446,18 +372,18 @@ def run(
         )
     machine = machine_info()
     t_start = time.perf_counter()
-    _log(
+    log(
         f"{config}: {size['params'] / 1e9:.3f}e9 parameters, training state {size['state_bytes'] / 1e9:.1f} GB, "
         f"MemTotal {machine['mem_total_bytes'] / 1e9:.1f} GB; measuring the disk in {directory}"
     )
     _, disk = bench_io.run(directory, io_size, sizes=[io_size], repeats=io_repeats)
-    _log(f"raw write {disk['raw_write_gb_per_s']:.2f} GB/s, raw read {disk['raw_read_gb_per_s']:.2f} GB/s")
+    log(f"raw write {disk['raw_write_gb_per_s']:.2f} GB/s, raw read {disk['raw_read_gb_per_s']:.2f} GB/s")
     t0 = time.perf_counter()
     ref_loss = reference_first_loss(cfg, seed)
     reference_s = time.perf_counter() - t0
-    _log(f"reference loss {ref_loss.item():.6f} ({reference_s:.1f} s, layer by layer)")
+    log(f"reference loss {ref_loss.item():.6f} ({reference_s:.1f} s, layer by layer)")
     compute = compute_alone(cfg, compute_reps, seed)
-    _log(f"compute alone {compute['compute_s']:.2f} s per step")
+    log(f"compute alone {compute['compute_s']:.2f} s per step")
     spec = {
         "cfg": asdict(cfg),
         "seed": seed,
@@ -477,7 +403,7 @@ def run(
             # The model's file and the checkpoint on the disk the offload files use (and the raw
             # bandwidths were measured on), in a private directory of this run.
             work = Path(tempfile.mkdtemp(prefix="bench_states-ckpt-", dir=directory))
-            written = _write_weights_phase(cfg, seed, work / "gpt-init")
+            written = write_weights_phase(cfg, seed, work / "gpt-init")
             spec["from_checkpoint"] = {
                 "weights": written["directory"],
                 "checkpoint": str(work / "checkpoint"),
@@ -493,7 +419,7 @@ def run(
     # reference run measured 27.3 s against 12.5-14.4 s; benchmarks/results/states_*_202611.md).
     compute_after = compute_alone(cfg, compute_reps, seed)
     _, disk_after = bench_io.run(directory, io_size, sizes=[io_size], repeats=io_repeats)
-    _log(
+    log(
         f"after training: compute alone {compute_after['compute_s']:.2f} s per step, raw write "
         f"{disk_after['raw_write_gb_per_s']:.2f} GB/s, raw read {disk_after['raw_read_gb_per_s']:.2f} GB/s"
     )
@@ -541,7 +467,7 @@ def run(
     phases = child["peak_rss_by_phase"]
     running_peak = max((phases[f"step{r['step']}"] for r in running), default=0)
     checkpoint = (
-        _checkpoint_report(written, child, phases, running_peak, wbw, rbw) if from_checkpoint else None
+        checkpoint_report(written, child, phases, running_peak, wbw, rbw) if from_checkpoint else None
     )
     return {
         "config": config,
@@ -617,82 +543,6 @@ def run(
         "machine": machine,
         "loadavg_at_end": os.getloadavg(),
         "wall_s": time.perf_counter() - t_start,
-    }
-
-
-def _write_weights_phase(cfg: GPTConfig, seed: int, target: Path) -> dict[str, Any]:
-    """--from-checkpoint's first phase, in this process: the GPT's initial weights written tensor by
-    tensor (benchmarks.gpt_weights), with this process's peak resident memory meanwhile."""
-    from benchmarks.gpt_weights import write_gpt_weights
-
-    can_reset = reset_peak_rss()
-    before = proc_status_bytes("VmRSS")
-    report = write_gpt_weights(cfg, seed, target).as_dict()
-    report["peak_rss_bytes"] = proc_status_bytes("VmHWM")
-    report["rss_before_bytes"] = before
-    report["peak_rss_window_reset"] = can_reset
-    _log(
-        f"initial weights written: {report['file_bytes'] / 1e9:.2f} GB in {report['seconds']:.1f} s, peak RSS "
-        f"of this process {report['peak_rss_bytes'] / 1e9:.2f} GB ({before / 1e9:.2f} GB before)"
-    )
-    return report
-
-
-def _rates(seconds: float, read_bytes: int, written_bytes: int, wbw: float, rbw: float) -> dict[str, Any]:
-    """A phase's bytes against the raw bandwidths of the same run: its own rates, their ratio to the raw
-    ones, and its time against moving the same bytes at the raw rates (one device: a read and a write do
-    not add bandwidth)."""
-    bound = io_lower_bound_s(written_bytes, read_bytes, wbw, rbw)
-    secs = max(seconds, 1e-9)
-    return {
-        "seconds": seconds,
-        "read_bytes": read_bytes,
-        "written_bytes": written_bytes,
-        "read_gb_per_s": read_bytes / secs / 1e9,
-        "write_gb_per_s": written_bytes / secs / 1e9,
-        "ratio_to_raw_read": read_bytes / secs / rbw,
-        "ratio_to_raw_write": written_bytes / secs / wbw,
-        "io_lower_bound_s": bound,
-        "seconds_vs_io_lower_bound": seconds / bound if bound > 0 else None,
-    }
-
-
-def _checkpoint_report(
-    written: dict[str, Any] | None,
-    child: dict[str, Any],
-    phases: dict[str, int],
-    running_peak: int,
-    wbw: float,
-    rbw: float,
-) -> dict[str, Any]:
-    """--from-checkpoint's phases: the initial weights' write (this process), the load and the save (the
-    training process), each against the raw disk, and every phase's peak RSS against the running steps'."""
-    assert written is not None and child["load"] is not None and child["save"] is not None
-    load, save = child["load"], child["save"]
-    ratios = {k: v / running_peak if running_peak else None for k, v in phases.items()}
-    return {
-        "write_initial_weights": {
-            **_rates(written["seconds"], 0, written["file_bytes"], wbw, rbw),
-            **{k: written[k] for k in ("files", "tensors", "tensor_bytes", "dropped_page_cache")},
-            "peak_rss_bytes": written["peak_rss_bytes"],
-            "process": "the benchmark's (not the training process)",
-        },
-        "load": {
-            **_rates(load["seconds"], load["read_bytes"], load["written_bytes"], wbw, rbw),
-            **{
-                k: load[k]
-                for k in ("tensors", "offloaded_bytes", "resident_bytes", "written_bytes_by_kind", "files")
-            },
-            "peak_rss_bytes": load["peak_rss_bytes"],
-        },
-        "save": {
-            **_rates(save["seconds"], save["read_bytes"], save["written_bytes"], wbw, rbw),
-            **{k: save[k] for k in ("read_bytes_by_kind", "offload_written_bytes", "files")},
-            "peak_rss_bytes": save["peak_rss_bytes"],
-        },
-        "peak_rss_vs_running_step": ratios,
-        # Issue 39's target: no phase of the training process above 1.25x its largest running step.
-        "every_phase_within_1_25x_of_running_step": all(r is not None and r <= 1.25 for r in ratios.values()),
     }
 
 
