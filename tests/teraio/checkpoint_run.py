@@ -18,11 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import teraio  # noqa: E402
 from tests.teraio.fine_tune_run import (  # noqa: E402
-    MICRO_BATCHES,
     _digest,
-    batch,
     optimizer_digest,
     param_groups,
+    train_step,
     warmup_cosine,
 )
 
@@ -66,16 +65,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     compiled = backend.compile(model)
     losses, norms = [], []
     for step in range(spec["first"], spec["first"] + spec["steps"]):
-        for micro in range(MICRO_BATCHES):
-            ids = batch(step, micro)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = compiled(input_ids=ids, labels=ids).loss
-            (loss / MICRO_BATCHES).backward()
-            losses.append(float(loss.detach()).hex())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)).hex())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        step_losses, norm = train_step(compiled, model, opt, sched, step)
+        losses += step_losses
+        norms.append(norm)
     if spec.get("save"):
         backend.states.save_checkpoint(spec["save"], extra={"lr_scheduler": sched}, max_shard_size="40KB")
     if spec.get("export"):

@@ -90,6 +90,25 @@ def optimizer_digest(opt: torch.optim.Optimizer) -> str:
     return _digest(flat)
 
 
+def train_step(
+    compiled: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int
+) -> tuple[list[str], str]:
+    """One optimizer step of the loop: micro-batches under bf16 autocast, the clip, the step, the
+    schedule; the losses and the clip norm as exact float hex."""
+    losses = []
+    for micro in range(MICRO_BATCHES):
+        ids = batch(step, micro)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(input_ids=ids, labels=ids).loss
+        (loss / MICRO_BATCHES).backward()
+        losses.append(float(loss.detach()).hex())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+    return losses, float(norm).hex()
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec["steps"]`` optimizer steps from ``spec["first"]`` (loading ``spec["load"]`` when set,
     saving ``spec["save"]`` at the end when set)."""
@@ -126,17 +145,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     losses, norms, written = [], [], []
     for step in range(spec["first"], spec["first"] + spec["steps"]):
         before = (backend.stats().get("written_bytes_by_kind") or {}).get("parameter", 0)
-        for micro in range(MICRO_BATCHES):
-            ids = batch(step, micro)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = compiled(input_ids=ids, labels=ids).loss
-            (loss / MICRO_BATCHES).backward()
-            losses.append(float(loss.detach()).hex())
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        norms.append(float(norm).hex())
-        opt.step()
-        sched.step()
-        opt.zero_grad()
+        step_losses, norm = train_step(compiled, model, opt, sched, step)
+        losses += step_losses
+        norms.append(norm)
         after = (backend.stats().get("written_bytes_by_kind") or {}).get("parameter", 0)
         written.append(after - before)
     if spec.get("save"):
