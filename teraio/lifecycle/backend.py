@@ -139,6 +139,9 @@ class TeraioBackend:
     ) -> Callable[..., Any]:
         self.inductor_options = check_compile_mode(mode, options, self.cfg.inner)
         examples = list(example_inputs)
+        residency = None if self.states is None else self.states.residency
+        if residency is not None:  # Note: [Parameters are guarded while no module of the model runs]
+            residency.compiled_outside_modules(examples)
         if is_dynamic(examples):
             return ShapeDispatch(self, gm, examples)
         return self.new_runner(gm, examples)

@@ -40,20 +40,14 @@ Note: [A torch.nn module needs a frame Dynamo traces]
     position embeddings are two); past it Dynamo runs the module eagerly, and its parameters stay
     resident (Note: [A parameter eager code uses stays resident] in teraio.states.params).
 
-Note: [Parameters are guarded behind backend.compile's entries]
-    A parameter on disk keeps its object over an empty storage, so user code that reads it between its
-    uses (an EMA's ``ema.lerp_(p, 0.01)`` after ``opt.step()``, a logged norm, a model's own eager
-    ``F.linear(x, self.tok.weight)``) would read a null pointer. Gradients and optimizer states are
-    guarded while on disk by swapping their class (Note: [What a read of an offloaded tensor does] in
-    teraio.states.guarded); a parameter cannot be swapped where Dynamo will see it, since Dynamo's
-    guards check a graph input's exact type and a guarded parameter would recompile its graph. Here
-    every graph that takes a parameter is entered through a call this module installs: each compiled
-    module's ``_compiled_call_impl`` becomes a plain function that gives the module's parameters their
-    own class back and then calls the compiled one, before Dynamo's guards run. So the parameters of a
-    model compiled by ``backend.compile`` are guarded while on disk (reads served, writes refused in one
-    line), and released at the entry of the graph that fetches them. Parameters reached through graphs
-    compiled otherwise (``torch.compile(model, backend=...)``, ``block.compile(...)`` by hand) are not
-    guarded: teraio cannot run anything between their call and Dynamo's guards.
+Note: [A wrapped entry opens the gate itself]
+    Parameters on disk are guarded while no module of the model runs (Note: [Parameters are guarded while
+    no module of the model runs] in teraio.states.entry_gate): the gate opens in the forward hooks
+    ``Module._call_impl`` runs before Dynamo enters a module's ``forward``. A ``torch.nn`` class compiled
+    through the one-line function of Note: [A torch.nn module needs a frame Dynamo traces] is entered
+    at that function's frame instead, with its ``_call_impl`` and hooks traced inside the graph, so each
+    compiled module's ``_compiled_call_impl`` becomes a plain function (Dynamo never sees it:
+    ``Module.__call__`` calls it eagerly) that opens the gate around the compiled call.
 """
 
 from __future__ import annotations
@@ -66,7 +60,6 @@ import torch
 from torch import nn
 
 from teraio.errors import UserInputError
-from teraio.states.guarded import release
 
 if TYPE_CHECKING:
     from teraio.lifecycle.backend import TeraioBackend
@@ -154,29 +147,33 @@ def _forward_in_torch(module: nn.Module) -> bool:
 def compile_in_place(module: nn.Module, backend: Any, compile_kwargs: dict[str, Any]) -> None:
     """``module.compile(backend=backend, **compile_kwargs)``, through a frame Dynamo traces for a
     ``torch.nn`` class (Note: [A torch.nn module needs a frame Dynamo traces]), entered through a call
-    that releases the module's guarded parameters first (Note: [Parameters are guarded behind
-    backend.compile's entries])."""
+    that opens the gate of parameters on disk around it (Note: [A wrapped entry opens the gate
+    itself])."""
     if _forward_in_torch(module):
         module._compiled_call_impl = torch.compile(
             _traced_entry(module._call_impl), backend=backend, **compile_kwargs
         )
     else:
         module.compile(backend=backend, **compile_kwargs)
-    module._compiled_call_impl = _releasing_entry(module, module._compiled_call_impl)
+    module._compiled_call_impl = _gated_entry(module._compiled_call_impl, backend)
 
 
-def _releasing_entry(module: nn.Module, compiled: Any) -> Any:
-    """Note: [Parameters are guarded behind backend.compile's entries]: a plain function (Dynamo never
-    sees it: ``Module.__call__`` calls it eagerly) that gives ``module``'s parameters their own class
-    back, then calls the compiled module."""
-    params = list(module.parameters())
+def _gated_entry(compiled: Any, backend: Any) -> Any:
+    """Note: [A wrapped entry opens the gate itself]: a plain function that opens the gate of the
+    backend's parameters on disk (if any) around the compiled module's call."""
+    residency = getattr(getattr(backend, "states", None), "residency", None)
+    gate = getattr(residency, "gate", None)
+    if gate is None:
+        return compiled
 
-    def releasing_entry(*args: Any, **kwargs: Any) -> Any:
-        for p in params:
-            release(p)
-        return compiled(*args, **kwargs)
+    def gated_entry(*args: Any, **kwargs: Any) -> Any:
+        gate.enter()
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            gate.exit()
 
-    return releasing_entry
+    return gated_entry
 
 
 def check_compilable(model: Any, backend_id: int) -> None:
@@ -233,7 +230,6 @@ def compile_model(backend: TeraioBackend, model: nn.Module, /, **compile_kwargs:
         )
     check_compilable(model, backend.backend_id)
     plan = plan_compile(model)
-    _guard_parameters(backend, model)
     if plan.why_whole is not None:
         compile_in_place(model, backend, compile_kwargs)
         setattr(model, _MARK, backend.backend_id)
@@ -264,14 +260,6 @@ def compile_model(backend: TeraioBackend, model: nn.Module, /, **compile_kwargs:
         ),
     )
     return model
-
-
-def _guard_parameters(backend: TeraioBackend, model: nn.Module) -> None:
-    """Guard the model's parameters while on disk (Note: [Parameters are guarded behind
-    backend.compile's entries]) when the backend keeps parameters on disk."""
-    residency = getattr(getattr(backend, "states", None), "residency", None)
-    if residency is not None:
-        residency.guard_reads(model.parameters())
 
 
 __all__ = [

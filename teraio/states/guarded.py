@@ -13,8 +13,9 @@ Note: [What a read of an offloaded tensor does]
     ``state`` dict still hold it) and routes every torch function call with it as an argument through
     the guard's ``__torch_function__``, foreach ops and property getters included; C++ code (autograd's
     AccumulateGrad) does not go through it, which is why the store loads a gradient before backward
-    accumulates into it. Parameters are not guarded: Dynamo's guards check a graph input's exact type, and
-    a swap would recompile. The guard decides per call:
+    accumulates into it. Parameters are guarded only while no module of the model runs: Dynamo's guards
+    check a graph input's exact type, and a swap would recompile (Note: [Parameters are guarded while
+    no module of the model runs] in teraio.states.entry_gate). The guard decides per call:
 
     - *Metadata* (``.shape``, ``.dtype``, ``.device``, ``.numel()``, ``.requires_grad``, ``.grad_fn``,
       ``untyped_storage()``, hashing, ...) passes through: nothing is read.
@@ -371,8 +372,8 @@ if OffloadedTensor not in _foreach_utils._foreach_supported_types:
 def protect(rec: Record, store: TensorStore) -> None:
     """The record's bytes are only on disk now: its tensor becomes guarded. A parameter stays an
     ``nn.Parameter`` to ``isinstance`` (torch's ``_is_param`` mark, which the check honours for any
-    tensor) while guarded (Note: [Parameters are guarded behind backend.compile's entries] in
-    teraio.lifecycle.model_compile)."""
+    tensor) while guarded (Note: [Parameters are guarded while no module of the model runs] in
+    teraio.states.entry_gate)."""
     t = rec.tensor
     original = _guard_of(t).original if type(t) is OffloadedTensor else type(t)
     t.__dict__["_teraio_guard"] = Guard(store=store, record=rec, primary=t, original=original)

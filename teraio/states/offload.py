@@ -234,6 +234,8 @@ class StateOffload(Checkpoints):
             return
         self._check_params()
         self.grads.settle()
+        if self.residency is not None and self.residency.gate is not None:
+            self.residency.gate.settle()  # a forward that raised may have left the gate open
         opt = self.optimizer
 
         def raw() -> Any:

@@ -36,9 +36,10 @@ Note: [A parameter eager code uses stays resident]
     ``opt.step()``) is held in memory until the commit and leaves then.
 
 Note: [Reading an offloaded parameter]
-    Code outside the compiled graphs must not read an offloaded parameter's tensor directly (modules
-    are covered: Note: [A parameter eager code uses stays resident]): its storage
-    is empty between uses (on CPU a read dereferences a null pointer). ``model.state_dict()`` returns
+    An offloaded parameter's storage is empty between uses (on CPU a direct read dereferences a null
+    pointer). While no module of the model runs it is guarded, its reads served (Note: [Parameters are
+    guarded while no module of the model runs] in teraio.states.entry_gate); modules that run eagerly
+    keep theirs (Note: [A parameter eager code uses stays resident]). ``model.state_dict()`` returns
     copies read back from disk (hooks on every module), ``model.load_state_dict()`` fetches each module's
     parameters before it copies into them and frees them after, and :meth:`ParamResidency.materialized`
     brings all of them back for code that must (an EMA, a norm for logging).
@@ -54,6 +55,7 @@ from typing import Any
 import torch
 
 from teraio.states import guarded
+from teraio.states.entry_gate import EntryGate
 from teraio.states.errors import StatesError
 from teraio.states.frozen import FrozenWeights, saved_by_backward
 from teraio.states.store import Kind, Record, Residency, TensorStore
@@ -143,9 +145,11 @@ class ParamResidency:
         )
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.kept: frozenset[int] = frozenset()
-        #: Parameters guarded on disk (Note: [Parameters are guarded behind backend.compile's entries]
-        #: in teraio.lifecycle.model_compile), by index.
-        self._entry_guarded: set[int] = set()
+        #: Note: [Parameters are guarded while no module of the model runs] in teraio.states.entry_gate:
+        #: set by attach_module; parameters a graph compiled outside the model's modules takes are never
+        #: guarded (by index).
+        self.gate: EntryGate | None = None
+        self._unguarded: set[int] = set()
         self._told_unguarded = False
 
     # -- which graph inputs --------------------------------------------------------------------------
@@ -163,15 +167,9 @@ class ParamResidency:
     def _new_record(self, i: int) -> Record:
         rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param", param_idx=i)
         rec.in_place = True
-        rec.entry_guarded = i in self._entry_guarded
+        rec.entry_gate = self.gate
+        rec.entry_guarded = self.gate is not None and i not in self._unguarded
         self.records[i] = rec
-        if not rec.entry_guarded and not self._told_unguarded:
-            self._told_unguarded = True
-            log.info(
-                "parameters on disk are not guarded in graphs compiled by torch.compile or "
-                "Module.compile: code outside them must not read one (on CPU the read kills the "
-                "process); compile the model with backend.compile(model) to have reads served"
-            )
         self.uses[i] = 0
         return rec
 
@@ -196,24 +194,30 @@ class ParamResidency:
         self._version[i] = rec.tensor._version
         self.store.evict(rec)
 
-    def guard_reads(self, params: Iterable[torch.nn.Parameter]) -> int:
-        """Guard these parameters while on disk (reads served, writes refused: teraio.states.guarded);
-        only for parameters every compiled entry of which releases them before Dynamo's guards (Note:
-        [Parameters are guarded behind backend.compile's entries] in teraio.lifecycle.model_compile).
-        Returns how many of them can be offloaded (the others stay in memory, unguarded)."""
-        count = 0
-        for p in params:
-            i = self.index_of.get(id(p))
-            if i is None or i in self._entry_guarded:
-                continue
-            self._entry_guarded.add(i)
-            count += 1
+    def compiled_outside_modules(self, args: Iterable[Any]) -> None:
+        """A graph is being compiled while no module of the model runs (Note: [Parameters are guarded
+        while no module of the model runs] in teraio.states.entry_gate): the offloadable parameters among
+        its inputs are never guarded from now on."""
+        if self.gate is None or self.gate.is_open:
+            return
+        idxs = [
+            i for i in (self.index_of.get(id(a)) for a in args) if i is not None and i not in self._unguarded
+        ]
+        for i in idxs:
+            self._unguarded.add(i)
             rec = self.records.get(i)
             if rec is not None:
-                rec.entry_guarded = True
-                if rec.residency is Residency.DISK:
-                    guarded.protect(rec, self.store)
-        return count
+                rec.entry_guarded = False
+                guarded.release(rec.tensor)
+        if idxs and not self._told_unguarded:
+            self._told_unguarded = True
+            log.info(
+                "a graph compiled outside the model's modules (torch.compile of a function that calls the "
+                "model) takes %d parameter(s) that move to disk: they are not guarded there, and code "
+                "outside the graphs must not read one (on CPU the read kills the process); compile the "
+                "model itself (torch.compile(model), backend.compile(model)) to have such reads served",
+                len(idxs),
+            )
 
     # -- fetch and free ------------------------------------------------------------------------------
     def acquire(self, idxs: tuple[int, ...]) -> None:
@@ -368,6 +372,8 @@ class ParamResidency:
                 f"offload_parameters: {len(missing)} of the optimizer's parameters are not the model's "
                 "(pass the model the optimizer trains as model=)"
             )
+        self.gate = EntryGate(self.store, self.records.values)
+        self.gate.attach(model)
         for module in model.modules():
             own = tuple(
                 self.index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.index_of
@@ -463,6 +469,8 @@ class ParamResidency:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.gate is not None:
+            self.gate.close()
         for rec in self.records.values():
             self.store.load(rec)
             self.store.drop_key(rec.saved_key)

@@ -21,8 +21,9 @@ Note: [Offloaded tensors keep their object, not their storage]
     (Note: [What a read of an offloaded tensor does] in teraio.states.guarded). Every path that gives a
     record memory again (``load``, ``make_resident_zeros``) makes it a plain tensor first and replays
     its pending ops (an in-place scale or clamp deferred while it was on disk) after: its memory is
-    then its value, and a write clears them. An offloaded parameter is not guarded (Note: [Reading an
-    offloaded parameter] in teraio.states.params).
+    then its value, and a write clears them. An offloaded parameter is guarded only while no module of
+    the model runs (Note: [Parameters are guarded while no module of the model runs] in
+    teraio.states.entry_gate).
 
 Note: [Device bytes of the store go through the engine's Device]
     On a GPU the store's own moves of device bytes are stream work: refilling a parameter's storage
@@ -100,17 +101,18 @@ class Record:
     #: [Norms are taken before the write] in teraio.states.grad_norms).
     norms: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    #: A parameter whose every compiled entry gives it back its class before Dynamo's guards check it
-    #: (Note: [Parameters are guarded behind backend.compile's entries] in
-    #: teraio.lifecycle.model_compile): guarded while on disk, as gradients and states are.
+    #: A parameter guarded while on disk and no module of the model runs (Note: [Parameters are guarded
+    #: while no module of the model runs] in teraio.states.entry_gate), as gradients and states are.
     entry_guarded: bool = False
+    #: That note's gate (an ``EntryGate``): while it is open, the parameter stays plain.
+    entry_gate: Any = field(default=None, repr=False)
 
     @property
     def guards_reads(self) -> bool:
         """Guarded while on disk (teraio.states.guarded): gradients, optimizer states, and parameters
-        compiled by ``backend.compile``."""
+        while no module of the model runs."""
         if self.kind is Kind.PARAMETER:
-            return self.entry_guarded
+            return self.entry_guarded and not (self.entry_gate is not None and self.entry_gate.is_open)
         return not self.in_place
 
 

@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import teraio
 from teraio.states import StatesError
 from teraio.states.store import Residency
+from teraio.tools.models.gpt import GPT
 from teraio.tools.workloads import builtin_workload, compute_loss
 
 CHUNK_BYTES = "64KiB"  # the tiny GPT spans about a dozen chunks: nothing stays in memory by luck
@@ -158,14 +160,50 @@ def test_the_reads_change_nothing_the_step_computes(runs):
         assert all(torch.equal(ref["state"][i][k], got["state"][i][k]) for k in ref["state"][i]), i
 
 
-# -- parameters on disk (Note: [Parameters are guarded behind backend.compile's entries] in
-# teraio.lifecycle.model_compile) --------------------------------------------------------------------
-def _param_loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
-    """The tiny GPT compiled by ``backend.compile`` with every parameter on disk: after a backward, each
-    way of reading a parameter (and each refused change); after ``opt.step()``, an EMA of every parameter
-    (``ema.lerp_(p, 0.01)``, the read that crashed once the model spanned more than the step's last
-    chunk); then more steps, whose results show the reads changed nothing."""
+# -- parameters on disk (Note: [Parameters are guarded while no module of the model runs] in
+# teraio.states.entry_gate) -------------------------------------------------------------------------------
+class _GPTWithBreaks(GPT):
+    """The tiny GPT whose forward breaks the graph between blocks: Dynamo resumes the forward in frames
+    of its own, entered with no hook of a module in between."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            torch._dynamo.graph_break()
+            x = block(x)
+        torch._dynamo.graph_break()
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+#: How the model is compiled, and which parameter the reads take (a 2-D one that moves: under
+#: ``block.compile`` the embeddings run eagerly and stay in memory).
+COMPILES = {
+    "backend.compile": "tok.weight",
+    "torch.compile": "tok.weight",
+    "torch.compile with graph breaks": "tok.weight",
+    "block.compile": "blocks.0.up.weight",
+}
+
+
+def _compile(how: str, model: torch.nn.Module, be: Any) -> torch.nn.Module:
+    if how == "backend.compile":
+        return be.compile(model)
+    if how == "block.compile":
+        for block in model.blocks:
+            block.compile(backend=be)
+        return model
+    if how == "torch.compile with graph breaks":
+        model.__class__ = _GPTWithBreaks
+    return torch.compile(model, backend=be)
+
+
+def _tiny_with_parameters_on_disk(enabled: bool, offload_dir: str) -> tuple[Any, Any, Any, Any]:
+    """The tiny GPT (a fresh copy), AdamW, and a backend with its parameters, gradients and states on
+    disk (``enabled``) or without teraio; Dynamo reset and its counters cleared."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     w = builtin_workload("tiny")
     model = copy.deepcopy(w.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -181,12 +219,23 @@ def _param_loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
         be = teraio.backend(inner="eager", states=states, offload_dirs=[offload_dir], io_backend="posix")
     else:
         be = teraio.backend(inner="eager", enabled=False)
-    be.compile(model)
+    return w, model, opt, be
+
+
+def _param_loop(how: str, enabled: bool, offload_dir: str) -> dict[str, Any]:
+    """The tiny GPT compiled ``how`` with every parameter on disk: after a backward, each way of reading
+    a parameter (and each refused change); after ``opt.step()``, an EMA of every parameter
+    (``ema.lerp_(p, 0.01)``, the read that crashed once the model spanned more than the step's last
+    chunk); then more steps, whose results show the reads changed nothing and compiled nothing more."""
+    w, model, opt, be = _tiny_with_parameters_on_disk(enabled, offload_dir)
+    compiled = _compile(how, model, be)
+    names = [n for n, _ in model.named_parameters()]
+    idx = names.index(COMPILES[how])
     ema = [p.detach().clone() for p in model.parameters()]
-    out: dict[str, Any] = {"reads": {}, "refused": {}, "residency": [], "ema": []}
+    out: dict[str, Any] = {"reads": {}, "refused": {}, "residency": [], "ema": [], "idx": idx}
     try:
         for step in range(2):
-            compute_loss(model, w, step).backward()
+            compute_loss(compiled, w, step).backward()
             opt.step()
             opt.zero_grad()
             if enabled:  # the step keeps its last chunk (the first layers') for the next forward
@@ -195,11 +244,13 @@ def _param_loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
             for e, p in zip(ema, model.parameters()):
                 e.lerp_(p, 0.01)
             out["ema"].append([e.clone() for e in ema])
-        compute_loss(model, w, 2).backward()
-        p = list(model.parameters())[PARAM]
+            if step == 0:
+                out["frames_compiled_first"] = dict(torch._dynamo.utils.counters["frames"])
+        compute_loss(compiled, w, 2).backward()
+        p = list(model.parameters())[idx]
         for name, read in READS.items():
             if enabled:
-                out["residency"].append(be.states.residency.records[PARAM].residency)
+                out["residency"].append(be.states.residency.records[idx].residency)
             out["reads"][name] = read(p)
         for name, mutate in MUTATIONS.items():
             try:
@@ -210,9 +261,10 @@ def _param_loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
         out["is_parameter"] = isinstance(p, torch.nn.Parameter)
         opt.step()
         opt.zero_grad()
-        compute_loss(model, w, 3).backward()
+        compute_loss(compiled, w, 3).backward()
         opt.step()
         out["params"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        out["frames_compiled_later"] = dict(torch._dynamo.utils.counters["frames"])
         if enabled:
             out["parameter_read_bytes"] = be.stats()["read_bytes_by_kind"]["parameter"]
     finally:
@@ -220,10 +272,11 @@ def _param_loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def param_runs(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(COMPILES))
+def param_runs(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("param-reads")
-    return _param_loop(False, str(tmp / "ref")), _param_loop(True, str(tmp / "off"))
+    how = request.param
+    return _param_loop(how, False, str(tmp / "ref")), _param_loop(how, True, str(tmp / "off"))
 
 
 def test_each_read_of_an_offloaded_parameter_gives_the_values_without_teraio(param_runs):
@@ -246,7 +299,9 @@ def test_changes_to_a_parameter_on_disk_are_refused_in_one_line(param_runs):
     assert not ref["refused"]
     for name in MUTATIONS:
         msg = got["refused"][name]
-        assert "\n" not in msg and "parameter 0 is on disk" in msg and "load_state_dict" in msg, msg
+        assert "\n" not in msg and f"parameter {got['idx']} is on disk" in msg and "load_state_dict" in msg, (
+            msg
+        )
 
 
 def test_reads_of_parameters_change_nothing_the_next_steps_compute(param_runs):
@@ -254,3 +309,49 @@ def test_reads_of_parameters_change_nothing_the_next_steps_compute(param_runs):
     assert ref["params"].keys() == got["params"].keys()
     assert all(torch.equal(ref["params"][n], got["params"][n]) for n in ref["params"])
     assert got["parameter_read_bytes"] > 0
+
+
+def test_guarding_parameters_compiles_no_frame_again(param_runs):
+    """Dynamo checks each graph input's exact type when it enters a compiled frame: a parameter still
+    guarded there (on disk since the first step) would compile the frame again."""
+    for run in param_runs:
+        assert run["frames_compiled_first"]["ok"] > 0
+        assert run["frames_compiled_later"] == run["frames_compiled_first"]
+
+
+def test_a_function_compiled_around_the_model_trains_exactly_with_its_parameters_unguarded(tmp_path, caplog):
+    """``torch.compile(fn)`` of a function that calls the model enters its frame with no module's hook
+    in between: its parameters on disk stay plain (Dynamo would compile the frame again for a guarded
+    one), the loop is exact, and one line says how to have reads served."""
+
+    def run(enabled: bool) -> dict[str, Any]:
+        w, model, opt, be = _tiny_with_parameters_on_disk(enabled, str(tmp_path))
+        fn = torch.compile(lambda idx, targets: model(idx, targets), backend=be)
+        out: dict[str, Any] = {}
+        try:
+            for step in range(4):
+                compute_loss(fn, w, step).backward()
+                opt.step()
+                opt.zero_grad()
+                if step == 0:
+                    out["frames_first"] = dict(torch._dynamo.utils.counters["frames"])
+            out["frames_later"] = dict(torch._dynamo.utils.counters["frames"])
+            if enabled:
+                recs = be.states.residency.records.values()
+                out["on_disk"] = [r for r in recs if r.residency is Residency.DISK]
+                out["guarded"] = [r for r in out["on_disk"] if type(r.tensor) is not torch.nn.Parameter]
+            out["params"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        finally:
+            be.close()
+        return out
+
+    ref = run(False)
+    with caplog.at_level("INFO", logger="teraio"):
+        got = run(True)
+    assert got["frames_later"] == got["frames_first"]
+    assert got["on_disk"] and not got["guarded"]
+    assert all(torch.equal(ref["params"][n], got["params"][n]) for n in ref["params"])
+    lines = [
+        r.getMessage() for r in caplog.records if "compiled outside the model's modules" in r.getMessage()
+    ]
+    assert len(lines) == 1 and "torch.compile(model)" in lines[0]
