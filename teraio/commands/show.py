@@ -75,6 +75,7 @@ def _run_dir_summary(path: str) -> dict:
                     {"graph": f"{plan_file.parent.name} call {call_file.stem[9:]}", **plan_summary(call)}
                 )
         last = per_step = None
+        over: list[dict] = []
         stats = rank_dir / "stats.jsonl"
         if stats.is_file():
             lines = stats.read_text().splitlines()
@@ -82,11 +83,13 @@ def _run_dir_summary(path: str) -> dict:
             per_step = _last_step_io(
                 [json.loads(ln) for ln in lines[-2:]], _load_hardware(rank_dir / "hardware.json")
             )
+            over = _over_budget([json.loads(ln) for ln in lines if ln.strip()])
         config = rank_dir / "config.json"
         out["ranks"][rank_dir.name[4:] if ranks else "0"] = {
             "graphs": graphs,
             "last_step": last,
             "step_io": per_step,
+            "whole_step_over_budget": over,
             "run_id": load_json(config).get("run_id") if config.is_file() else None,
         }
     if not any(r["graphs"] or r["last_step"] for r in out["ranks"].values()):
@@ -132,6 +135,32 @@ def _last_step_io(lines: list[dict], hardware: HardwareModel | None) -> dict | N
             sum(out["read_bytes_by_kind"].values()),
             ssd.total_write_bw_bytes_per_s,
             ssd.total_read_bw_bytes_per_s,
+        )
+    return out
+
+
+def _over_budget(lines: list[dict]) -> list[dict]:
+    """Each whole-step measurement above its budget, once, with the first step whose line shows it (a
+    ``stats.jsonl`` line carries the latest measurement, so consecutive lines repeat it)."""
+    out: list[dict] = []
+    seen: set[tuple] = set()
+    for line in lines:
+        whole = line.get("whole_step") or {}
+        measured, budget = whole.get("measured_peak_bytes"), whole.get("budget_bytes")
+        if measured is None or budget is None or measured <= budget:
+            continue
+        key = (measured, budget, whole.get("predicted_peak_bytes"))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(
+            {
+                "step": line.get("step"),
+                "measured_peak_bytes": measured,
+                "budget_bytes": budget,
+                "predicted_peak_bytes": whole.get("predicted_peak_bytes"),
+                "over_fraction": measured / budget - 1,
+            }
         )
     return out
 
@@ -186,6 +215,13 @@ def _show_run_dir(args: argparse.Namespace) -> int:
                 + f" ({format_size(whole['fixed_bytes'])} of parameters cannot move); predicted peak "
                 + f"{format_size(whole['predicted_peak_bytes'])}, measured "
                 + (format_size(measured) if measured is not None else "not yet")
+            )
+        for o in r.get("whole_step_over_budget") or []:
+            con.print(
+                f"[bold red]rank {rank}: whole step measured OVER its budget[/]: "
+                f"{format_size(o['measured_peak_bytes'])} for a budget of {format_size(o['budget_bytes'])} "
+                f"({100 * o['over_fraction']:+.1f}%; predicted {format_size(o['predicted_peak_bytes'] or 0)}), "
+                f"as of step {o['step']}"
             )
         io = r.get("step_io")
         if io:

@@ -290,7 +290,7 @@ class StepMeasurement:
         self._recorder = recorder
         self._measured_step = step.index
         if self.whole_step is not None:
-            self.whole_step.step_starts()
+            recorder.live_before = self.whole_step.step_starts()
         # This step's first forward has been counted already (GraphRunner.__call__).
         self._measure_counts_start = (forward_count.forward_calls() - 1, self.forward_calls - 1)
         self._measure = MeasureState.ACTIVE
@@ -322,7 +322,7 @@ class StepMeasurement:
         )
         self.measured_peak_bytes = result.peak_bytes
         if self.whole_step is not None:
-            self.whole_step.step_measured(result.peak_bytes)
+            self.whole_step.step_measured(result.peak_bytes, result.to_stop_peak_bytes)
         log.info(
             "measured step peak %s (graphs %s; predicted %s)",
             format_size(result.peak_bytes),

@@ -366,6 +366,13 @@ class _StepComposition:
             failure = exc
             if fixed:  # Note: [The whole-step budget keeps some states in memory]
                 failure = whole_step_budget_error(exc, budget_bytes, fixed, outside)
+        if whole_step is not None:  # Note: [The streamed step's chunks are sized to the budget]
+            window_failure = whole_step.fit_step_window(budget_bytes)
+            if window_failure is not None and (
+                failure is None
+                or (window_failure.smallest_peak_bytes or 0) > (failure.smallest_peak_bytes or 0)
+            ):
+                failure = window_failure
         if planner.ranks.active():  # every rank raises, or none: one rank raising alone hangs the others
             floors = planner.ranks.gather(float(failure.smallest_peak_bytes or 1) if failure else 0.0)
             if failure is None and any(floors):

@@ -12,6 +12,7 @@ optimizer state, the batch) is not counted.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import re
 import sys
@@ -33,6 +34,10 @@ class MemoryMeasurement:
     end_bytes: int  # bytes allocated during the region and still alive at its end
     wall_s: float
     method: str  # "torch.profiler" | "cuda"
+    #: For a region marked before it stopped: the peak up to the stop, what ran after the mark included
+    #: (the optimizer step after a training step's backward), the frees of ``MemoryRecorder.live_before``
+    #: counted (Note: [Only the region's own allocations]).
+    to_stop_peak_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,8 @@ def own_running_bytes(events: list[AllocationEvent]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for e in events:
         if e.nbytes > 0:
-            live[e.ptr] = live.get(e.ptr, 0) + e.nbytes
+            running -= live.pop(e.ptr, 0)  # Note: [A reused address was freed] in own_peak_bytes
+            live[e.ptr] = e.nbytes
             running += e.nbytes
         elif e.ptr in live:
             running -= live.pop(e.ptr)
@@ -95,21 +101,32 @@ def own_running_bytes(events: list[AllocationEvent]) -> list[tuple[int, int]]:
     return out
 
 
-def own_peak_bytes(events: list[AllocationEvent], end_ns: int | None = None) -> tuple[int, int]:
+def own_peak_bytes(
+    events: list[AllocationEvent], end_ns: int | None = None, live_before: dict[int, int] | None = None
+) -> tuple[int, int]:
     """Peak and final bytes of the allocations made among ``events`` (up to ``end_ns``).
 
     Note: [Only the region's own allocations] A free counts only when the allocation it returns was made
     in the region: the garbage collector freeing an earlier step's tensors, or memory that existed before
     the region, must not lower the running sum (it made measured peaks, and op transients taken as
-    peak minus end, depend on when the collector ran).
+    peak minus end, depend on when the collector ran). ``live_before`` (address: bytes) names memory that
+    existed before the region whose frees do count (a whole step's model states, which the step frees
+    and reads back): the running sum then goes below zero when they are freed.
+
+    Note: [A reused address was freed] The profiler records the allocations and frees of the threads it
+    was enabled on; a block whose last reference goes in another thread (an I/O worker finishing a write)
+    can be freed unseen. An allocation at an address that is still live proves the block there was freed
+    first, so it leaves the running sum then.
     """
-    live: dict[int, int] = {}
+    live: dict[int, int] = dict(live_before or {})
     running = peak = 0
     for e in events:
         if end_ns is not None and e.ts_ns > end_ns:
             break
         if e.nbytes > 0:
-            live[e.ptr] = live.get(e.ptr, 0) + e.nbytes
+            # Note: [A reused address was freed]
+            running -= live.pop(e.ptr, 0)
+            live[e.ptr] = e.nbytes
             running += e.nbytes
             peak = max(peak, running)
         elif e.ptr in live:
@@ -118,6 +135,40 @@ def own_peak_bytes(events: list[AllocationEvent], end_ns: int | None = None) -> 
 
 
 _END_MARK = "teraio::measure_end"
+_FREED_MARK = "teraio::freed "
+
+
+def note_freed(storage: Any) -> None:
+    """``storage``'s bytes are about to be freed: Note: [Frees of memory older than the session]."""
+    if torch.autograd._profiler_enabled():
+        ptr = storage.data_ptr()
+        if ptr:
+            with torch.profiler.record_function(f"{_FREED_MARK}{ptr} {storage.nbytes()}"):
+                pass
+
+
+def noted_frees(roots: list[Any]) -> list[AllocationEvent]:
+    """The frees :func:`note_freed` marked under ``roots``, as free events (Note: [Frees of memory older
+    than the session])."""
+    out: list[AllocationEvent] = []
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n.name.startswith(_FREED_MARK):
+            ptr, nbytes = n.name[len(_FREED_MARK) :].split()
+            out.append(AllocationEvent(int(n.start_time_ns), int(ptr), -int(nbytes)))
+        stack.extend(n.children)
+    return out
+
+
+# Note: [Frees of memory older than the session]
+#     The torch profiler reports no free of a block allocated before its session started ("Memory block
+#     of unknown size was allocated before the profiling started"). A whole step's measurement starts
+#     with the model states in memory and frees them as the step offloads them (a parameter evicted after
+#     its forward, read back for its backward): unseen, those frees made the step's measured peak count
+#     each such parameter twice (14% above the truth on the tiny GPT). So the store marks each free of a
+#     state's storage with a record function (its address and bytes) while a profiler runs, and the
+#     measurement reads those marks as free events.
 
 # ------------------------------------------------------------------------------ one session at a time
 # torch's profiler does not nest: a second session started on top of a first one corrupts both. Every
@@ -301,6 +352,8 @@ class MemoryRecorder:
         self._wall_s: float | None = None
         self._marked: MemoryMeasurement | None = None  # CUDA: read at mark_end
         self._local = False  # start(local=True): stopped within the call that started it
+        #: Memory alive before the start whose frees count in ``to_stop_peak_bytes`` (address: bytes).
+        self.live_before: dict[int, int] | None = None
 
     def start(self, *, local: bool = False) -> None:
         """Start measuring.
@@ -379,7 +432,10 @@ class MemoryRecorder:
         """End the measurement: the region up to :meth:`mark_end` if it was marked, else up to now."""
         if self._dev is not None:
             release_profiler(self)
-            result = self._marked if self._marked is not None else self._read_device()
+            now = self._read_device()
+            result = now
+            if self._marked is not None:
+                result = dataclasses.replace(self._marked, to_stop_peak_bytes=now.peak_bytes)
             self._dev = self._marked = None
             return result
         wall = self._wall_s if self._wall_s is not None else time.perf_counter() - self._t0
@@ -396,8 +452,17 @@ class MemoryRecorder:
         roots = self.events = list(prof.profiler.kineto_results.experimental_event_tree())
         _release_session(prof)
         end_ns = _first_start_ns(roots, _END_MARK)
-        peak, running = own_peak_bytes(allocations_under(roots, self.device), end_ns)
-        return MemoryMeasurement(peak_bytes=peak, end_bytes=running, wall_s=wall, method="torch.profiler")
+        events = sorted(allocations_under(roots, self.device) + noted_frees(roots), key=lambda e: e.ts_ns)
+        peak, running = own_peak_bytes(events, end_ns)
+        return MemoryMeasurement(
+            peak_bytes=peak,
+            end_bytes=running,
+            wall_s=wall,
+            method="torch.profiler",
+            to_stop_peak_bytes=own_peak_bytes(events, None, self.live_before)[0]
+            if end_ns is not None
+            else None,
+        )
 
 
 # Note: [A profiler session's results die before the next session starts]

@@ -30,6 +30,7 @@ Note: [Parameters are guarded while no module of the model runs]
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,6 +40,8 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from teraio.states import guarded
 from teraio.states.store import Record, Residency, TensorStore
+
+log = logging.getLogger("teraio")
 
 
 class EntryGate:
@@ -103,6 +106,28 @@ class EntryGate:
         self.depth = 0
 
 
+def never_guard(residency: Any, idxs: list[int]) -> None:
+    """A graph taking the parameters ``idxs`` (by index) is being compiled with the gate closed, not
+    from a module's call (Note: [Parameters are guarded while no module of the model runs]): they are
+    never guarded from now on, and one log line says so."""
+    fresh = [i for i in idxs if i not in residency.unguarded]
+    for i in fresh:
+        residency.unguarded.add(i)
+        rec = residency.records.get(i)
+        if rec is not None:
+            rec.entry_guarded = False
+            guarded.release(rec.tensor)
+    if fresh and not residency.told_unguarded:
+        residency.told_unguarded = True
+        log.info(
+            "a graph compiled outside the model's modules (torch.compile of a function that calls the "
+            "model) takes %d parameter(s) that move to disk: they are not guarded there, and code "
+            "outside the graphs must not read one (on CPU the read kills the process); compile the "
+            "model itself (torch.compile(model), backend.compile(model)) to have such reads served",
+            len(fresh),
+        )
+
+
 def _hooks(gate: EntryGate | None) -> tuple[Callable[..., None], Callable[..., None]]:
     """The gate's forward hooks: functions, not bound methods (``copy.deepcopy(model)`` copies a bound
     method's object, the gate with its store and engine, and returns a function as it is)."""
@@ -129,4 +154,4 @@ def _hooks(gate: EntryGate | None) -> tuple[Callable[..., None], Callable[..., N
 for _hook in _hooks(None):
     set_code_exec_strategy(_hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
-__all__ = ["EntryGate"]
+__all__ = ["EntryGate", "never_guard"]

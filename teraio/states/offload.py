@@ -145,6 +145,9 @@ class StateOffload(Checkpoints):
         self.grads = GradOffload(self.store, self.params, window, offload=offload_gradients)
         self.in_backward = optimizer_in_backward
         self.window_bytes = window
+        #: Two chunks' worth, following the chunk size the whole-step plan cuts (Note: [The streamed
+        #: step's chunks are sized to the budget] in teraio.states.residency), unless given.
+        self.window_follows_chunks = grad_window_bytes is None
         if optimizer_in_backward:
             self.grads.on_complete = self._update_in_backward
         self.stream = StreamedStep(
@@ -243,6 +246,19 @@ class StateOffload(Checkpoints):
 
         self.stream.run(self.step_order(), self.grads.current, raw)
 
+    def set_chunk_bytes(self, chunk_bytes: int) -> None:
+        """The streamed step cuts its chunks at ``chunk_bytes`` from its next step; the gradients written
+        during backward wait beyond two of them (unless their window was given)."""
+        self.stream.chunk_bytes = chunk_bytes
+        if self.window_follows_chunks:
+            self.window_bytes = self.grads.window_bytes = 2 * chunk_bytes
+
+    def grad_nbytes(self, idx: int) -> int:
+        """The bytes the step reads of parameter ``idx``'s gradient: its size when gradients are offloaded
+        (a gradient has its parameter's size), else none."""
+        p = self.params[idx]
+        return p.numel() * p.element_size() if self.grads.offload else 0
+
     def zero_grad(self, set_to_none: bool) -> None:
         if not self.closed:
             self.grads.zero_grad(set_to_none)
@@ -336,7 +352,7 @@ class StateOffload(Checkpoints):
             # Note: [When a parameter is resident]: the step's last chunk keeps its parameters for the
             # next forward. The chunks as the step will cut them (every parameter with a gradient).
             order = [i for i in self.step_order() if self.params[i].requires_grad]
-            chunks = self.stream.cut(order, lambda i: None)  # a gradient has its parameter's size
+            chunks = self.stream.cut(order, self.grad_nbytes)
             if chunks:
                 recs = self.residency.records
                 kept = sum(recs[i].nbytes for i in chunks[-1].param_idxs if i in recs)

@@ -67,6 +67,7 @@ from teraio.states.params import ParamResidency, param_key
 from teraio.states.step_chunks import Chunk, StepLog, cut_chunks
 from teraio.states.store import Kind, Record, Residency, TensorStore
 from teraio.states.update_in_backward import InBackwardUpdates
+from teraio.states.update_scratch import chunk_scratch_bytes
 
 __all__ = [
     "RESIDENT_STATE_KEYS",
@@ -250,15 +251,27 @@ class StreamedStep:
         n = self.states_per_param(self._group_of.get(id(p), {}))
         return n, n * p.numel() * p.element_size()
 
-    def _step_nbytes(self, idx: int, grad_rec: Record | None) -> int:
+    def moved_nbytes(self, idx: int, grad_nbytes: int) -> int:
+        """What the step reads and writes for ``params[idx]``: the parameter when it is offloaded, its
+        gradient's ``grad_nbytes`` (0: in memory), and its states unless the plan keeps them."""
         p = self.params[idx]
-        grad_nbytes = grad_rec.nbytes if grad_rec is not None else p.numel() * p.element_size()
-        param_nbytes = self.param_record(idx) is not None and p.numel() * p.element_size()
-        return param_nbytes + grad_nbytes + self.state_footprint(idx)[1]
+        param_nbytes = p.numel() * p.element_size() if self.param_record(idx) is not None else 0
+        state_nbytes = 0 if idx in self.kept else self.state_footprint(idx)[1]
+        return param_nbytes + grad_nbytes + state_nbytes
 
-    def cut(self, order: list[int], grad_record: Callable[[int], Record | None]) -> list[Chunk]:
-        """The chunks a step over the parameters ``order`` streams (Note: [Three chunks in memory])."""
-        return cut_chunks(order, lambda i: self._step_nbytes(i, grad_record(i)), self.chunk_bytes)
+    def cut(
+        self, order: list[int], grad_nbytes: Callable[[int], int], chunk_bytes: int | None = None
+    ) -> list[Chunk]:
+        """The chunks a step over the parameters ``order`` streams (Note: [Three chunks in memory]), each
+        of what it reads and writes (``grad_nbytes(idx)``: the bytes of an offloaded gradient, 0 for one
+        in memory), cut at ``chunk_bytes`` (None: the step's own)."""
+        size = self.chunk_bytes if chunk_bytes is None else chunk_bytes
+        return cut_chunks(order, lambda i: self.moved_nbytes(i, grad_nbytes(i)), size)
+
+    def update_scratch_bytes(self, chunk: Chunk) -> int:
+        """What the stock step allocates while it updates ``chunk`` (teraio.states.update_scratch)."""
+        groups = [self._group_of.get(id(self.params[i])) for i in chunk.param_idxs]
+        return chunk_scratch_bytes(self.opt, [self.params[i] for i in chunk.param_idxs], groups)
 
     def param_record(self, idx: int) -> Record | None:
         """The record of ``params[idx]`` when it is offloaded (teraio.states.params); None: resident."""
@@ -285,7 +298,7 @@ class StreamedStep:
         live = [i for i in order if self.params[i].grad is not None]
         if self.residency is not None:  # a failed step goes back to what is on disk: it must be there
             self.residency.sync(live)
-        chunks = self.cut(live, grad_record)
+        chunks = self.cut(live, lambda i: 0 if (g := grad_record(i)) is None else g.nbytes)
         log = self.last = StepLog([c.param_idxs for c in chunks], [c.nbytes for c in chunks])
         self.store.reset_window_peak()
         loads: list[list[Record]] = []

@@ -54,8 +54,7 @@ from typing import Any
 
 import torch
 
-from teraio.states import guarded
-from teraio.states.entry_gate import EntryGate
+from teraio.states.entry_gate import EntryGate, never_guard
 from teraio.states.errors import StatesError
 from teraio.states.frozen import FrozenWeights, saved_by_backward
 from teraio.states.store import Kind, Record, Residency, TensorStore
@@ -133,6 +132,8 @@ class ParamResidency:
         #: Note: [A parameter eager code uses stays resident]: held until their commit, then resident.
         self._leaving: set[int] = set()
         self._eager: set[int] = set()  # used by eager code: never offloaded again
+        #: Every parameter a graph took (or a load wrote to disk): movable unless eager code uses it.
+        self._adopted: set[int] = set()
         self._offloadable = frozenset(self.index_of.values())
         n = len(params)
         movable = [p for i, p in enumerate(self.params[n:], n) if i in self._offloadable]
@@ -149,8 +150,8 @@ class ParamResidency:
         #: set by attach_module; parameters a graph compiled outside the model's modules takes are never
         #: guarded (by index).
         self.gate: EntryGate | None = None
-        self._unguarded: set[int] = set()
-        self._told_unguarded = False
+        self.unguarded: set[int] = set()
+        self.told_unguarded = False
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -168,8 +169,9 @@ class ParamResidency:
         rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param", param_idx=i)
         rec.in_place = True
         rec.entry_gate = self.gate
-        rec.entry_guarded = self.gate is not None and i not in self._unguarded
+        rec.entry_guarded = self.gate is not None and i not in self.unguarded
         self.records[i] = rec
+        self._adopted.add(i)
         self.uses[i] = 0
         return rec
 
@@ -195,29 +197,10 @@ class ParamResidency:
         self.store.evict(rec)
 
     def compiled_outside_modules(self, args: Iterable[Any]) -> None:
-        """A graph is being compiled while no module of the model runs (Note: [Parameters are guarded
-        while no module of the model runs] in teraio.states.entry_gate): the offloadable parameters among
-        its inputs are never guarded from now on."""
-        if self.gate is None or self.gate.is_open:
-            return
-        idxs = [
-            i for i in (self.index_of.get(id(a)) for a in args) if i is not None and i not in self._unguarded
-        ]
-        for i in idxs:
-            self._unguarded.add(i)
-            rec = self.records.get(i)
-            if rec is not None:
-                rec.entry_guarded = False
-                guarded.release(rec.tensor)
-        if idxs and not self._told_unguarded:
-            self._told_unguarded = True
-            log.info(
-                "a graph compiled outside the model's modules (torch.compile of a function that calls the "
-                "model) takes %d parameter(s) that move to disk: they are not guarded there, and code "
-                "outside the graphs must not read one (on CPU the read kills the process); compile the "
-                "model itself (torch.compile(model), backend.compile(model)) to have such reads served",
-                len(idxs),
-            )
+        """A graph is being compiled while no module of the model runs: teraio.states.entry_gate."""
+        if self.gate is not None and not self.gate.is_open:
+            idxs = [i for i in (self.index_of.get(id(a)) for a in args) if i is not None]
+            never_guard(self, idxs)
 
     # -- fetch and free ------------------------------------------------------------------------------
     def acquire(self, idxs: tuple[int, ...]) -> None:
@@ -432,9 +415,9 @@ class ParamResidency:
         self._version.pop(i, None)
 
     def movable(self) -> frozenset[int]:
-        """The parameters that may be on disk: those a compiled graph took (or takes, once kept no more),
-        not used by eager code."""
-        return frozenset((set(self.records) | self.kept) - self._eager)
+        """The parameters that may be on disk: those a compiled graph took (or takes again at its next
+        call, once kept no more), not used by eager code."""
+        return frozenset((set(self.records) | self.kept | self._adopted) - self._eager)
 
     def keep(self, idxs: frozenset[int]) -> None:
         """Note: [The whole-step budget keeps some states in memory] in teraio.states.residency: the

@@ -32,6 +32,18 @@ Note: [The whole-step budget keeps some states in memory]
     the kept states are chosen again with it. ``states_keep="none"`` keeps nothing beyond the fixed
     part (every state that can move, moves), and without a ``memory_budget`` nothing is kept either.
 
+Note: [The streamed step's chunks are sized to the budget]
+    The streamed step holds three chunks at once (Note: [Three chunks in memory] in
+    teraio.states.optimizer_stream), each up to ``teraio.States(chunk_bytes=...)`` of parameters,
+    gradients and states (64 MiB by default): a working set fixed whatever the budget, which on a model
+    of a few chunks is most of its states, and which alone took the whole step's prediction and
+    measurement over the budget. So the chunk size is part of the plan: before the kept states are
+    chosen, the chunks are cut at the largest size up to ``chunk_bytes`` whose working set fits the
+    budget less what cannot move (the working set only grows with the chunk size: chunks merge). When
+    even one parameter a chunk does not fit, the plan fails with a ``BudgetError`` naming the smallest
+    achievable step peak, as when the graphs cannot fit. A budget planned again with more room cuts
+    larger chunks again, up to ``chunk_bytes``.
+
 Note: [Fetched parameters are the graph's memory]
     With ``offload_parameters=True`` a graph call fetches its offloaded parameters before its forward and
     again before its backward, and frees them after each (Note: [When a parameter is resident] in
@@ -48,6 +60,8 @@ Note: [Fetched parameters are the graph's memory]
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,9 +70,12 @@ import torch
 from teraio.planner.budget import BudgetError, format_size
 from teraio.planner.kept_states import StateItem, StateResidency, choose_resident_states, state_items
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
+from teraio.states.step_chunks import cut_chunks
 
 if TYPE_CHECKING:
     from teraio.states.offload import StateOffload
+
+log = logging.getLogger("teraio")
 
 
 @dataclass(frozen=True)
@@ -108,18 +125,79 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
         ),
     )
     fixed = sum(n for i, n in enumerate(param_nbytes) if i not in movable)
-    order = [i for i in states.step_order() if params[i].requires_grad]
-    chunks = [c.nbytes for c in states.stream.cut(order, lambda i: None)]
-    window = max((sum(chunks[j : j + 3]) for j in range(len(chunks))), default=0)
-    resident_grads = 0 if (states.grads.offload or states.in_backward) else grad_bytes
     return StateMemory(
         param_bytes=sum(param_nbytes),
         grad_bytes=grad_bytes,
         state_bytes=sum(state_nbytes),
         fixed_bytes=fixed,
         items=items,
-        step_window_bytes=window + resident_grads,
+        step_window_bytes=step_window_bytes(states),
     )
+
+
+def step_window_bytes(
+    states: StateOffload, chunk_bytes: int | None = None, kept: frozenset[tuple[str, int]] = frozenset()
+) -> int:
+    """The streamed step's working set with its chunks cut at ``chunk_bytes`` (None: the step's own) and
+    the items ``kept`` in memory (counted elsewhere): Note: [Three chunks in memory] in
+    teraio.states.optimizer_stream, the chunk before the one updated being written (its gradients gone),
+    the one after it being read, and the update's scratch (Note: [The update's scratch is measured, not
+    assumed] in teraio.states.update_scratch); and the gradients when they stay in memory until the
+    step."""
+    params = states.params
+    stream = states.stream
+    residency = states.residency
+    moving_params = (residency.movable() if residency is not None else frozenset()) - {
+        i for k, i in kept if k == "parameter"
+    }
+    kept_states = {i for k, i in kept if k == "optimizer_state"}
+
+    def moved(i: int) -> int:  # what the step reads and writes of params[i], the gradient aside
+        return (_nbytes(params[i]) if i in moving_params else 0) + (
+            0 if i in kept_states else stream.state_footprint(i)[1]
+        )
+
+    def cost(c: Any) -> tuple[int, int]:  # (parameters and states that move, gradients that move)
+        return sum(moved(i) for i in c.param_idxs), sum(states.grad_nbytes(i) for i in c.param_idxs)
+
+    order = [i for i in states.step_order() if params[i].requires_grad]
+    chunks = cut_chunks(order, lambda i: moved(i) + states.grad_nbytes(i), chunk_bytes or stream.chunk_bytes)
+    costs = [cost(c) for c in chunks]
+    window = 0
+    for pos, c in enumerate(chunks):
+        written = costs[pos - 1][0] if pos >= 1 else 0
+        read = sum(costs[pos + 1]) if pos + 1 < len(chunks) else 0
+        window = max(window, written + sum(costs[pos]) + stream.update_scratch_bytes(c) + read)
+    if states.grads.offload or states.in_backward:
+        return window
+    return window + sum(_nbytes(p) for p in params if p.requires_grad)
+
+
+def fit_chunk_bytes(
+    states: StateOffload,
+    most_chunk_bytes: int,
+    capacity_bytes: int,
+    kept: frozenset[tuple[str, int]] = frozenset(),
+) -> int | None:
+    """Note: [The streamed step's chunks are sized to the budget]: the largest chunk size up to
+    ``most_chunk_bytes`` whose working set (with ``kept`` in memory) fits ``capacity_bytes`` (None: not
+    even one parameter a chunk does)."""
+    if step_window_bytes(states, most_chunk_bytes, kept) <= capacity_bytes:
+        return most_chunk_bytes
+    if step_window_bytes(states, 1, kept) > capacity_bytes:
+        return None
+    lo, hi = 1, most_chunk_bytes  # window(lo) fits, window(hi) does not; larger chunks hold more
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if step_window_bytes(states, mid, kept) <= capacity_bytes:
+            lo = mid
+        else:
+            hi = mid
+    # Mostly larger chunks hold more, not always (where a chunk closes moves): take the size found only
+    # once it fits, else smaller ones.
+    while lo > 1 and step_window_bytes(states, lo, kept) > capacity_bytes:
+        lo = lo * 7 // 8
+    return lo
 
 
 def plan_residency(
@@ -149,19 +227,21 @@ def apply_residency(states: StateOffload, plan: StateResidency | None) -> None:
 def resident_state_bytes(states: StateOffload) -> int:
     """Bytes of parameters, gradients and optimizer states in memory now, read from their storages (an
     offloaded tensor's storage is empty): what a measured step holds before it starts."""
-    seen: set[int] = set()
-    total = 0
+    return sum(resident_state_storages(states).values())
+
+
+def resident_state_storages(states: StateOffload) -> dict[int, int]:
+    """The storages of :func:`resident_state_bytes`: address and bytes of each."""
+    seen: dict[int, int] = {}
 
     def count(t: Any) -> None:
-        nonlocal total
         if not isinstance(t, torch.Tensor):
             return
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in seen:
             return
-        seen.add(ptr)
-        total += storage.nbytes()
+        seen[ptr] = storage.nbytes()
 
     residency = states.residency
     for p in residency.params[len(states.params) :] if residency is not None else ():
@@ -172,7 +252,7 @@ def resident_state_bytes(states: StateOffload) -> int:
         for k, v in (states.optimizer.state.get(p) or {}).items():
             if k not in RESIDENT_STATE_KEYS:
                 count(v)
-    return total
+    return seen
 
 
 class WholeStepStates:
@@ -186,16 +266,52 @@ class WholeStepStates:
         self.residency: StateResidency | None = None
         self.predicted_peak_bytes: int | None = None  # the whole step's
         self.measured_peak_bytes: int | None = None
+        #: The measured peak's parts: the states in memory at the step's start, the peak above them up to
+        #: the end of the backward, and through the optimizer step (None: not measured yet).
+        self.measured_moments: dict[str, int | None] | None = None
         self._start_bytes: int | None = None
         self.budget_bytes: int | None = None  # the whole step's, as last planned
         #: The activations' unplanned step peak with the memory outside the graphs, as last planned: with
         #: ``state_bytes`` what a fraction budget is of.
         self.unplanned_activation_bytes: int | None = None
+        #: ``teraio.States(chunk_bytes=...)``: the largest chunk the streamed step may cut (Note: [The
+        #: streamed step's chunks are sized to the budget]).
+        self.most_chunk_bytes = states.stream.chunk_bytes
 
     def sizes(self, held_by_graphs: frozenset[int] = frozenset()) -> StateMemory:
         """The states' sizes now (measured once per planning: the first step makes the states)."""
         self.memory = state_memory(self.states, held_by_graphs)
         return self.memory
+
+    def fit_step_window(self, budget_bytes: int) -> BudgetError | None:
+        """Note: [The streamed step's chunks are sized to the budget]: cut the streamed step's chunks so
+        that its working set fits beside what cannot move; the error (not raised) when even one parameter
+        a chunk does not fit."""
+        m = self.memory or self.sizes()
+        capacity = budget_bytes - m.fixed_bytes
+        chunk = fit_chunk_bytes(self.states, self.most_chunk_bytes, capacity)
+        if chunk is None:
+            least = step_window_bytes(self.states, 1)
+            smallest = m.fixed_bytes + least
+            return BudgetError(
+                f"memory_budget {format_size(budget_bytes)} cannot be met for the whole step: the parameters "
+                f"that cannot move hold {format_size(m.fixed_bytes)} and the streamed optimizer step needs "
+                f"at least {format_size(least)} beside them (three parameters' values, gradients and states "
+                f"at once); the smallest achievable step peak is about {format_size(smallest)} ({smallest} "
+                "bytes): use a budget of at least that, or let more parameters move "
+                "(teraio.States(parameters=True, model=model), a smaller min_param_bytes)",
+                smallest_peak_bytes=smallest,
+            )
+        if chunk != self.states.stream.chunk_bytes:
+            log.info(
+                "whole step: the streamed step's chunks are cut at %s (States.chunk_bytes %s) so that its "
+                "working set fits the budget beside what cannot move",
+                format_size(chunk),
+                format_size(self.most_chunk_bytes),
+            )
+            self.states.set_chunk_bytes(chunk)
+        self.memory = dataclasses.replace(m, step_window_bytes=step_window_bytes(self.states))
+        return None
 
     def plan(
         self, budget_bytes: int, region_peak_bytes: int, solver: str, unplanned_activation_bytes: int
@@ -211,6 +327,17 @@ class WholeStepStates:
             self.residency = plan_residency(m, left - m.step_window_bytes, left - region_peak_bytes, solver)
         else:
             self.residency = None
+        r = self.residency
+        if r is not None and r.kept:
+            # Kept items leave the chunks, which then take more parameters (and their update more
+            # scratch) up to the same chunk size: cut them smaller if the two no longer fit together.
+            kept_chunk = fit_chunk_bytes(
+                self.states, self.states.stream.chunk_bytes, left - r.kept_bytes, r.kept
+            )
+            if kept_chunk is None:
+                self.residency = None  # nothing kept fits (the chunks were sized with nothing kept)
+            elif kept_chunk != self.states.stream.chunk_bytes:
+                self.states.set_chunk_bytes(kept_chunk)
         apply_residency(self.states, self.residency)
         return self.predict(region_peak_bytes)
 
@@ -220,9 +347,9 @@ class WholeStepStates:
         m = self.memory or self.sizes()
         r = self.residency
         kept, kept_region = (r.kept_bytes, r.kept_region_bytes) if r is not None else (0, 0)
-        self.predicted_peak_bytes = m.fixed_bytes + max(
-            kept_region + region_peak_bytes, kept + m.step_window_bytes
-        )
+        # The working set without the kept items, whose bytes ``kept`` counts.
+        window = step_window_bytes(self.states, kept=r.kept) if r is not None else m.step_window_bytes
+        self.predicted_peak_bytes = m.fixed_bytes + max(kept_region + region_peak_bytes, kept + window)
         return self.predicted_peak_bytes
 
     @property
@@ -235,15 +362,27 @@ class WholeStepStates:
             return 0
         return sum(it.nbytes for it in m.items if it.key in r.kept and it.in_region == 0)
 
-    def step_starts(self) -> None:
-        """A measured step starts: what the states hold in memory now is part of its peak."""
-        self._start_bytes = resident_state_bytes(self.states)
+    def step_starts(self) -> dict[int, int]:
+        """A measured step starts: what the states hold in memory now is part of its peak. Returns their
+        storages (address: bytes), whose frees in the step lower its memory."""
+        storages = resident_state_storages(self.states)
+        self._start_bytes = sum(storages.values())
+        return storages
 
-    def step_measured(self, region_peak_bytes: int) -> int | None:
-        """The whole step's measured peak: the states held at its start and the step's own peak."""
+    def step_measured(self, region_peak_bytes: int, to_stop_peak_bytes: int | None = None) -> int | None:
+        """The whole step's measured peak: the states held at its start and the step's own peak, the
+        optimizer step's included (``to_stop_peak_bytes``: the measurement's peak through the next
+        call, with the frees of the states held at the start; ``region_peak_bytes``: up to the end of
+        the backward, without them, when there is no such figure)."""
         if self._start_bytes is None:
             return None
-        self.measured_peak_bytes = self._start_bytes + region_peak_bytes
+        peak = to_stop_peak_bytes if to_stop_peak_bytes is not None else region_peak_bytes
+        self.measured_moments = {
+            "start_bytes": self._start_bytes,
+            "graphs_peak_bytes": region_peak_bytes,
+            "through_optimizer_step_peak_bytes": to_stop_peak_bytes,
+        }
+        self.measured_peak_bytes = self._start_bytes + peak
         self._start_bytes = None
         return self.measured_peak_bytes
 
@@ -257,9 +396,11 @@ class WholeStepStates:
             "unplanned_activation_bytes": self.unplanned_activation_bytes,
             "fixed_bytes": None if m is None else m.fixed_bytes,
             "step_window_bytes": None if m is None else m.step_window_bytes,
+            "chunk_bytes": self.states.stream.chunk_bytes,
             "kept": None if self.residency is None else self.residency.to_dict(),
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,
+            "measured_moments": self.measured_moments,
         }
 
 

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from teraio.profiling.measure import note_freed
 from teraio.runtime import Engine, Handle
 from teraio.runtime.device import Device
 from teraio.states import guarded
@@ -163,6 +164,7 @@ def _point_at(t: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def _free(rec: Record, dev: Device | None) -> None:
+    note_freed(rec.tensor.untyped_storage())  # Note: [Frees of memory older than the session]
     if rec.in_place:
         _free_in_place(rec.tensor, dev)
     else:

@@ -146,14 +146,41 @@ def train(
     return run
 
 
+def whole_state_backend(enabled: bool, budget: str, **states_options: Any) -> Any:
+    """A ``make_backend`` for :func:`train_hf`: parameters, gradients and optimizer states on disk
+    (``enabled``) under ``budget`` of the whole step, eager, greedy, one profiling step; ``states_options``
+    add teraio.States fields."""
+
+    def make_backend(opt: torch.optim.Optimizer, model: torch.nn.Module, directory: str) -> Any:
+        return teraio.backend(
+            inner="eager",
+            solver="greedy",
+            enabled=enabled,
+            profiling=teraio.Profiling(steps=1),
+            memory_budget=budget,
+            states=teraio.States(
+                optimizer=opt,
+                model=model if enabled else None,
+                gradients=True,
+                parameters=enabled,
+                min_param_bytes=0,
+                **states_options,
+            ),
+            offload_dirs=[directory],
+        )
+
+    return make_backend
+
+
 def train_hf(name: str, opt_name: str, offload_dir: str, steps: int, make_backend: Any) -> tuple:
-    """``steps`` steps of an HF model (``hf-gpt2`` or ``hf-llama``, tests/teraio/models.py) under the
-    backend ``make_backend(opt, model, offload_dir)`` builds; returns the losses, the final parameters
-    (read through ``model.state_dict()``), the optimizer's state and the backend's stats."""
-    from .models import hf_gpt2, hf_llama
+    """``steps`` steps of a model (one of tests/teraio/models.py's ``HF_MODELS``, or ``gpt-tiny``) under
+    the backend ``make_backend(opt, model, offload_dir)`` builds, the whole model one graph; returns the
+    losses, the final parameters (read through ``model.state_dict()``), the optimizer's state and the
+    backend's stats."""
+    from .models import HF_MODELS
 
     torch._dynamo.reset()
-    w = {"hf-gpt2": hf_gpt2, "hf-llama": hf_llama}[name]()
+    w = builtin_workload("tiny") if name == "gpt-tiny" else HF_MODELS[name]()
     model = w.model
     opt = OPTIMIZERS[opt_name](model.parameters())
     be = make_backend(opt, model, offload_dir)

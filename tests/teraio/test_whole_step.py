@@ -22,7 +22,7 @@ from teraio.planner.kept_states import choose_resident_states
 from teraio.states.residency import apply_residency, resident_state_bytes, state_memory
 from teraio.tools.workloads import builtin_workload, compute_loss
 
-from .states_loop import assert_same_hf_run, assert_same_run, train, train_hf
+from .states_loop import assert_same_hf_run, assert_same_run, train, train_hf, whole_state_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET = "40%"  # of parameters + gradients + optimizer states + the activations' unplanned step peak
@@ -174,25 +174,7 @@ def test_sgd_momentum_per_block_with_gradient_accumulation_is_exact(tmp_path):
 
 
 def _hf_run(name: str, opt_name: str, enabled: bool, offload_dir: str, budget: str) -> tuple:
-    def make_backend(opt, model, directory):
-        return teraio.backend(
-            inner="eager",
-            solver="greedy",
-            enabled=enabled,
-            profiling=teraio.Profiling(steps=1),
-            memory_budget=budget,
-            states=teraio.States(
-                optimizer=opt,
-                model=model if enabled else None,
-                gradients=True,
-                parameters=enabled,
-                chunk_bytes="64KiB",
-                min_param_bytes=0,
-            ),
-            offload_dirs=[directory],
-        )
-
-    return train_hf(name, opt_name, offload_dir, 6, make_backend)
+    return train_hf(name, opt_name, offload_dir, 6, whole_state_backend(enabled, budget, chunk_bytes="64KiB"))
 
 
 @pytest.mark.parametrize(
