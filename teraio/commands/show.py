@@ -78,12 +78,10 @@ def _run_dir_summary(path: str) -> dict:
         over: list[dict] = []
         stats = rank_dir / "stats.jsonl"
         if stats.is_file():
-            lines = stats.read_text().splitlines()
-            last = json.loads(lines[-1]) if lines else None
-            per_step = _last_step_io(
-                [json.loads(ln) for ln in lines[-2:]], _load_hardware(rank_dir / "hardware.json")
-            )
-            over = _over_budget([json.loads(ln) for ln in lines if ln.strip()])
+            parsed = [json.loads(ln) for ln in stats.read_text().splitlines() if ln.strip()]
+            last = parsed[-1] if parsed else None
+            per_step = _last_step_io(parsed[-2:], _load_hardware(rank_dir / "hardware.json"))
+            over = _over_budget(parsed)
         config = rank_dir / "config.json"
         out["ranks"][rank_dir.name[4:] if ranks else "0"] = {
             "graphs": graphs,
