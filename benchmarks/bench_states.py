@@ -104,6 +104,7 @@ from benchmarks.states_reference import (  # noqa: E402
     reset_peak_rss,
     sizes,
 )
+from benchmarks.step_overlap import EngineMark, overlap_summary, step_figures  # noqa: E402
 from teraio.planner.model_states import io_lower_bound_s, offload_step_traffic  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
 from teraio.tools.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
@@ -166,6 +167,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
             gradients=not spec["optimizer_in_backward"],
             optimizer_in_backward=spec["optimizer_in_backward"],
             parameters=spec["offload_parameters"],
+            overlap_step=spec.get("overlap_step", True),
             # load_pretrained and save_checkpoint need the model, whichever parameters move.
             model=model if spec["offload_parameters"] or ckpt else None,
             chunk_bytes=spec["chunk_bytes"],
@@ -199,6 +201,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         prm.register_post_accumulate_grad_hook(on_grad)
     steps = []
     before = io_by_kind(be)
+    engine_before = EngineMark.now(be.states.engine)
     for step in range(spec["steps"]):
         idx, targets = synthetic_batch(cfg, step)
         if can_reset:
@@ -219,6 +222,9 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)  # drops the gradients' disk copies: no I/O
         t4 = time.perf_counter()
         cpu_s = time.process_time() - cpu0
+        engine_after = EngineMark.now(be.states.engine)
+        waits = step_figures(engine_before, engine_after, t4 - t0)
+        engine_before = engine_after
         hwm = proc_status_bytes("VmHWM")
         after = io_by_kind(be)
         moved = delta(before, after)
@@ -235,6 +241,8 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
                 "clip_norm": clip_norm,
                 "optimizer_step_s": t3 - t2,
                 "zero_grad_s": t4 - t3,
+                # benchmarks.step_overlap: what the step waited on and what the disk did meanwhile.
+                **waits,
                 "cpu_s": cpu_s,
                 "peak_rss_bytes": hwm,
                 "rss_after_bytes": proc_status_bytes("VmRSS"),
@@ -349,6 +357,7 @@ def run(
     cpu_malloc: str = "retain",
     clip: float | None = None,
     from_checkpoint: bool = False,
+    overlap_step: bool = True,
 ) -> dict[str, Any]:
     """The whole benchmark (see the module docstring); returns the report."""
     from benchmarks import bench_io
@@ -395,6 +404,7 @@ def run(
         "budget": budget,
         "cpu_malloc": cpu_malloc,
         "clip": clip,
+        "overlap_step": overlap_step,
     }
     work: Path | None = None
     written: dict[str, Any] | None = None
@@ -494,6 +504,10 @@ def run(
         "measured_written_bytes_per_step": measured_written,
         "measured_read_bytes_per_step": measured_read,
         "step_vs_io_lower_bound": median_step / io_lower_bound,
+        # benchmarks.step_overlap: the split of the step, what it waited on, the disk's idle time.
+        "overlap": overlap_summary(running),
+        "read_bytes_vs_must_read": measured_read / must_read if must_read else None,
+        "written_bytes_vs_must_write": measured_written / must_write if must_write else None,
         "step_vs_max_compute_io": median_step / bound,
         "within_1_3x_of_max_compute_io": median_step <= 1.3 * bound,
         "first_loss": rows[0]["loss"],
@@ -537,6 +551,7 @@ def run(
             "cpu_malloc": child.get("cpu_malloc", "release"),
             "clip_grad_norm": clip,
             "from_checkpoint": from_checkpoint,
+            "overlap_step": overlap_step,
             "optimizer": f"AdamW(lr={LR})",
             "steps": steps,
         },
@@ -597,6 +612,13 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"step / I/O lower bound {r['step_vs_io_lower_bound']:.2f}; step / max(compute, I/O) "
         f"{r['step_vs_max_compute_io']:.2f} (goal <= 1.3: {r['within_1_3x_of_max_compute_io']})"
+    )
+    ov = r["overlap"]
+    print(
+        f"median split: forward {ov['forward_s']:.1f} s, backward {ov['backward_s']:.1f} s, opt.step() "
+        f"{ov['optimizer_step_s']:.1f} s; waited on I/O {ov['compute_wait_s']:.1f} s; disk idle "
+        f"{ov['disk_idle_s']:.1f} s of the step; I/O threads' CPU {ov['io_threads_user_s_per_gb']:.3f} s user + "
+        f"{ov['io_threads_system_s_per_gb']:.3f} s system per GB moved"
     )
     ck = r.get("from_checkpoint")
     if ck:
@@ -682,6 +704,12 @@ def main(argv: list[str] | None = None) -> int:
         "memory), build the model on the meta device, load it with backend.states.load_pretrained, train, "
         "and save_checkpoint after the last step; reports the load and save phases (issue 39)",
     )
+    p.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="teraio.States(overlap_step=False): the whole optimizer step runs in opt.step(), after backward "
+        "(the step before issue 41's overlap, for comparison)",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -728,6 +756,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_malloc=args.cpu_malloc,
             clip=args.clip,
             from_checkpoint=args.from_checkpoint,
+            overlap_step=not args.no_overlap,
         )
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)

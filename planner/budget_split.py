@@ -74,6 +74,19 @@ def step_peak(calls: Sequence[Call], memory: dict[Hashable, GraphMemory]) -> tup
     return best, at
 
 
+def held_at_forward_calls(calls: Sequence[Call], memory: dict[Hashable, GraphMemory]) -> list[int]:
+    """The bytes earlier invocations hold when each forward call starts, in call order."""
+    held: dict[int, int] = {}
+    out: list[int] = []
+    for graph, kind, inv in calls:
+        if kind == "fwd":
+            out.append(sum(b for i, b in held.items() if i != inv))
+            held[inv] = memory[graph].held_bytes
+        else:
+            held.pop(inv, None)
+    return out
+
+
 def others_held_max(calls: Sequence[Call], memory: dict[Hashable, GraphMemory]) -> dict[Hashable, int]:
     """Per graph: the most that other invocations hold during any of its calls."""
     held: dict[int, int] = {}

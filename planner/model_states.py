@@ -324,6 +324,7 @@ def offload_step_traffic(
     optimizer_in_backward: bool,
     kept_param_nbytes: int = 0,
     lower_bound: bool = False,
+    overlap_step: bool = False,
 ) -> dict[str, Traffic]:
     """Per step, the bytes ``states="offload"`` moves for the parameters, gradients and optimizer states.
 
@@ -333,7 +334,9 @@ def offload_step_traffic(
     written once; the streamed step after backward reads it a third time (the update inside backward
     finds it still in memory), and the next forward finds the ``kept_param_nbytes`` of its last chunk
     still in memory (the first layers, which that forward needs first). ``lower_bound`` leaves the third
-    read out: the bytes a step has to move at the least, whatever the order of its updates.
+    read out: the bytes a step has to move at the least, whatever the order of its updates. So does
+    ``overlap_step``: the update of an offloaded parameter runs in the next forward, which computes with
+    the value the update read and wrote (one read for both).
     """
     for name, value in (
         ("offloaded_param_nbytes", offloaded_param_nbytes),
@@ -347,7 +350,7 @@ def offload_step_traffic(
             f"kept_param_nbytes ({kept_param_nbytes}) exceeds offloaded_param_nbytes ({offloaded_param_nbytes})"
         )
     grads = grad_nbytes if offload_gradients and not optimizer_in_backward else 0
-    if optimizer_in_backward or lower_bound:
+    if optimizer_in_backward or lower_bound or overlap_step:
         param_read_nbytes = 2 * offloaded_param_nbytes
     else:
         param_read_nbytes = 3 * offloaded_param_nbytes - kept_param_nbytes
@@ -369,13 +372,15 @@ def offload_states_record(
     optimizer_in_backward: bool,
     kept_param_nbytes: int = 0,
     offloaded_state_nbytes: int | None = None,
+    overlap_step: bool = False,
 ) -> dict[str, Any]:
     """A profile's ``model_states`` (what ``states="offload"`` holds and moves besides the activations):
     per kind (``parameter``, ``gradient``, ``optimizer_state``) its ``tensors``, ``bytes`` and
     ``offloaded_bytes``; ``optimizer_in_backward``; and ``traffic``, per kind the ``read_bytes`` and
     ``written_bytes`` of one step (:func:`offload_step_traffic`). Gradients have the parameters' sizes;
     ``offloaded_state_nbytes`` (default: all of ``state_nbytes``) are the states on disk, the rest kept in
-    memory by a whole-step plan (teraio.states.residency)."""
+    memory by a whole-step plan (teraio.states.residency); ``overlap_step``: the offloaded parameters'
+    update runs in the next forward (teraio.states.step_pipeline)."""
     grads_offloaded = offload_gradients and not optimizer_in_backward
     moved_states = state_nbytes if offloaded_state_nbytes is None else offloaded_state_nbytes
     traffic = offload_step_traffic(
@@ -385,6 +390,7 @@ def offload_states_record(
         offload_gradients=offload_gradients,
         optimizer_in_backward=optimizer_in_backward,
         kept_param_nbytes=kept_param_nbytes,
+        overlap_step=overlap_step,
     )
     return {
         "parameter": {
@@ -399,6 +405,7 @@ def offload_states_record(
         },
         "optimizer_state": {"tensors": state_tensors, "bytes": state_nbytes, "offloaded_bytes": moved_states},
         "optimizer_in_backward": optimizer_in_backward,
+        "overlap_step": overlap_step,
         "traffic": {
             kind: {"read_bytes": t.read_nbytes, "written_bytes": t.write_nbytes}
             for kind, t in traffic.items()

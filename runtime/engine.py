@@ -158,7 +158,7 @@ from teraio.runtime.tier_set import TierSet, reserve_share
 from teraio.runtime.tiers.base import Tier
 from teraio.runtime.transfers import Transfers, _Request
 
-__all__ = ["Engine", "reserve_share"]
+__all__ = ["Engine", "read_buffer_storages", "reserve_share"]
 
 log = logging.getLogger(__name__)
 
@@ -616,3 +616,17 @@ class Engine:
             dirs=self._tier_set.dir_stats(elapsed),
             read_nbytes=self._tier_set.read_nbytes(),
         )
+
+
+def read_buffer_storages(engine: Engine) -> dict[int, int]:
+    """The buffers of reads started and not yet fetched (address: bytes): memory the process holds for
+    them already (a measurement that starts while they are in flight counts them as held before it)."""
+    out: dict[int, int] = {}
+    with engine._lock:
+        for rec in engine._table.records.values():
+            req = rec.entry.read_req if rec.entry is not None else None
+            buf = req.buffer if req is not None else None
+            if buf is not None:
+                storage = buf.untyped_storage()
+                out[storage.data_ptr()] = storage.nbytes()
+    return out

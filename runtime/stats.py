@@ -56,6 +56,8 @@ class RuntimeStats:
         transfers: keyed "ssd.write", "ssd.read", "host.write", "host.read" (and "<name>.write"/".read"
             of a tier plugged in with ``Engine(tiers=...)`` once it moved something).
         stall_s: seconds callers spent blocked in wait/release/fetch.
+        io_busy_s: seconds during which at least one transfer of any kind was in flight (the rest of
+            ``elapsed_s`` the engine's storage sat idle).
         held_nbytes / peak_held_nbytes: bytes stored per tier ("ssd", "host") now and at the peak.
         dirs: per-directory bytes and the projected TB written per day at the current rate.
         dedup_hits / dedup_saved_nbytes: offloads served by an already stored storage.
@@ -84,6 +86,7 @@ class RuntimeStats:
     direct_read_nbytes: int = 0
     bounced_read_nbytes: int = 0
     buffered_read_nbytes: int = 0
+    io_busy_s: float = 0.0
 
     @property
     def read_path(self) -> str:
@@ -131,14 +134,16 @@ class StatsCollector:
     forwarded_fetches: int = 0
     forwarded_nbytes: int = 0
     checksum_failures: int = 0
+    #: Any transfer in flight, whatever its kind.
+    any_busy: _Busy = field(default_factory=_Busy)
 
     def start(self, kind: str) -> None:
         """A request of ``kind`` ("ssd.write", ...) was submitted."""
         with self.lock:
-            busy = self.busy.setdefault(kind, _Busy())
-            if busy.inflight == 0:
-                busy.since = time.perf_counter()
-            busy.inflight += 1
+            for busy in (self.busy.setdefault(kind, _Busy()), self.any_busy):
+                if busy.inflight == 0:
+                    busy.since = time.perf_counter()
+                busy.inflight += 1
 
     def finish(self, kind: str, nbytes: int) -> None:
         """A request of ``kind`` that moved ``nbytes`` (0 if it failed) finished."""
@@ -149,6 +154,10 @@ class StatsCollector:
             busy.requests += 1
             if busy.inflight == 0:
                 busy.busy_s += time.perf_counter() - busy.since
+            any_busy = self.any_busy
+            any_busy.inflight -= 1
+            if any_busy.inflight == 0:
+                any_busy.busy_s += time.perf_counter() - any_busy.since
 
     def add_stall(self, seconds: float) -> None:
         with self.lock:
@@ -199,6 +208,8 @@ class StatsCollector:
                 direct_read_nbytes=read_nbytes.get("direct", 0),
                 bounced_read_nbytes=read_nbytes.get("bounce", 0),
                 buffered_read_nbytes=read_nbytes.get("buffered", 0),
+                io_busy_s=self.any_busy.busy_s
+                + (now - self.any_busy.since if self.any_busy.inflight else 0.0),
             )
 
 

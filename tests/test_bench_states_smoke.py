@@ -54,16 +54,21 @@ def test_bench_states_bad_args_are_one_line(capsys, tmp_path) -> None:
 
 def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:
     data = tmp_path / "offload"
-    argv = ["--config", "tiny", "--dir", str(data), "--steps", "3", "--io-size", "1MiB", "--json"]
+    argv = ["--config", "tiny", "--dir", str(data), "--steps", "4", "--io-size", "1MiB", "--json"]
     assert bench_states.main(argv) == 0  # the default since 2026-11-27 (--offload-parameters, kept)
     r = json.loads(capsys.readouterr().out)
     assert r["options"]["offload_parameters"] is True and r["options"]["compiled"] == "each block"
+    assert r["options"]["overlap_step"] is True
     assert r["first_loss_bit_equal"] is True and r["losses_finite"] is True
-    for s in r["per_step"][
-        1:
-    ]:  # the blocks' larger weights: read for forward and backward, written by the step
+    # From the third step on, the update of the step before runs in this step's forward: the blocks'
+    # larger weights are read twice (for the update, which the forward computes with, and for the
+    # backward) and written once, nothing more (no byte moves twice).
+    for s in r["per_step"][2:]:
         w, rd = s["written_bytes"]["parameter"], s["read_bytes"]["parameter"]
-        assert 0 < w <= r["block_weight_bytes"] and w < rd <= 3 * w
+        assert 0 < w <= r["block_weight_bytes"] and rd == 2 * w, (w, rd)
+        assert s["compute_wait_s"] >= 0 and s["disk_busy_s"] > 0 and s["disk_idle_s"] >= 0
+    assert set(r["overlap"]) >= {"forward_s", "optimizer_step_s", "compute_wait_s", "disk_idle_s"}
+    assert r["overlap"]["io_threads_user_s_per_gb"] >= 0 and r["overlap"]["io_threads_system_s_per_gb"] >= 0
     assert (
         r["io_must_write_bytes"] == r["gradient_bytes"] + r["optimizer_state_bytes"] + r["block_weight_bytes"]
     )

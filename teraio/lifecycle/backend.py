@@ -100,6 +100,8 @@ class TeraioBackend:
         self.states = attach_states(self.cfg)  # states="offload": teraio.states
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.whole_step = None if self.states is None else WholeStepStates(self.states, self.cfg.states.keep)
+        if self.states is not None:
+            self.states.overlap_ready = self._overlap_ready
         self.step_stats = StepStats()  # Note: [Models of one backend] in teraio.lifecycle.step_stats
         # Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.measurement
         self.outside_memory = OutsideMemory(self.cfg)
@@ -204,6 +206,17 @@ class TeraioBackend:
         return self._engine.engine if self._engine is not None else None
 
     # ---------------------------------------------------------------------------------- lifecycle
+    def _overlap_ready(self) -> bool:
+        """Note: [The step of offloaded parameters runs in the next forward] in teraio.states.step_pipeline:
+        once every graph the step called runs its plan (profiling and planning see the serial step), and
+        the whole-step plan leaves room for the step's working set beside the forward."""
+        step = self.tracker.current_step
+        if step is None or not step.calls:
+            return False
+        if any(g.phase not in (Phase.RUNNING, Phase.INFERENCE) for g, _, _ in step.calls):
+            return False
+        return self.whole_step is None or self.whole_step.overlap_fits
+
     def advance(self, runner: GraphRunner) -> None:
         """Move phases at a forward call (outside any backward): finish measurements, plan, compile."""
         # Forwards abandoned since the last call end (Note: [Invocations are autograd nodes] in

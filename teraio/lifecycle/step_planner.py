@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.runner import GraphRunner, describe_plan
 from teraio.lifecycle.steps import invocation_ordinals
-from teraio.planner.budget_split import GraphMemory, step_peak
+from teraio.planner.budget_split import GraphMemory, held_at_forward_calls, step_peak
 from teraio.planner.plan import Plan
 from teraio.planner.profile import Profile
 from teraio.sizes import format_size
@@ -421,17 +421,18 @@ class _StepComposition:
             if len({id(p) for p in mine.values()}) > 1:
                 r.plans = {j: plans[(r, self.group(r, j))] for j in range(self.counts[r])}
             planner.save_plan(r)
-        planner.predicted_step_peak_bytes = (
-            step_peak(
-                self.node_calls,
-                {n: self.memory_of(n, n[0].plan_for(self.first_ordinal[n])) for n in self.nodes},
-            )[0]
-            + planner.outside.bytes
-        )
+        memory = {n: self.memory_of(n, n[0].plan_for(self.first_ordinal[n])) for n in self.nodes}
+        planner.predicted_step_peak_bytes = step_peak(self.node_calls, memory)[0] + planner.outside.bytes
+        # Note: [The overlapped step's moments] in teraio.states.residency
+        forward_held = [b + planner.outside.bytes for b in held_at_forward_calls(self.node_calls, memory)]
         log.info("predicted step peak %s", format_size(planner.predicted_step_peak_bytes))
         if planner.whole_step is not None:  # Note: [The whole-step budget keeps some states in memory]
             whole_peak = planner.whole_step.plan(
-                budget_bytes, planner.predicted_step_peak_bytes, planner.cfg.solver.name, whole_unplanned
+                budget_bytes,
+                planner.predicted_step_peak_bytes,
+                planner.cfg.solver.name,
+                whole_unplanned,
+                forward_held,
             )
             planner.predicted_step_peak_bytes -= planner.kept_held_bytes()
             kept = planner.whole_step.residency

@@ -52,6 +52,7 @@ def attach_states(cfg: BackendConfig) -> StateOffload | None:
         model=states.model,
         offload_parameters=states.parameters,
         min_param_bytes=parse_nbytes(states.min_param_bytes),
+        overlap_step=states.overlap_step,
     )
 
 

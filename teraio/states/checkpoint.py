@@ -196,6 +196,7 @@ def _model_sources(offload: StateOffload, tensors: list[tuple[str, torch.Tensor]
 def _check_between_steps(offload: StateOffload, action: str) -> None:
     if offload.closed:
         raise CheckpointError(f"{action}: these states are closed")
+    offload.settle_step()
     offload.stream.check_usable()
     if offload.stream.updating_in_backward:
         raise CheckpointError(f"{action}: an update made inside backward awaits opt.step(); call it first")
@@ -241,6 +242,7 @@ def _save_pretrained(
     def write() -> Path:
         if offload.closed:
             raise CheckpointError("save_pretrained: these states are closed")
+        offload.settle_step()
         offload.stream.check_usable()
         if rank != 0:  # Note: [A checkpoint of a DDP job]
             return Path(os.path.abspath(os.fspath(directory)))

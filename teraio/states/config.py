@@ -64,12 +64,19 @@ class States:
     min_param_bytes: int | str = "64KiB"
     """With ``parameters=True``, parameters smaller than this stay resident (norms, biases)."""
 
+    overlap_step: bool = True
+    """With ``parameters=True`` and ``gradients=True``, once every graph is planned: ``opt.step()`` updates
+    what is in memory and returns, and each offloaded parameter's update runs in the next forward just
+    before its first use, its reads and writes behind the forward's compute (Note: [The step of offloaded
+    parameters runs in the next forward] in teraio.states.step_pipeline); False: the whole step runs in
+    ``opt.step()``."""
+
     keep: StatesKeepOption = "plan"
     """With a memory budget, "plan": the parameters and states the whole-step budget leaves room for stay
     in memory (the most I/O saved first); "none": every one that can move, moves."""
 
     def __post_init__(self) -> None:
-        for name in ("gradients", "parameters", "optimizer_in_backward"):
+        for name in ("gradients", "parameters", "optimizer_in_backward", "overlap_step"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise UserInputError(f"States.{name} must be True or False, not {value!r}")
@@ -107,6 +114,7 @@ class States:
             "chunk_bytes": self.chunk_bytes,
             "min_param_bytes": self.min_param_bytes,
             "keep": self.keep,
+            "overlap_step": self.overlap_step,
         }
 
 

@@ -78,9 +78,14 @@ class EntryGate:
             self.guard_all()
 
     def guard_all(self) -> None:
-        """Guard every parameter whose bytes are only on disk (and guards reads)."""
+        """Guard every parameter whose bytes are only on disk (and guards reads), a read of them in flight
+        or not (a step overlapped with the next forward reads its next chunk ahead between steps)."""
         for rec in self._records():
-            if rec.residency is Residency.DISK and rec.guards_reads and guarded.guard_of(rec.tensor) is None:
+            if (
+                rec.residency in (Residency.DISK, Residency.READING)
+                and rec.guards_reads
+                and guarded.guard_of(rec.tensor) is None
+            ):
                 guarded.protect(rec, self.store)
 
     def settle(self) -> None:

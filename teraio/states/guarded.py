@@ -217,6 +217,9 @@ class OffloadedTensor(torch.Tensor):
                 with torch._C.DisableTorchFunctionSubclass():
                     return func(*args, **kwargs)
             raise _refusal(_guard_of(args[0]), f"setting .{name}")
+        hook = _guard_of(guarded[0]).store.before_guarded_use
+        if hook is not None and hook():  # a pending step finished (teraio.states.step_pipeline): what
+            return func(*args, **kwargs)  # is guarded now may have changed, so dispatch again
         for g in guarded:
             guard = _guard_of(g)
             if not guard.tracked():

@@ -26,6 +26,7 @@ from teraio.states.frozen import frozen_parameters
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
 from teraio.states.params import ParamResidency
+from teraio.states.step_pipeline import attach_overlap
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 if TYPE_CHECKING:
@@ -98,6 +99,9 @@ class StateOffload(Checkpoints):
             teraio.states.optimizer_stream); ``step()`` then commits.
         grad_window_bytes: gradient bytes being written during backward before a hook waits (default:
             two chunks).
+        overlap_step: with parameters and gradients offloaded, the offloaded parameters' update runs in
+            the next forward, once ``overlap_ready()`` says so (Note: [The step of offloaded parameters
+            runs in the next forward] in teraio.states.step_pipeline).
 
     Raises:
         StatesError: an unsupported optimizer (one line).
@@ -116,6 +120,7 @@ class StateOffload(Checkpoints):
         model: torch.nn.Module | None = None,
         offload_parameters: bool = False,
         min_param_bytes: int = DEFAULT_MIN_PARAM_BYTES,
+        overlap_step: bool = True,
     ) -> None:
         check_optimizer(optimizer)
         if offload_parameters and model is None:
@@ -166,6 +171,10 @@ class StateOffload(Checkpoints):
             self.residency.hold_for_update = optimizer_in_backward
             if optimizer_in_backward:
                 self.residency.on_backward_start = self._read_states_ahead
+        #: Note: [The step of offloaded parameters runs in the next forward] in teraio.states.step_pipeline
+        #: (None: every step runs whole in ``opt.step()``); used while ``overlap_ready()`` (the backend's).
+        self.overlapped = attach_overlap(self) if overlap_step else None
+        self.overlap_ready: Callable[[], bool] = lambda: False
         self.closed = False
         #: Called once after the next commit of a step made inside backward (teraio.states.residency).
         self.after_commit: Callable[[], None] | None = None
@@ -229,6 +238,7 @@ class StateOffload(Checkpoints):
         ``optimizer_in_backward``, the commit of what backward updated."""
         if self.closed:
             raise StatesError("this StateOffload is closed: the optimizer's states were restored to memory")
+        self.settle_step()
         if self.in_backward:
             self.stream.commit_in_backward()
             if self.after_commit is not None:  # a residency planned while the step was in flight
@@ -244,7 +254,15 @@ class StateOffload(Checkpoints):
         def raw() -> Any:
             return self._raw_step(opt)
 
-        self.stream.run(self.step_order(), self.grads.current, raw)
+        if self.overlapped is not None and self.overlap_ready():
+            self.overlapped.start(raw)
+        else:
+            self.stream.run(self.step_order(), self.grads.current, raw)
+
+    def settle_step(self) -> None:
+        """A step whose update runs in the next forward finishes now (teraio.states.step_pipeline)."""
+        if self.overlapped is not None:
+            self.overlapped.finish()
 
     def set_chunk_bytes(self, chunk_bytes: int) -> None:
         """The streamed step cuts its chunks at ``chunk_bytes`` from its next step; the gradients written
@@ -261,6 +279,8 @@ class StateOffload(Checkpoints):
 
     def zero_grad(self, set_to_none: bool) -> None:
         if not self.closed:
+            if not set_to_none:  # zeroing in place would reach the gradients a pending step still reads
+                self.settle_step()
             self.grads.zero_grad(set_to_none)
 
     # -- reading what is on disk -------------------------------------------------------------------
@@ -275,6 +295,7 @@ class StateOffload(Checkpoints):
     def gradient(self, param: torch.Tensor) -> torch.Tensor | None:
         """A copy of ``param.grad``'s values (read back if offloaded), or None without a gradient."""
         idx = self._index(param)
+        self.settle_step()
         rec = self.grads.current(idx)
         if rec is None:
             g = self.params[idx].grad
@@ -291,6 +312,7 @@ class StateOffload(Checkpoints):
     def committed_state(self) -> dict[int, dict[str, Any]]:
         """The last committed step's optimizer state, by parameter index, read back from disk (copies),
         whatever happened since: what ``state_dict()['state']`` holds when the parameters agree."""
+        self.settle_step()
         out: dict[int, dict[str, Any]] = {}
         for idx, p in enumerate(self.params):
             st = self.optimizer.state.get(p)
@@ -348,7 +370,7 @@ class StateOffload(Checkpoints):
         )
         footprints = [self.stream.state_footprint(i) for i in range(len(self.params))]
         kept = 0
-        if self.residency is not None and not self.in_backward:
+        if self.residency is not None and not self.in_backward and self.overlapped is None:
             # Note: [When a parameter is resident]: the step's last chunk keeps its parameters for the
             # next forward. The chunks as the step will cut them (every parameter with a gradient).
             order = [i for i in self.step_order() if self.params[i].requires_grad]
@@ -366,6 +388,7 @@ class StateOffload(Checkpoints):
             offload_gradients=self.grads.offload,
             optimizer_in_backward=self.in_backward,
             kept_param_nbytes=kept,
+            overlap_step=self.overlapped is not None,
         )
         if residency is not None and residency.frozen.count:
             # Note: [Frozen weights are read-only state] in teraio.states.frozen: parameters without a
@@ -406,6 +429,9 @@ class StateOffload(Checkpoints):
         """
         if self.closed:
             return
+        self.settle_step()
+        if self.overlapped is not None:
+            self.overlapped.detach()
         self.grads.settle()
         grads = [rec for idx in list(self.grads.records) if (rec := self.grads.current(idx)) is not None]
         params = list(self.residency.records.values()) if self.residency is not None else []

@@ -152,6 +152,8 @@ class ParamResidency:
         self.gate: EntryGate | None = None
         self.unguarded: set[int] = set()
         self.told_unguarded = False
+        #: Called with the parameters about to be fetched (teraio.states.step_pipeline).
+        self.before_use: Callable[[tuple[int, ...]], None] | None = None
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -205,6 +207,8 @@ class ParamResidency:
     # -- fetch and free ------------------------------------------------------------------------------
     def acquire(self, idxs: tuple[int, ...]) -> None:
         """Bring these parameters into memory (waiting for their reads) and hold them until released."""
+        if self.before_use is not None:  # a pending step updates them first (teraio.states.step_pipeline)
+            self.before_use(idxs)
         idxs = self._ours(idxs)
         for i in idxs:
             self.uses[i] += 1
@@ -262,6 +266,21 @@ class ParamResidency:
                 self.store.mark_changed(rec)
             if rec.residency is Residency.MEMORY:
                 self.write_now(i)
+
+    def mark_written(self, i: int) -> None:
+        """Parameter ``i``'s value, as it is now, is being written by the step."""
+        self._version[i] = self.records[i].tensor._version
+
+    @property
+    def forward_calls(self) -> list[tuple[int, ...]]:
+        """The offloaded parameters of each graph call of the last forward, in call order."""
+        return self._order or self._last_order
+
+    def forward_order(self, idxs: list[int]) -> list[int]:
+        """``idxs`` in the order the last forward's graph calls took them, those it did not take last."""
+        wanted = set(idxs)
+        taken = dict.fromkeys(i for call in self.forward_calls for i in call if i in wanted)
+        return list(taken) + [i for i in reversed(idxs) if i not in taken]
 
     def updated_in_backward(self, i: int) -> None:
         """Parameter ``i`` was updated inside backward and its write started: drop the backward's hold."""
@@ -363,7 +382,7 @@ class ParamResidency:
             )
             if not own:
                 continue
-            self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(module, own)))
+            self._hooks.append(module.register_state_dict_post_hook(_state_dict_hook(self, module, own)))
             self._hooks.append(
                 module.register_forward_pre_hook(lambda mod, args, own=own: self._eager_use(mod, own))
             )
@@ -432,21 +451,6 @@ class ParamResidency:
                 self.index_of[id(self.params[i])] = i
         self.kept = frozenset(idxs)
 
-    def _state_dict_hook(self, module: torch.nn.Module, own: tuple[int, ...]) -> Any:
-        by_tensor = {id(self.params[i]): i for i in own}
-
-        def hook(mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-            for name, p in mod.named_parameters(recurse=False):
-                i = by_tensor.get(id(p))
-                key = prefix + name
-                if i is not None and i in self.records and key in state_dict:
-                    rec = self.records[i]
-                    if i in self.frozen and rec.residency in (Residency.DISK, Residency.READING):
-                        self.frozen.read_bytes += rec.nbytes
-                    state_dict[key] = self.store.read_copy(rec).detach()
-
-        return hook
-
     def close(self) -> None:
         """Every parameter back in memory for good, hooks removed, disk copies dropped."""
         for h in self._hooks:
@@ -470,3 +474,20 @@ class ParamResidency:
     def offloaded_nbytes(self) -> int:
         """Bytes of the parameters that are not in memory now."""
         return sum(r.nbytes for r in self.records.values() if r.residency is Residency.DISK)
+
+
+def _state_dict_hook(residency: ParamResidency, module: torch.nn.Module, own: tuple[int, ...]) -> Any:
+    """``module.state_dict()`` returns copies of its offloaded parameters, read back from disk."""
+    by_tensor = {id(residency.params[i]): i for i in own}
+
+    def hook(mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, p in mod.named_parameters(recurse=False):
+            i = by_tensor.get(id(p))
+            key = prefix + name
+            if i is not None and i in residency.records and key in state_dict:
+                rec = residency.records[i]
+                if i in residency.frozen and rec.residency in (Residency.DISK, Residency.READING):
+                    residency.frozen.read_bytes += rec.nbytes
+                state_dict[key] = residency.store.read_copy(rec).detach()
+
+    return hook

@@ -44,6 +44,20 @@ Note: [The streamed step's chunks are sized to the budget]
     achievable step peak, as when the graphs cannot fit. A budget planned again with more room cuts
     larger chunks again, up to ``chunk_bytes``.
 
+Note: [The overlapped step's moments]
+    When the step of offloaded parameters runs in the next forward (Note: [The step of offloaded
+    parameters runs in the next forward] in teraio.states.step_pipeline), its working set meets the
+    forward's memory instead of the step after backward. Two moments then bound the whole step besides
+    the graphs': ``opt.step()`` itself, which updates the chunks of parameters that stay in memory (their
+    three-chunk window), and each graph call of the forward that runs chunks: the bytes the earlier
+    calls' invocations hold when it starts (the composed plans' ``held_at_forward_calls``, with the
+    memory outside the graphs), the parameters of this call already updated (they stay for it), and the
+    three-chunk window of the chunk being updated. The chunks are cut as the step will cut them, in the
+    order the last forward's calls took the parameters. The step overlaps only when the larger of these
+    and the graphs' moment fits the budget; otherwise the plan predicts, and the step runs, the serial
+    step. A measured step counts the reads it inherits: the buffers of reads in flight when it starts
+    (the next forward's first chunk, read ahead by ``opt.step()``) are memory it holds at its start.
+
 Note: [Fetched parameters are the graph's memory]
     With ``offload_parameters=True`` a graph call fetches its offloaded parameters before its forward and
     again before its backward, and frees them after each (Note: [When a parameter is resident] in
@@ -69,6 +83,7 @@ import torch
 
 from teraio.planner.budget import BudgetError, format_size
 from teraio.planner.kept_states import StateItem, StateResidency, choose_resident_states, state_items
+from teraio.runtime.engine import read_buffer_storages
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
 from teraio.states.step_chunks import cut_chunks
 
@@ -135,6 +150,34 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
     )
 
 
+def _step_costs(states: StateOffload, kept: frozenset[tuple[str, int]]) -> tuple[Any, Any, Any]:
+    """What the step moves of each parameter with the items ``kept`` in memory: the parameters that move,
+    ``moved(i)`` (its value when it moves and its states unless kept, the gradient aside) and
+    ``cost(chunk)`` (those of a chunk, and its gradients that move)."""
+    params, stream, residency = states.params, states.stream, states.residency
+    moving_params = (residency.movable() if residency is not None else frozenset()) - {
+        i for k, i in kept if k == "parameter"
+    }
+    kept_states = {i for k, i in kept if k == "optimizer_state"}
+
+    def moved(i: int) -> int:
+        return (_nbytes(params[i]) if i in moving_params else 0) + (
+            0 if i in kept_states else stream.state_footprint(i)[1]
+        )
+
+    def cost(c: Any) -> tuple[int, int]:
+        return sum(moved(i) for i in c.param_idxs), sum(states.grad_nbytes(i) for i in c.param_idxs)
+
+    return moving_params, moved, cost
+
+
+def _window_at(states: StateOffload, chunks: list[Any], costs: list[tuple[int, int]], pos: int) -> int:
+    """Note: [Three chunks in memory] in teraio.states.optimizer_stream while chunk ``pos`` is updated."""
+    written = costs[pos - 1][0] if pos >= 1 else 0
+    read = sum(costs[pos + 1]) if pos + 1 < len(chunks) else 0
+    return written + sum(costs[pos]) + states.stream.update_scratch_bytes(chunks[pos]) + read
+
+
 def step_window_bytes(
     states: StateOffload, chunk_bytes: int | None = None, kept: frozenset[tuple[str, int]] = frozenset()
 ) -> int:
@@ -145,32 +188,54 @@ def step_window_bytes(
     assumed] in teraio.states.update_scratch); and the gradients when they stay in memory until the
     step."""
     params = states.params
-    stream = states.stream
-    residency = states.residency
-    moving_params = (residency.movable() if residency is not None else frozenset()) - {
-        i for k, i in kept if k == "parameter"
-    }
-    kept_states = {i for k, i in kept if k == "optimizer_state"}
-
-    def moved(i: int) -> int:  # what the step reads and writes of params[i], the gradient aside
-        return (_nbytes(params[i]) if i in moving_params else 0) + (
-            0 if i in kept_states else stream.state_footprint(i)[1]
-        )
-
-    def cost(c: Any) -> tuple[int, int]:  # (parameters and states that move, gradients that move)
-        return sum(moved(i) for i in c.param_idxs), sum(states.grad_nbytes(i) for i in c.param_idxs)
-
+    _, moved, cost = _step_costs(states, kept)
     order = [i for i in states.step_order() if params[i].requires_grad]
-    chunks = cut_chunks(order, lambda i: moved(i) + states.grad_nbytes(i), chunk_bytes or stream.chunk_bytes)
+    size = chunk_bytes or states.stream.chunk_bytes
+    chunks = cut_chunks(order, lambda i: moved(i) + states.grad_nbytes(i), size)
     costs = [cost(c) for c in chunks]
-    window = 0
-    for pos, c in enumerate(chunks):
-        written = costs[pos - 1][0] if pos >= 1 else 0
-        read = sum(costs[pos + 1]) if pos + 1 < len(chunks) else 0
-        window = max(window, written + sum(costs[pos]) + stream.update_scratch_bytes(c) + read)
+    window = max((_window_at(states, chunks, costs, pos) for pos in range(len(chunks))), default=0)
     if states.grads.offload or states.in_backward:
         return window
     return window + sum(_nbytes(p) for p in params if p.requires_grad)
+
+
+def overlapped_step_bytes(
+    states: StateOffload, forward_held: list[int] | None, kept: frozenset[tuple[str, int]] = frozenset()
+) -> tuple[int, int]:
+    """Note: [The overlapped step's moments]: the working set of ``opt.step()`` (the chunks of parameters
+    in memory) and the most the forward holds while it runs the offloaded chunks, its graphs' own bytes
+    at each call's start (``forward_held``, per graph call in order; None: unknown, the largest) with it,
+    the items ``kept`` aside."""
+    params, residency = states.params, states.residency
+    assert residency is not None
+    moving_params, moved, cost = _step_costs(states, kept)
+    live = [i for i in states.step_order() if params[i].requires_grad]
+    later = [i for i in residency.forward_order(live) if i in moving_params]
+    now = [i for i in live if i not in set(later)]
+    size = states.stream.chunk_bytes
+
+    def nbytes_of(i: int) -> int:
+        return moved(i) + states.grad_nbytes(i)
+
+    chunks_now, chunks = cut_chunks(now, nbytes_of, size), cut_chunks(later, nbytes_of, size)
+    costs_now = [cost(c) for c in chunks_now]
+    now_bytes = max((_window_at(states, chunks_now, costs_now, p) for p in range(len(chunks_now))), default=0)
+    costs = [cost(c) for c in chunks]
+    chunk_of = {i: pos for pos, c in enumerate(chunks) for i in c.param_idxs}
+    calls = residency.forward_calls
+    held = forward_held if forward_held is not None and len(forward_held) == len(calls) else None
+    most_held = max(forward_held or [0])
+    peak, pos = 0, 0
+    for c, call in enumerate(calls):
+        target = max((chunk_of.get(i, -1) for i in call), default=-1)
+        while pos <= target:  # the chunks this call's ensure runs; the call's earlier ones stay for it
+            gathered = sum(_nbytes(params[i]) for i in call if chunk_of.get(i, pos) < pos - 1)
+            at_start = held[c] if held is not None else most_held
+            peak = max(peak, at_start + gathered + _window_at(states, chunks, costs, pos))
+            pos += 1
+    for rest in range(pos, len(chunks)):  # never reached by a call: finished later, say at the backward
+        peak = max(peak, most_held + _window_at(states, chunks, costs, rest))
+    return now_bytes, peak
 
 
 def fit_chunk_bytes(
@@ -215,6 +280,7 @@ def plan_residency(
 def apply_residency(states: StateOffload, plan: StateResidency | None) -> None:
     """Keep in memory what ``plan`` keeps, and offload again what an earlier plan kept and this one does
     not (None: keep nothing). Between steps only."""
+    states.settle_step()  # a step pending in the forward (teraio.states.step_pipeline) uses the records
     if states.stream.updating_in_backward:  # a step inside backward awaits opt.step(): apply after it
         states.after_commit = lambda: apply_residency(states, plan)
         return
@@ -277,9 +343,13 @@ class WholeStepStates:
         #: ``teraio.States(chunk_bytes=...)``: the largest chunk the streamed step may cut (Note: [The
         #: streamed step's chunks are sized to the budget]).
         self.most_chunk_bytes = states.stream.chunk_bytes
+        #: Whether the step's working set fits beside the forward (Note: [The step of offloaded parameters
+        #: runs in the next forward] in teraio.states.step_pipeline): no budget, or the plan says so.
+        self.overlap_fits = True
 
     def sizes(self, held_by_graphs: frozenset[int] = frozenset()) -> StateMemory:
         """The states' sizes now (measured once per planning: the first step makes the states)."""
+        self.states.settle_step()
         self.memory = state_memory(self.states, held_by_graphs)
         return self.memory
 
@@ -314,7 +384,12 @@ class WholeStepStates:
         return None
 
     def plan(
-        self, budget_bytes: int, region_peak_bytes: int, solver: str, unplanned_activation_bytes: int
+        self,
+        budget_bytes: int,
+        region_peak_bytes: int,
+        solver: str,
+        unplanned_activation_bytes: int,
+        forward_held: list[int] | None = None,
     ) -> int:
         """Choose and apply the kept states for a step whose graphs peak at ``region_peak_bytes`` (their
         plans' composed peak with the memory outside them); return the whole step's predicted peak
@@ -339,18 +414,31 @@ class WholeStepStates:
             elif kept_chunk != self.states.stream.chunk_bytes:
                 self.states.set_chunk_bytes(kept_chunk)
         apply_residency(self.states, self.residency)
-        return self.predict(region_peak_bytes)
+        return self.predict(region_peak_bytes, forward_held)
 
-    def predict(self, region_peak_bytes: int) -> int:
+    def predict(self, region_peak_bytes: int, forward_held: list[int] | None = None) -> int:
         """The whole step's predicted peak with the kept states as they are, for graphs that peak at
-        ``region_peak_bytes`` (before the kept parameters they hold are taken off)."""
+        ``region_peak_bytes`` (before the kept parameters they hold are taken off), the step overlapped
+        with the next forward when that fits the budget (Note: [The overlapped step's moments])."""
         m = self.memory or self.sizes()
         r = self.residency
         kept, kept_region = (r.kept_bytes, r.kept_region_bytes) if r is not None else (0, 0)
+        kept_items = r.kept if r is not None else frozenset()
         # The working set without the kept items, whose bytes ``kept`` counts.
         window = step_window_bytes(self.states, kept=r.kept) if r is not None else m.step_window_bytes
-        self.predicted_peak_bytes = m.fixed_bytes + max(kept_region + region_peak_bytes, kept + window)
-        return self.predicted_peak_bytes
+        graphs = kept_region + region_peak_bytes
+        serial = m.fixed_bytes + max(graphs, kept + window)
+        self.overlap_fits = False
+        if self.states.overlapped is not None:
+            held = forward_held if forward_held is not None else [region_peak_bytes]  # unknown: the most
+            now, in_forward = overlapped_step_bytes(self.states, held, kept_items)
+            overlapped = m.fixed_bytes + max(graphs, kept + now, kept + in_forward)
+            self.overlap_fits = self.budget_bytes is None or overlapped <= self.budget_bytes
+            if self.overlap_fits:
+                self.predicted_peak_bytes = overlapped
+                return overlapped
+        self.predicted_peak_bytes = serial
+        return serial
 
     @property
     def kept_held_bytes(self) -> int:
@@ -366,6 +454,10 @@ class WholeStepStates:
         """A measured step starts: what the states hold in memory now is part of its peak. Returns their
         storages (address: bytes), whose frees in the step lower its memory."""
         storages = resident_state_storages(self.states)
+        # Reads already started (a step overlapped with this forward read its first chunk ahead: Note:
+        # [The step of offloaded parameters runs in the next forward] in teraio.states.step_pipeline) hold
+        # their buffers before the step; those buffers become the records' memory or are freed in it.
+        storages.update(read_buffer_storages(self.states.engine))
         self._start_bytes = sum(storages.values())
         return storages
 

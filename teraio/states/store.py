@@ -39,6 +39,7 @@ Note: [Device bytes of the store go through the engine's Device]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,15 @@ class Record:
     entry_guarded: bool = False
     #: That note's gate (an ``EntryGate``): while it is open, the parameter stays plain.
     entry_gate: Any = field(default=None, repr=False)
+
+    @property
+    def disk_key(self) -> str | None:
+        """The key of its newest bytes on disk: a finished write not committed yet (Note: [The step of
+        offloaded parameters runs in the next forward] in teraio.states.step_pipeline) before the
+        committed one."""
+        if self.staged_key is not None and self.residency in (Residency.DISK, Residency.READING):
+            return self.staged_key
+        return self.saved_key
 
     @property
     def guards_reads(self) -> bool:
@@ -194,6 +204,9 @@ class TensorStore:
         self.counts = ByteCounts()
         #: The gradients' norms (teraio.states.grad_norms), when gradients are offloaded.
         self.grad_norms: GradNorms | None = None
+        #: Called before a guarded tensor is used (Note: [The step of offloaded parameters runs in the next
+        #: forward] in teraio.states.step_pipeline: a pending step finishes first; True when it did).
+        self.before_guarded_use: Callable[[], bool] | None = None
 
     def _device(self, t: torch.Tensor) -> Device | None:
         """The engine's Device when ``t`` is its memory (None for host memory: plain torch calls)."""
@@ -280,25 +293,27 @@ class TensorStore:
 
     def prefetch(self, rec: Record) -> None:
         """Start reading an evicted record back (no-op unless ``DISK``)."""
-        if rec.residency is Residency.DISK and rec.saved_key is not None:
-            self.engine.prefetch(rec.saved_key)
+        if rec.residency is Residency.DISK and rec.disk_key is not None:
+            self.engine.prefetch(rec.disk_key)
             self._set(rec, Residency.READING)
 
     def load(self, rec: Record) -> None:
         """Bring the record's bytes back into its own tensor (waits for its read)."""
         if rec.residency not in (Residency.DISK, Residency.READING):
             return
-        assert rec.saved_key is not None, "an evicted record without saved bytes"
+        key = rec.disk_key
+        assert key is not None, "an evicted record without saved bytes"
         if rec.residency is Residency.DISK:
             self._set(rec, Residency.READING)  # the read's buffer is allocated now
         try:
-            fetched = self.engine.fetch(rec.saved_key, exclusive=True)
+            fetched = self.engine.fetch(key, exclusive=True)
         except BaseException:
             self._set(rec, Residency.DISK)
             raise
         if rec.in_place:
             guarded.release(rec.tensor)
             _fill_in_place(rec.tensor, fetched, self._device(rec.tensor))
+            note_freed(fetched.untyped_storage())  # copied: the buffer goes (it may predate a measurement)
         else:
             guarded.release(rec.tensor)
             _point_at(rec.tensor, fetched)
@@ -314,8 +329,8 @@ class TensorStore:
         tensors keep their object, not their storage])."""
         if rec.residency not in (Residency.DISK, Residency.READING):
             return rec.tensor.detach().clone()
-        assert rec.saved_key is not None
-        out = self.engine.fetch(rec.saved_key, exclusive=True)
+        assert rec.disk_key is not None
+        out = self.engine.fetch(rec.disk_key, exclusive=True)
         self.counts.read[rec.kind] += rec.nbytes
         for op in rec.pending:
             op.apply(out)
@@ -323,9 +338,9 @@ class TensorStore:
 
     def drain_read(self, rec: Record) -> None:
         """Let a read in flight finish and its buffer go, ignoring its outcome (cleaning up a failure)."""
-        if rec.residency is Residency.READING and rec.saved_key is not None:
+        if rec.residency is Residency.READING and rec.disk_key is not None:
             try:
-                self.engine.fetch(rec.saved_key, exclusive=True)
+                self.engine.fetch(rec.disk_key, exclusive=True)
             except Exception:  # noqa: BLE001 - the step that needed it already failed
                 pass
             self._set(rec, Residency.DISK)

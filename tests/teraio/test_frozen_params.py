@@ -131,6 +131,9 @@ def train(
         opt.step()
         run.losses.append(loss.detach().clone())
         if offload:
+            # The step's update of offloaded parameters runs in the next forward (teraio.states.step_pipeline):
+            # finished here, so that each step's bytes are counted in it.
+            be.states.settle_step()
             frozen = be.states.stats()["frozen_parameters"]
             run.frozen_written.append(frozen["written_bytes"])
             run.frozen_read.append(frozen["read_bytes"])

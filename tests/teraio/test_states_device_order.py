@@ -198,6 +198,27 @@ def state_freed_after_write(fake: FakeDevice, tier: str, tmp_path: Path) -> None
         )
 
 
+def parameter_read_back_before_commit(fake: FakeDevice, tier: str, tmp_path: Path) -> None:
+    """A step overlapped with the next forward (teraio.states.step_pipeline) writes an updated parameter
+    to its other slot and commits the slots only when its last chunk is written; a parameter freed in
+    between and fetched again (by the backward, or a later call) must come back from the slot just
+    written, not from the committed one, which holds the value before the update."""
+    with _warm_store(fake, tier, tmp_path) as store:
+        before, updated = torch.randn(N), torch.randn(N)
+        p = fake.adopt(before.clone())
+        rec = _record(store, p, Kind.PARAMETER, in_place=True)
+        _saved(store, rec, "param/0/0")  # the committed slot
+        with torch.no_grad():
+            p.copy_(fake.adopt(updated.clone()))  # the update
+        store.mark_changed(rec)
+        store.write(rec, "param/0/1")  # to the other slot, not committed yet
+        store.finish_write(rec)
+        store.evict(rec)
+        store.load(rec)
+        seen = _consume(fake, p)
+        assert torch.equal(seen, updated), "the parameter came back with its value from before the update"
+
+
 # -- the rules removed --------------------------------------------------------------------------------
 def _fill_on_the_host(t: torch.Tensor, src: torch.Tensor, dev) -> None:
     """The refill as plain torch calls on the host (the code before the copy went through the Device)."""
@@ -227,7 +248,15 @@ SCENARIOS: dict[str, Callable[..., None]] = {
     "parameter_freed_after_write": parameter_freed_after_write,
     "state_moved_onto_read": state_moved_onto_read,
     "state_freed_after_write": state_freed_after_write,
+    "parameter_read_back_before_commit": parameter_read_back_before_commit,
 }
+
+
+def _committed_key(self: Record) -> str | None:
+    """Reads from the committed slot only (before the overlapped step: a freed record's newest bytes
+    were always its committed ones)."""
+    return self.saved_key
+
 
 #: The rule each scenario relies on, removed. ``state_freed_after_write`` has none of its own to remove:
 #: the engine keeps a written tensor's storage until ``release`` as well, so a gradient's block cannot
@@ -237,6 +266,7 @@ RULES: dict[str, tuple[object, str, object]] = {
     "parameter_refilled_after_read": (store_module, "_fill_in_place", _fill_on_the_host),
     "parameter_freed_after_write": (TensorStore, "finish_write", _finish_write_without_waiting),
     "state_moved_onto_read": (Engine, "_order_before_consumer", _no_consumer_wait),
+    "parameter_read_back_before_commit": (Record, "disk_key", property(_committed_key)),
 }
 
 
