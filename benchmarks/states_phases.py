@@ -67,7 +67,10 @@ def load_phase(be: Any, weights: str, can_reset: bool) -> tuple[dict[str, Any], 
 
 def save_phase(be: Any, directory: str, can_reset: bool) -> tuple[dict[str, Any], int]:
     """``backend.states.save_checkpoint(directory)`` after the last step: time, the bytes read back from
-    the offload files by kind, the files written, and the phase's peak resident memory."""
+    the offload files by kind, the files written, and the phase's peak resident memory. The last step's
+    update, left pending for a next forward (teraio.states.step_pipeline), runs first, outside the
+    phase's figures: it is the step's work, which a checkpoint waits for."""
+    be.states.settle_step()
     if can_reset:
         reset_peak_rss()
     before = io_by_kind(be)

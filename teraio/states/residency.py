@@ -489,6 +489,12 @@ class WholeStepStates:
             "fixed_bytes": None if m is None else m.fixed_bytes,
             "step_window_bytes": None if m is None else m.step_window_bytes,
             "chunk_bytes": self.states.stream.chunk_bytes,
+            # Note: [The overlapped step's moments]: whether the step overlaps the next forward (the
+            # plan's choice) and how many steps did.
+            "overlap_step": self.states.overlapped is not None and self.overlap_fits,
+            "overlapped_steps": 0
+            if self.states.overlapped is None
+            else self.states.overlapped.overlapped_steps,
             "kept": None if self.residency is None else self.residency.to_dict(),
             "predicted_peak_bytes": self.predicted_peak_bytes,
             "measured_peak_bytes": self.measured_peak_bytes,

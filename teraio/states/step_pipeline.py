@@ -77,6 +77,8 @@ class OverlappedStep:
         self._busy = False
         self._reset()
         self.hooks: list[Any] = []
+        #: Steps whose update was left pending by ``opt.step()`` (``stats()["whole_step"]``).
+        self.overlapped_steps = 0
 
     def detach(self) -> None:
         """Remove the hooks (``StateOffload.close``, after :meth:`finish`)."""
@@ -148,6 +150,7 @@ class OverlappedStep:
             self.written.append([])
         self.store.reset_window_peak()
         self.state = StepState.PENDING
+        self.overlapped_steps += 1
         if not self.chunks:
             self._commit()
             return

@@ -175,6 +175,7 @@ def test_config_json_records_one_object_per_concern() -> None:
         "chunk_bytes": "64MiB",
         "min_param_bytes": "64KiB",
         "keep": "plan",
+        "overlap_step": True,
     }
     assert recorded["solver"] == {
         "name": "greedy",

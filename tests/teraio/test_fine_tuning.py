@@ -54,9 +54,10 @@ def test_fine_tuning_with_the_whole_state_on_disk_resumes_bit_identically(
         kinds = half["moved_bytes_by_kind"]
         assert kinds["parameter"] > 0 and kinds["gradient"] > 0 and kinds["optimizer_state"] > 0
     if compile_mode == "blocks":
-        # Every parameter moves: the streamed step writes each once a step, embeddings and head too (the
-        # half's first step also writes each the first time it leaves memory).
-        written = second["parameter_written_bytes_per_step"]
-        assert written[0] == 2 * second["parameter_bytes"]
-        assert set(written[1:]) == {second["parameter_bytes"]}
+        # Every parameter moves: the streamed step writes each once a step, embeddings and head too, and
+        # the half's first step writes each the first time it leaves memory. An update overlapped with
+        # the next forward (teraio.states.step_pipeline) writes in the next step: the last one is still
+        # pending when the half's figures are taken.
+        written, p = second["parameter_written_bytes_per_step"], second["parameter_bytes"]
+        assert sum(written) == len(written) * p and set(written) <= {0, p, 2 * p}, (written, p)
         assert second["graphs"] > 2

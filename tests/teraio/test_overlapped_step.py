@@ -141,6 +141,8 @@ def _loop(
         sd = opt.state_dict()
         out.opt_state = {i: {k: v.clone() for k, v in st.items()} for i, st in sd["state"].items()}
         if enabled:
+            whole = be.stats()["whole_step"]
+            assert whole["overlap_step"] is True and whole["overlapped_steps"] == out.overlapped_steps
             residency = be.states.residency
             out.chunks_in_forward = counts["chunks"]
             out.trained_offloaded_bytes = sum(r.nbytes for i, r in residency.records.items())
