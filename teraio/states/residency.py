@@ -211,7 +211,8 @@ def overlapped_step_bytes(
     moving_params, moved, cost = _step_costs(states, kept)
     live = [i for i in states.step_order() if params[i].requires_grad]
     later = [i for i in residency.forward_order(live) if i in moving_params]
-    now = [i for i in live if i not in set(later)]
+    deferred = set(later)
+    now = [i for i in live if i not in deferred]
     size = states.stream.chunk_bytes
 
     def nbytes_of(i: int) -> int:

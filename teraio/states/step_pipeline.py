@@ -309,12 +309,6 @@ class OverlappedStep:
         self._reset()
 
 
-def graph_call_params(states: StateOffload, args: tuple[Any, ...]) -> tuple[int, ...]:
-    """The optimizer's parameters among a graph call's inputs (by index)."""
-    by_id = states.stream.by_id
-    return tuple(i for a in args if (i := by_id.get(id(a))) is not None)
-
-
 def attach_module_hooks(overlapped: OverlappedStep, model: torch.nn.Module) -> list[Any]:
     """A module that runs eagerly updates its own pending parameters first (before the hooks that bring
     its parameters into memory for eager code)."""
