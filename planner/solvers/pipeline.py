@@ -222,6 +222,11 @@ def evaluate(problem: Problem, recomputed, budget_bytes: int, label: str = "") -
         decisions = pipeline_decisions(problem, budget_bytes)
         return Evaluated((), decisions, problem.simulate(decisions), label)
     res = problem.residual(names)
+    if any(d.fetch_before_idx <= d.wait_before_idx for d in res.lifetimes.recompute_decisions):
+        # A rebuild needed by the first backward op reads a recomputed tensor last used by the last
+        # forward op: that tensor would be rebuilt where it was never absent, which no plan may do
+        # (planner.simulate's order rule). Not a plan of this set; another set leaves it saved.
+        return None
     if problem.plans_offload:
         if budget_bytes < res.lifetimes.min_feasible_peak_bytes or (
             not problem.hardware.available_tiers() and budget_bytes < res.lifetimes.baseline_peak_bytes

@@ -48,6 +48,54 @@ def synth_cases(draw):
     return p, _hardware(draw), draw(st.sampled_from([0.3, 0.45, 0.6, 0.8, 1.0]))
 
 
+def _weight_row(num_ops: int) -> dict:
+    """A weight ``w`` of 1 MB, resident the whole step, which rebuilds may read."""
+    return {
+        "name": "w",
+        "nbytes": 10**6,
+        "dtype": "float32",
+        "shape": (1,),
+        "kind": "param",
+        "offloadable": False,
+        "producer_idx": -1,
+        "last_fwd_use_idx": 0,
+        "first_bwd_use_idx": -1,
+        "last_use_idx": num_ops - 1,
+        "recompute_us": math.nan,
+        "recompute_inputs": (),
+        "recompute_peak_bytes": 0,
+    }
+
+
+def _activation_row(
+    name: str,
+    nbytes: int,
+    uses: tuple[int, int, int, int],
+    recompute_us: float,
+    inputs: tuple[str, ...],
+    recompute_peak_bytes: int,
+    module: str,
+) -> dict:
+    """A saved activation; ``uses``: its producer, last forward use, first backward use and last use."""
+    prod, last_fwd, first_bwd, last = uses
+    return {
+        "name": name,
+        "nbytes": nbytes,
+        "dtype": "float32",
+        "shape": (1,),
+        "kind": "activation",
+        "offloadable": True,
+        "producer_idx": prod,
+        "last_fwd_use_idx": last_fwd,
+        "first_bwd_use_idx": first_bwd,
+        "last_use_idx": last,
+        "recompute_us": recompute_us,
+        "recompute_inputs": inputs,
+        "recompute_peak_bytes": recompute_peak_bytes,
+        "module": module,
+    }
+
+
 @st.composite
 def chain_cases(draw):
     """A random step whose activations rebuild from random earlier rows (chains, params, and rows that die
@@ -57,23 +105,7 @@ def chain_cases(draw):
     n = nf + nb
     durations = draw(st.lists(st.floats(50.0, 20_000.0), min_size=n, max_size=n))
     other = draw(st.lists(st.integers(0, 3 * 10**6), min_size=n, max_size=n))
-    tensors = [
-        {
-            "name": "w",
-            "nbytes": 10**6,
-            "dtype": "float32",
-            "shape": (1,),
-            "kind": "param",
-            "offloadable": False,
-            "producer_idx": -1,
-            "last_fwd_use_idx": 0,
-            "first_bwd_use_idx": -1,
-            "last_use_idx": n - 1,
-            "recompute_us": math.nan,
-            "recompute_inputs": (),
-            "recompute_peak_bytes": 0,
-        }
-    ]
+    tensors = [_weight_row(n)]
     for k in range(draw(st.integers(1, 8))):
         prod = draw(st.integers(0, nf - 1))
         last_fwd = draw(st.integers(prod, nf - 1))
@@ -85,22 +117,15 @@ def chain_cases(draw):
         earlier = [t["name"] for t in tensors]
         inputs = tuple(draw(st.lists(st.sampled_from(earlier), max_size=3, unique=True)))
         tensors.append(
-            {
-                "name": f"t{k}",
-                "nbytes": draw(st.integers(10**5, 40 * 10**6)),
-                "dtype": "float32",
-                "shape": (1,),
-                "kind": "activation",
-                "offloadable": True,
-                "producer_idx": prod,
-                "last_fwd_use_idx": last_fwd,
-                "first_bwd_use_idx": first_bwd,
-                "last_use_idx": last_use,
-                "recompute_us": draw(st.sampled_from([math.nan, 0.0, 100.0, 5_000.0, 200_000.0])),
-                "recompute_inputs": inputs,
-                "recompute_peak_bytes": draw(st.sampled_from([0, 10**6, 20 * 10**6])),
-                "module": f"layers.{k % 2}",
-            }
+            _activation_row(
+                f"t{k}",
+                draw(st.integers(10**5, 40 * 10**6)),
+                (prod, last_fwd, first_bwd, last_use),
+                draw(st.sampled_from([math.nan, 0.0, 100.0, 5_000.0, 200_000.0])),
+                inputs,
+                draw(st.sampled_from([0, 10**6, 20 * 10**6])),
+                f"layers.{k % 2}",
+            )
         )
     p = make_profile(ops_rows(durations, nf, other_bytes=other), tensors, {"fingerprint": "chains"})
     return p, _hardware(draw), draw(st.sampled_from([0.3, 0.5, 0.75, 0.9, 1.0]))
@@ -225,3 +250,32 @@ def test_residual_steps_replay_like_their_plans():
     assert np.array_equal(a.memory_bytes, b.memory_bytes)
     assert a.step_s == pytest.approx(b.step_s, rel=1e-12)
     assert dataclasses.replace(res, base=None).base is None
+
+
+def test_the_pipeline_never_rebuilds_a_tensor_where_it_was_never_dropped():
+    """Found by the property above (the simulator refused the pipeline's joint plan): t7's rebuild, needed
+    by the first backward op, reads t4, last used by the last forward op; with t4 rebuilt too, t4 would be
+    rebuilt where it was never absent. The pipeline judges only the sets that are plans, and every
+    solver's plan is valid."""
+    nf, n = 6, 10
+    rows = [  # name, nbytes, producer, last forward use, first backward use, last use, recompute_us, inputs
+        ("t0", 100_000, 0, 0, -1, 0, math.nan, ()),
+        ("t1", 100_000, 1, 1, -1, 1, math.nan, ()),
+        ("t2", 100_000, 0, 0, 6, 6, 100.0, ()),
+        ("t3", 100_000, 0, 0, -1, 0, math.nan, ()),
+        ("t4", 100_000, 0, 5, 7, 7, 0.0, ()),
+        ("t5", 100_000, 0, 0, 6, 6, math.nan, ()),
+        ("t6", 200_001, 1, 1, -1, 1, math.nan, ()),
+        ("t7", 100_000, 0, 0, 6, 6, 0.0, ("w", "t0", "t4")),
+    ]
+    tensors = [_weight_row(n)] + [
+        _activation_row(name, nbytes, (prod, last_fwd, first_bwd, last), rec_us, inputs, 0, f"layers.{k % 2}")
+        for k, (name, nbytes, prod, last_fwd, first_bwd, last, rec_us, inputs) in enumerate(rows)
+    ]
+    profile = make_profile(ops_rows([50.0] * n, nf, other_bytes=[0] * n), tensors, {"fingerprint": "chains"})
+    hw = HardwareModel(
+        tiers={"ssd": TierModel(5e7, 5e7), "host": TierModel(4e9, 4e9, capacity_bytes=0)}, name="rand"
+    )
+    plans = _solve_every_way((profile, hw, 0.3), SOLVERS)
+    for d in plans["pipeline", "joint"].decisions:
+        assert d.action != "recompute" or d.fetch_before_idx > d.wait_before_idx, d
