@@ -58,6 +58,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from functools import partial
 from typing import Any
 
 import torch
@@ -314,28 +315,8 @@ class StreamedStep:
             for r in loads[0] if chunks else []:
                 self.store.prefetch(r)
             for pos, c in enumerate(chunks):
-                if pos + 1 < len(chunks):  # Note: [Three chunks in memory]
-                    for r in loads[pos + 1]:
-                        self.store.prefetch(r)
-                for r in loads[pos]:
-                    if r.kind is Kind.OPTIMIZER_STATE:
-                        touched.append(r)
-                    self.store.load(r)
-                snapshots.append(self.snapshot(c.param_idxs))
-                if self.before_chunk_update is not None:
-                    self.before_chunk_update(pos)
-                self.update_narrowed(c.param_idxs, raw_step, log)
-                for i in c.param_idxs:
-                    if (prec := self.param_record(i)) is not None:  # updated in place: to its other slot
-                        touched.append(prec)
-                        self.store.mark_changed(prec)
-                        self.write_staged(i, prec)
-                        written[pos].append(prec)
-                    for rec in self.reconcile(i):
-                        if rec not in touched:
-                            touched.append(rec)
-                        self.write_staged(i, rec)
-                        written[pos].append(rec)
+                update = partial(self.update_narrowed, c.param_idxs, raw_step, log)
+                update_chunk(self, pos, c.param_idxs, loads, touched, snapshots, written, update)
                 for r in loads[pos]:
                     if r.kind is Kind.GRADIENT and r.residency is Residency.SAVED:
                         self.store.evict(r)  # unchanged by the step: its disk copy is still valid
@@ -506,3 +487,44 @@ class StreamedStep:
         self._write_committed(items)
         self.consistency = Consistency.COMMITTED
         self.failure = None
+
+
+def update_chunk(
+    stream: StreamedStep,
+    pos: int,
+    idxs: list[int],
+    loads: list[list[Record]],
+    touched: list[Record],
+    snapshots: list[dict[int, dict[str, Any]]],
+    written: list[list[Record]],
+    update: Callable[[], None],
+) -> None:
+    """Chunk ``pos`` (the parameters ``idxs``) of a streamed step, whether ``opt.step()`` runs it or the
+    next forward (teraio.states.step_pipeline): the next chunk's reads started (Note: [Three chunks in
+    memory]), this chunk's records (``loads[pos]``) in memory, its state entries snapshot for a roll back,
+    the stock step run by ``update``, and what it changed (offloaded parameters, states) being written to
+    their other slots (Note: [A step commits all of its states or none]), each listed in ``touched`` and
+    ``written[pos]``."""
+    store = stream.store
+    if pos + 1 < len(loads):
+        for r in loads[pos + 1]:
+            store.prefetch(r)
+    for r in loads[pos]:
+        if r.kind is Kind.OPTIMIZER_STATE:
+            touched.append(r)
+        store.load(r)
+    snapshots.append(stream.snapshot(idxs))
+    if stream.before_chunk_update is not None:
+        stream.before_chunk_update(pos)
+    update()
+    for i in idxs:
+        if (prec := stream.param_record(i)) is not None:  # updated in place: to its other slot
+            touched.append(prec)
+            store.mark_changed(prec)
+            stream.write_staged(i, prec)
+            written[pos].append(prec)
+        for rec in stream.reconcile(i):
+            if rec not in touched:
+                touched.append(rec)
+            stream.write_staged(i, rec)
+            written[pos].append(rec)

@@ -42,11 +42,12 @@ import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from teraio.states.optimizer_stream import StepLog
+from teraio.states.optimizer_stream import StepLog, update_chunk
 from teraio.states.store import Kind, Record, Residency
 
 if TYPE_CHECKING:
@@ -192,40 +193,33 @@ class OverlappedStep:
 
     def _advance(self, keep: tuple[int, ...]) -> None:
         """Note: [Three chunks in memory] in teraio.states.optimizer_stream, one chunk at a time."""
-        pos, store, stream = self.next_pos, self.store, self.stream
+        pos, stream = self.next_pos, self.stream
         idxs = self.chunks[pos]
-        if pos + 1 < len(self.chunks):
-            for r in self.loads[pos + 1]:
-                store.prefetch(r)
-        for r in self.loads[pos]:
-            if r.kind is Kind.OPTIMIZER_STATE:
-                self.touched.append(r)
-            store.load(r)
-        self.snapshots.append(stream.snapshot(idxs))
-        if stream.before_chunk_update is not None:
-            stream.before_chunk_update(pos)
-        assert self.raw_step is not None
-        with self._as_at_step(idxs):
-            stream.update_narrowed(idxs, self.raw_step, self.log)
+        update_chunk(
+            stream,
+            pos,
+            idxs,
+            self.loads,
+            self.touched,
+            self.snapshots,
+            self.written,
+            partial(self._update, idxs),
+        )
         residency = self.states.residency
         assert residency is not None
         for i in idxs:
-            if (prec := stream.param_record(i)) is not None:  # updated in place: to its other slot
-                self.touched.append(prec)
-                store.mark_changed(prec)
-                stream.write_staged(i, prec)
+            if stream.param_record(i) is not None:  # its value of this step is in its staged slot
                 residency.mark_written(i)
-                self.written[pos].append(prec)
-            for rec in stream.reconcile(i):
-                if rec not in self.touched:
-                    self.touched.append(rec)
-                stream.write_staged(i, rec)
-                self.written[pos].append(rec)
-        for i in idxs:
             self._done_with_gradient(i)
         self.next_pos += 1
         if pos >= 1:
             self._finish_chunk_writes(pos - 1, keep)
+
+    def _update(self, idxs: list[int]) -> None:
+        """The stock step on ``idxs`` as ``opt.step()`` called it."""
+        assert self.raw_step is not None
+        with self._as_at_step(idxs):
+            self.stream.update_narrowed(idxs, self.raw_step, self.log)
 
     @contextmanager
     def _as_at_step(self, idxs: list[int]) -> Iterator[None]:

@@ -39,18 +39,11 @@ class Loop:
     state_bytes: int = 0
 
 
-def _loop(
-    enabled: bool, offload_dir: str, *, per_block: bool, micro_batches: int = 1, extras: bool = True
-) -> Loop:
-    """Training as a user writes it: accumulation, clipping, a scheduler after the step, a validation
-    forward and an EMA read right after ``opt.step()`` (while the update is pending); ``extras=False``:
-    only the forward, backward and step."""
-    torch._dynamo.reset()
-    w = builtin_workload("tiny")
-    model = copy.deepcopy(w.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    be = teraio.backend(
+def _backend(
+    enabled: bool, model: torch.nn.Module, opt: torch.optim.Optimizer, offload_dir: str
+) -> teraio.TeraioBackend:
+    """The whole state on disk (``enabled``), the overlapped step on by default; else plain training."""
+    return teraio.backend(
         inner="eager",
         solver="greedy",
         enabled=enabled,
@@ -66,6 +59,20 @@ def _loop(
         offload_dirs=[offload_dir],
         io_backend="posix",
     )
+
+
+def _loop(
+    enabled: bool, offload_dir: str, *, per_block: bool, micro_batches: int = 1, extras: bool = True
+) -> Loop:
+    """Training as a user writes it: accumulation, clipping, a scheduler after the step, a validation
+    forward and an EMA read right after ``opt.step()`` (while the update is pending); ``extras=False``:
+    only the forward, backward and step."""
+    torch._dynamo.reset()
+    w = builtin_workload("tiny")
+    model = copy.deepcopy(w.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    be = _backend(enabled, model, opt, offload_dir)
     if per_block:
         for block in model.blocks:
             block.compile(backend=be)
@@ -294,3 +301,60 @@ def test_a_failure_in_the_forward_that_runs_the_update_leaves_the_last_committed
             assert all(torch.equal(state[i][k], v) for k, v in st.items()), i
     finally:
         be.close()
+
+
+def _two_models_changing_shapes(enabled: bool, offload_dir: str) -> dict[str, Any]:
+    """Two models, each with its backend and optimizer, trained in turn (one's update pending while the
+    other trains), the sequence length changing every other step (a new shape profiled while an update
+    is pending): model A one graph per block, model B one graph."""
+    torch._dynamo.reset()
+    lengths = (64, 64, 48, 64, 48, 32)
+    out: dict[str, Any] = {"losses": [], "overlapped": {"a": 0, "b": 0}}
+    runs = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        w = builtin_workload("tiny", seed=seed)
+        model = copy.deepcopy(w.model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        be = _backend(enabled, model, opt, f"{offload_dir}/{name}")
+        if name == "a":
+            for block in model.blocks:
+                block.compile(backend=be)
+            compiled = model
+        else:
+            compiled = torch.compile(model, backend=be)
+        runs[name] = (w, model, opt, be, compiled)
+    try:
+        for step, length in enumerate(lengths):
+            for name, (w, model, opt, be, compiled) in runs.items():
+                idx, targets = w.batch_at(step)
+                loss = compiled(idx[:, :length].contiguous(), targets[:, :length].contiguous())
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                if enabled and be.states.overlapped.pending:
+                    out["overlapped"][name] += 1
+                opt.zero_grad()
+                out["losses"].append(loss.detach())
+        for name, (_, model, opt, _, _) in runs.items():
+            out[f"params_{name}"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+            sd = opt.state_dict()["state"]
+            out[f"state_{name}"] = {i: {k: v.clone() for k, v in st.items()} for i, st in sd.items()}
+    finally:
+        for _, _, _, be, _ in runs.values():
+            be.close()
+    return out
+
+
+def test_two_models_and_changing_shapes_with_updates_pending_are_exact(tmp_path):
+    ref = _two_models_changing_shapes(False, str(tmp_path / "ref"))
+    got = _two_models_changing_shapes(True, str(tmp_path / "got"))
+    assert len(got["losses"]) == len(ref["losses"]) == 12
+    for i, (x, y) in enumerate(zip(ref["losses"], got["losses"])):
+        assert torch.equal(x, y), f"loss {i}: {x} vs {y}"
+    for name in ("a", "b"):
+        assert got["overlapped"][name] >= 2, got["overlapped"]  # updates were pending across the other
+        for n, t in ref[f"params_{name}"].items():
+            assert torch.equal(t, got[f"params_{name}"][n]), f"model {name}: {n}"
+        for i, st in ref[f"state_{name}"].items():
+            for k, v in st.items():
+                assert torch.equal(v, got[f"state_{name}"][i][k]), f"model {name}: state {k} of {i}"
