@@ -35,6 +35,20 @@ Note: [Two moments bound the kept states]
     memory] in teraio.states.residency), so keeping it changes nothing there (``region_nbytes=0``). Hence two
     capacities, one per moment, and a knapsack with two constraints.
 
+Note: [A kept parameter keeps its states when the step overlaps]
+    When the step of offloaded parameters runs in the next forward (Note: [The step of offloaded
+    parameters runs in the next forward] in teraio.states.step_pipeline), the update's I/O is hidden
+    behind the forward's compute, but only for offloaded parameters: a parameter kept in memory is
+    updated in ``opt.step()`` itself (user code may read it directly after the step, and a kept tensor
+    cannot be guarded), so its offloaded states would be read and written there, with nothing to
+    compute beside them. Keeping such a parameter saves its own traffic (read for forward and for
+    backward, the forward's read doubling as the update's, and written: 3x its bytes) but turns its
+    states' traffic from hidden into serial, which on the benchmark's 2B GPT under a 14 GB budget cost
+    13-14 s of a 27 s step (benchmarks/results/states_overlap_2c24g-virtio_202611.md). So with
+    ``keep_states_with_parameters`` a parameter is kept only with its states (one more constraint of the
+    knapsack: keeping the parameter implies keeping its states); a state may still be kept alone (its
+    traffic leaves the forward's I/O). Frozen weights have no states and are unaffected.
+
 The knapsack is solved exactly by CP-SAT (deterministic time, one worker, hinted with the greedy
 solution) and, for ``solver="greedy"`` or when CP-SAT cannot prove optimality in its time, by the
 ratio-first greedy (most I/O saved per byte, larger first), whose result CP-SAT never does worse than.
@@ -92,6 +106,9 @@ class StateResidency:
     saved_bytes: int  # per step, by the kept items
     solver: str  # "ilp" | "greedy" | "none" (nothing to decide)
     optimal: bool  # proven optimal for the knapsack
+    #: Chosen with a parameter kept only with its states (Note: [A kept parameter keeps its states when
+    #: the step overlaps]).
+    states_with_parameters: bool = False
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -111,6 +128,7 @@ class StateResidency:
             "saved_bytes": self.saved_bytes,
             "solver": self.solver,
             "optimal": self.optimal,
+            "states_with_parameters": self.states_with_parameters,
         }
 
 
@@ -128,19 +146,22 @@ def state_items(
     optimizer_in_backward: bool,
     held_by_graphs: Iterable[int] = (),
     read_only_reads: Mapping[int, int] | None = None,
+    overlap_step: bool = False,
 ) -> list[StateItem]:
     """The items of a model (Note: [What keeping an item saves]): every parameter in
     ``offloadable_params`` (those ``offload_parameters`` may move) and every parameter's optimizer states
     with a non-zero size. ``param_nbytes[i]`` and ``state_nbytes[i]`` are parameter ``i``'s bytes and its
     states' total bytes; the parameters in ``held_by_graphs`` are in memory anyway while the graphs run
     (Note: [Two moments bound the kept states]); ``read_only_reads`` maps the frozen weights (never
-    written) to the reads a step makes of each."""
+    written) to the reads a step makes of each; ``overlap_step``: the update of an offloaded parameter
+    runs in the next forward, whose read of it is the update's (Note: [A kept parameter keeps its states
+    when the step overlaps])."""
     if len(param_nbytes) != len(state_nbytes):
         raise StatePlanError(
             f"param_nbytes has {len(param_nbytes)} entries and state_nbytes {len(state_nbytes)}: "
             "one per parameter"
         )
-    reads = 2 if optimizer_in_backward else 3
+    reads = 2 if optimizer_in_backward or overlap_step else 3
     held = set(held_by_graphs)
     read_only = dict(read_only_reads or {})
     items = []
@@ -157,16 +178,39 @@ def state_items(
     return items
 
 
-def _greedy(items: Sequence[StateItem], capacity: int, region_capacity: int) -> list[StateItem]:
+def _needs(items: Sequence[StateItem], keep_states_with_parameters: bool) -> dict[int, StateItem]:
+    """Per item (by ``id``), the item that must be kept with it (Note: [A kept parameter keeps its states
+    when the step overlaps]): a parameter's states."""
+    if not keep_states_with_parameters:
+        return {}
+    states = {it.param_idx: it for it in items if it.kind == "optimizer_state"}
+    return {id(it): states[it.param_idx] for it in items if it.kind == "parameter" and it.param_idx in states}
+
+
+def _greedy(
+    items: Sequence[StateItem], capacity: int, region_capacity: int, needs: Mapping[int, StateItem]
+) -> list[StateItem]:
     """Most I/O saved per byte first (larger first among equals, then by position): every item that
-    still fits both moments is kept."""
+    still fits both moments is kept, with the item it ``needs`` when that is not kept yet (a parameter
+    whose ratio comes first brings its states)."""
     order = sorted(items, key=lambda it: (-it.moved_bytes / it.nbytes, -it.nbytes, it.kind, it.param_idx))
-    kept, left, region_left = [], capacity, region_capacity
+    kept: list[StateItem] = []
+    kept_ids: set[int] = set()
+    left, region_left = capacity, region_capacity
     for it in order:
-        if it.nbytes <= left and it.in_region <= region_left:
-            kept.append(it)
-            left -= it.nbytes
-            region_left -= it.in_region
+        if id(it) in kept_ids:
+            continue
+        group = [it]
+        need = needs.get(id(it))
+        if need is not None and id(need) not in kept_ids:
+            group.append(need)
+        nbytes = sum(g.nbytes for g in group)
+        region = sum(g.in_region for g in group)
+        if nbytes <= left and region <= region_left:
+            kept.extend(group)
+            kept_ids.update(id(g) for g in group)
+            left -= nbytes
+            region_left -= region
     return kept
 
 
@@ -176,6 +220,7 @@ def _cp_sat(
     region_capacity: int,
     hint: Sequence[StateItem],
     deterministic_s: float,
+    needs: Mapping[int, StateItem],
 ) -> tuple[list[StateItem], bool] | None:
     """The exact knapsack, or None when CP-SAT found nothing better than ``hint`` to prove."""
     from ortools.sat.python import cp_model
@@ -184,6 +229,11 @@ def _cp_sat(
     keep = [model.NewBoolVar(f"k{j}") for j in range(len(items))]
     model.Add(sum(it.nbytes * k for it, k in zip(items, keep)) <= capacity)
     model.Add(sum(it.in_region * k for it, k in zip(items, keep)) <= region_capacity)
+    var = {id(it): k for it, k in zip(items, keep)}
+    for it, k in zip(items, keep):
+        need = needs.get(id(it))
+        if need is not None:
+            model.AddImplication(k, var[id(need)])
     model.Maximize(sum(it.moved_bytes * k for it, k in zip(items, keep)))
     hinted = {id(it) for it in hint}
     for it, k in zip(items, keep):
@@ -204,11 +254,14 @@ def choose_resident_states(
     region_capacity_bytes: int | None = None,
     solver: StateSolver = "ilp",
     deterministic_s: float = DEFAULT_DETERMINISTIC_S,
+    keep_states_with_parameters: bool = False,
 ) -> StateResidency:
     """The items to keep in memory: the most step traffic saved (module docstring) with their bytes
     within ``capacity_bytes`` and their bytes while the graphs run within ``region_capacity_bytes``
     (default: ``capacity_bytes``; Note: [Two moments bound the kept states]). ``solver="ilp"`` is
-    CP-SAT (never worse than the greedy, which hints it); ``"greedy"`` the ratio-first greedy alone."""
+    CP-SAT (never worse than the greedy, which hints it); ``"greedy"`` the ratio-first greedy alone.
+    ``keep_states_with_parameters``: a parameter is kept only with its states (Note: [A kept parameter
+    keeps its states when the step overlaps])."""
     _nonneg(capacity_bytes, "capacity_bytes")
     region_cap = capacity_bytes if region_capacity_bytes is None else region_capacity_bytes
     _nonneg(region_cap, "region_capacity_bytes")
@@ -226,7 +279,15 @@ def choose_resident_states(
             raise StatePlanError(f"item {it.key} is listed twice")
         seen.add(it.key)
     fitting = [it for it in items if it.nbytes <= capacity_bytes and it.in_region <= region_cap]
-    kept = _greedy(fitting, capacity_bytes, region_cap)
+    needs = _needs(fitting, keep_states_with_parameters)
+    if keep_states_with_parameters:  # a parameter whose states cannot be kept cannot be either
+        with_states = {it.param_idx for it in items if it.kind == "optimizer_state"}
+        fitting = [
+            it
+            for it in fitting
+            if it.kind != "parameter" or id(it) in needs or it.param_idx not in with_states
+        ]
+    kept = _greedy(fitting, capacity_bytes, region_cap, needs)
     used, optimal = "greedy", False
     if (
         sum(it.nbytes for it in fitting) <= capacity_bytes
@@ -234,7 +295,7 @@ def choose_resident_states(
     ):  # everything fits: nothing to decide
         kept, used, optimal = list(fitting), "none", True
     elif solver == "ilp" and fitting:
-        found = _cp_sat(fitting, capacity_bytes, region_cap, kept, deterministic_s)
+        found = _cp_sat(fitting, capacity_bytes, region_cap, kept, deterministic_s, needs)
         if found is not None and sum(it.moved_bytes for it in found[0]) >= sum(it.moved_bytes for it in kept):
             kept, optimal = found
             used = "ilp"
@@ -259,4 +320,5 @@ def choose_resident_states(
         saved_bytes=sum(it.moved_bytes for it in kept),
         solver=used,
         optimal=optimal,
+        states_with_parameters=keep_states_with_parameters,
     )

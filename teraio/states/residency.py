@@ -102,6 +102,9 @@ class StateMemory:
     state_bytes: int
     fixed_bytes: int  # parameters that stay in memory whatever the plan
     items: list[StateItem]  # what the plan may keep
+    #: The same items when the step overlaps the next forward (Note: [A kept parameter keeps its states
+    #: when the step overlaps] in teraio.planner.kept_states: a parameter is read once fewer).
+    overlap_items: list[StateItem]
     step_window_bytes: int  # the streamed step's working set: three chunks and the resident gradients
 
     @property
@@ -127,17 +130,22 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
     state_nbytes += [0] * (len(every) - len(params))
     grad_bytes = sum(n for p, n in zip(params, param_nbytes) if p.requires_grad)
     movable = set() if residency is None else set(residency.movable())
-    items = state_items(
-        param_nbytes=param_nbytes,
-        state_nbytes=state_nbytes,
-        offloadable_params=movable,
-        optimizer_in_backward=states.in_backward,
-        held_by_graphs=held_by_graphs,
-        read_only_reads=(
-            {i: residency.frozen.reads_per_step(i) for i in range(len(params), len(every))}
-            if residency is not None
-            else None
-        ),
+    read_only = (
+        {i: residency.frozen.reads_per_step(i) for i in range(len(params), len(every))}
+        if residency is not None
+        else None
+    )
+    items, overlap_items = (
+        state_items(
+            param_nbytes=param_nbytes,
+            state_nbytes=state_nbytes,
+            offloadable_params=movable,
+            optimizer_in_backward=states.in_backward,
+            held_by_graphs=held_by_graphs,
+            read_only_reads=read_only,
+            overlap_step=overlap,
+        )
+        for overlap in (False, True)
     )
     fixed = sum(n for i, n in enumerate(param_nbytes) if i not in movable)
     return StateMemory(
@@ -146,6 +154,7 @@ def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozense
         state_bytes=sum(state_nbytes),
         fixed_bytes=fixed,
         items=items,
+        overlap_items=overlap_items,
         step_window_bytes=step_window_bytes(states),
     )
 
@@ -266,15 +275,39 @@ def fit_chunk_bytes(
     return lo
 
 
+# Note: [The kept items of an overlapped step]
+#     When the step may overlap the next forward, the items are chosen for that step first: a parameter
+#     only with its states (Note: [A kept parameter keeps its states when the step overlaps] in
+#     teraio.planner.kept_states), within what the overlapped step's two moments leave (Note: [The
+#     overlapped step's moments]): ``opt.step()``'s chunks of kept parameters, and the forward holding
+#     its graph's memory, the parameters of the call it runs and three chunks. Those moments are
+#     computed with nothing kept; the kept items leave the chunks, which then take other parameters, so
+#     the prediction with the choice can still be over: the capacity shrinks by the excess and the
+#     choice is made again (four times at most). If the overlapped step still does not fit, the
+#     serial step's own choice is made (within its streamed step's window), and the step still overlaps
+#     with it where that fits: its kept parameters are updated in ``opt.step()`` with their states, the
+#     others in the next forward, never slower than the whole step in ``opt.step()`` (kept parameters
+#     held by the graphs can lower the forward's moment, which the moments with nothing kept miss).
+#     Else the step runs serially, which an info line says. ``stats()["whole_step"]["kept"]
+#     ["states_with_parameters"]`` tells the two choices apart.
+
+
 def plan_residency(
-    memory: StateMemory, capacity_bytes: int, region_capacity_bytes: int, solver: str
+    memory: StateMemory,
+    capacity_bytes: int,
+    region_capacity_bytes: int,
+    solver: str,
+    overlap_step: bool = False,
 ) -> StateResidency:
-    """The items kept within the two capacities (negative: none)."""
+    """The items kept within the two capacities (negative: none); ``overlap_step``: for a step that
+    overlaps the next forward (Note: [A kept parameter keeps its states when the step overlaps] in
+    teraio.planner.kept_states)."""
     return choose_resident_states(
-        memory.items,
+        memory.overlap_items if overlap_step else memory.items,
         max(0, capacity_bytes),
         region_capacity_bytes=max(0, region_capacity_bytes),
         solver="greedy" if solver == "greedy" else "ilp",
+        keep_states_with_parameters=overlap_step,
     )
 
 
@@ -347,6 +380,8 @@ class WholeStepStates:
         #: Whether the step's working set fits beside the forward (Note: [The step of offloaded parameters
         #: runs in the next forward] in teraio.states.step_pipeline): no budget, or the plan says so.
         self.overlap_fits = True
+        #: The overlapped step's predicted peak, as last predicted (Note: [The overlapped step's moments]).
+        self.overlapped_peak_bytes = 0
 
     def sizes(self, held_by_graphs: frozenset[int] = frozenset()) -> StateMemory:
         """The states' sizes now (measured once per planning: the first step makes the states)."""
@@ -398,9 +433,47 @@ class WholeStepStates:
         m = self.memory or self.sizes()
         self.budget_bytes = budget_bytes
         self.unplanned_activation_bytes = unplanned_activation_bytes
+        chunk_bytes = self.states.stream.chunk_bytes  # as fit_step_window cut them
         left = budget_bytes - m.fixed_bytes
+        # Note: [The kept items of an overlapped step]. The prediction reads the chosen items, not what
+        # is in memory: only the final choice is applied.
+        peak = None
+        if self.states.overlapped is not None:
+            held = forward_held if forward_held is not None else [region_peak_bytes]
+            now, in_forward = overlapped_step_bytes(self.states, held)
+            capacity = left - max(now, in_forward)
+            for _ in range(4):
+                self.states.set_chunk_bytes(chunk_bytes)
+                self._choose(m, capacity, left - region_peak_bytes, solver, overlap=True)
+                peak = self.predict(region_peak_bytes, forward_held)
+                if self.overlap_fits or capacity <= 0 or self.keep != "plan":
+                    break
+                # The kept items' chunks hold more than the moments with nothing kept: keep less.
+                capacity -= self.overlapped_peak_bytes - budget_bytes
+        if peak is None or not self.overlap_fits:
+            self.states.set_chunk_bytes(chunk_bytes)
+            self._choose(m, left - m.step_window_bytes, left - region_peak_bytes, solver, overlap=False)
+            peak = self.predict(region_peak_bytes, forward_held)
+            if self.states.overlapped is not None and not self.overlap_fits:
+                log.info(
+                    "whole step: the optimizer step overlapped with the next forward would peak at %s "
+                    "(budget %s): it runs serially in opt.step()",
+                    format_size(self.overlapped_peak_bytes),
+                    format_size(budget_bytes),
+                )
+        apply_residency(self.states, self.residency)
+        return peak
+
+    def _choose(
+        self, m: StateMemory, capacity_bytes: int, region_capacity_bytes: int, solver: str, overlap: bool
+    ) -> None:
+        """Choose the kept items within the two capacities (the chunks cut smaller where they no longer fit
+        beside them)."""
+        left = (self.budget_bytes or 0) - m.fixed_bytes
         if self.keep == "plan":
-            self.residency = plan_residency(m, left - m.step_window_bytes, left - region_peak_bytes, solver)
+            self.residency = plan_residency(
+                m, capacity_bytes, region_capacity_bytes, solver, overlap_step=overlap
+            )
         else:
             self.residency = None
         r = self.residency
@@ -414,8 +487,6 @@ class WholeStepStates:
                 self.residency = None  # nothing kept fits (the chunks were sized with nothing kept)
             elif kept_chunk != self.states.stream.chunk_bytes:
                 self.states.set_chunk_bytes(kept_chunk)
-        apply_residency(self.states, self.residency)
-        return self.predict(region_peak_bytes, forward_held)
 
     def predict(self, region_peak_bytes: int, forward_held: list[int] | None = None) -> int:
         """The whole step's predicted peak with the kept states as they are, for graphs that peak at
@@ -434,6 +505,7 @@ class WholeStepStates:
             held = forward_held if forward_held is not None else [region_peak_bytes]  # unknown: the most
             now, in_forward = overlapped_step_bytes(self.states, held, kept_items)
             overlapped = m.fixed_bytes + max(graphs, kept + now, kept + in_forward)
+            self.overlapped_peak_bytes = overlapped
             self.overlap_fits = self.budget_bytes is None or overlapped <= self.budget_bytes
             if self.overlap_fits:
                 self.predicted_peak_bytes = overlapped

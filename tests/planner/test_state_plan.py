@@ -122,6 +122,66 @@ def test_the_exact_knapsack_matches_enumeration_and_the_greedy_fits(sizes, cap, 
     assert exact.saved_bytes == _best_by_enumeration(items, cap, region_cap) >= greedy.saved_bytes
 
 
+def test_an_overlapped_step_keeps_a_parameter_only_with_its_states():
+    # Note: [A kept parameter keeps its states when the step overlaps]: a parameter read once fewer (3x),
+    # and kept only with its states, which may be kept alone.
+    items = state_items(
+        param_nbytes=[100, 100, 100],
+        state_nbytes=[200, 200, 0],
+        offloadable_params=[0, 1, 2],
+        optimizer_in_backward=False,
+        overlap_step=True,
+    )
+    assert {it.key: it.moved_bytes for it in items}[("parameter", 0)] == 3 * 100
+    for solver in ("ilp", "greedy"):
+        # Serial: the parameters alone save the most per byte. Overlapped: a parameter and its states
+        # (300 bytes) or the stateless parameter with one parameter's states.
+        serial = choose_resident_states(items, 300, solver=solver)
+        assert serial.kept == {("parameter", 0), ("parameter", 1), ("parameter", 2)}, solver
+        paired = choose_resident_states(items, 300, solver=solver, keep_states_with_parameters=True)
+        for kind, i in paired.kept:
+            assert kind != "parameter" or i == 2 or ("optimizer_state", i) in paired.kept, solver
+        assert paired.saved_bytes == 700, solver  # parameter 2 (300) and a state (400)
+    # A parameter whose states do not fit is not kept either.
+    big = [StateItem(0, "parameter", 10, 30), StateItem(0, "optimizer_state", 500, 1000)]
+    for solver in ("ilp", "greedy"):
+        r = choose_resident_states(big, 100, solver=solver, keep_states_with_parameters=True)
+        assert r.kept == frozenset(), solver
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.tuples(st.integers(1, 60), st.integers(0, 120)), min_size=1, max_size=4),
+    cap=st.integers(0, 300),
+)
+def test_the_paired_knapsack_matches_enumeration(sizes, cap):
+    items = state_items(
+        param_nbytes=[p for p, _ in sizes],
+        state_nbytes=[s for _, s in sizes],
+        offloadable_params=range(len(sizes)),
+        optimizer_in_backward=False,
+        overlap_step=True,
+    )
+    exact = choose_resident_states(items, cap, deterministic_s=5.0, keep_states_with_parameters=True)
+    greedy = choose_resident_states(items, cap, solver="greedy", keep_states_with_parameters=True)
+    best = 0
+    for r in range(len(items) + 1):
+        for subset in itertools.combinations(items, r):
+            keys = {it.key for it in subset}
+            paired = all(
+                it.kind != "parameter"
+                or ("optimizer_state", it.param_idx) in keys
+                or not sizes[it.param_idx][1]
+                for it in subset
+            )
+            if paired and sum(it.nbytes for it in subset) <= cap:
+                best = max(best, sum(it.moved_bytes for it in subset))
+    for r in (exact, greedy):
+        assert r.kept_bytes <= cap
+        assert all(k != "parameter" or ("optimizer_state", i) in r.kept or not sizes[i][1] for k, i in r.kept)
+    assert exact.optimal and exact.saved_bytes == best >= greedy.saved_bytes
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
