@@ -506,6 +506,8 @@ def run(
         "step_vs_io_lower_bound": median_step / io_lower_bound,
         # benchmarks.step_overlap: the split of the step, what it waited on, the disk's idle time.
         "overlap": overlap_summary(running),
+        # teraio's stats()["whole_step"] at the end: the kept items, whether the step overlapped.
+        "whole_step": child.get("whole_step"),
         "read_bytes_vs_must_read": measured_read / must_read if must_read else None,
         "written_bytes_vs_must_write": measured_written / must_write if must_write else None,
         "step_vs_max_compute_io": median_step / bound,
