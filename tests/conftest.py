@@ -45,8 +45,8 @@ else:
 # Note: [One compute thread per test worker]
 #     Each xdist worker would run torch's intra-op pool (and Inductor's C++ kernels' OpenMP) with a
 #     thread per core, so two workers on 2 cores run four busy threads that wait on each other; with the
-#     cores shared out instead the suite ran about 20% faster (tests/teraio/test_loops.py: 122 s against
-#     97 s; the whole-step budget and planner tests 151 s against 124 s). The environment carries it to
+#     cores shared out instead, tests measured back to back ran about 20% faster (tests/teraio/test_loops.py:
+#     122 s against 97 s; the whole-step budget and planner tests 151 s against 124 s). The environment carries it to
 #     the subprocesses (torchrun jobs, the CLI, the README's blocks); a thread count already set wins.
 #     No test compares across processes with different counts: a reference and its run share one.
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
