@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from teraio.profiling.collective_frees import COLLECTIVE_OP_PREFIX, WORKER_SPAN_PREFIXES, unseen_frees
+
 T = TypeVar("T")
 
 
@@ -69,18 +71,32 @@ def _is_allocation(node: Any) -> bool:
 
 
 def allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
-    """Every allocation event in the subtrees of ``nodes`` on ``device``'s type, in time order."""
+    """Every allocation event in the subtrees of ``nodes`` on ``device``'s type, in time order, with the
+    frees of collectives' buffers the profiler could not see (Note: [A collective's buffer freed on its
+    worker thread] in teraio.profiling.collective_frees)."""
     kind = _device_type(device)
     out: list[AllocationEvent] = []
-    stack = list(nodes)
+    in_collectives: list[AllocationEvent] = []
+    worker_spans: list[tuple[int, int]] = []
+    stack = [(n, False) for n in nodes]
     while stack:
-        n = stack.pop()
+        n, in_collective = stack.pop()
         if _is_allocation(n):
             ef = n.extra_fields
             if ef.device.type == kind:
                 out.append(AllocationEvent(int(n.start_time_ns), int(ef.ptr), int(ef.alloc_size)))
-        stack.extend(n.children)
+                if in_collective and out[-1].nbytes > 0:
+                    in_collectives.append(out[-1])
+        else:
+            name = n.name
+            if name.startswith(WORKER_SPAN_PREFIXES):
+                worker_spans.append((int(n.start_time_ns), int(n.end_time_ns)))
+            in_collective = in_collective or name.startswith(COLLECTIVE_OP_PREFIX)
+        stack.extend((c, in_collective) for c in n.children)
     out.sort(key=lambda e: e.ts_ns)
+    if in_collectives and worker_spans:
+        out += [AllocationEvent(*f) for f in unseen_frees(out, in_collectives, worker_spans)]
+        out.sort(key=lambda e: e.ts_ns)
     return out
 
 

@@ -9,12 +9,14 @@ allocate and free during the span does count.
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import torch
 
 from teraio.profiling.measure import (
     AllocationEvent,
     MemoryRecorder,
+    allocations_under,
     measure_memory,
     op_transient_bytes,
     own_peak_bytes,
@@ -138,3 +140,46 @@ def test_cuda_measure_memory_asks_its_own_device() -> None:
         fake.close()
     assert (result.peak_bytes, result.end_bytes, result.method) == (3000, 100, "cuda")
     assert fake.asked and {device for _, device in fake.asked} == {torch.device("cuda", 1)}
+
+
+# ------------------------------------------------- a collective's buffer freed on its worker thread
+def _alloc(ts: int, ptr: int, nbytes: int) -> SimpleNamespace:
+    fields = SimpleNamespace(device=SimpleNamespace(type="cpu"), ptr=ptr, alloc_size=nbytes)
+    return SimpleNamespace(
+        tag=torch._C._profiler._EventType.Allocation, extra_fields=fields, start_time_ns=ts, children=[]
+    )
+
+
+def _span(name: str, start: int, end: int, *children: SimpleNamespace) -> SimpleNamespace:
+    tag = torch._C._profiler._EventType.TorchOp
+    return SimpleNamespace(tag=tag, name=name, start_time_ns=start, end_time_ns=end, children=list(children))
+
+
+def test_a_collectives_buffer_the_profiler_saw_no_free_of_is_freed_after_its_work() -> None:
+    """Note: [A collective's buffer freed on its worker thread] in teraio.profiling.collective_frees: the
+    reduce-scatter's clone (ptr 1) is freed unseen by the worker after its span; a later activation (ptr
+    2) must not stack on it. A recorded free (ptr 3), an address reused before the span ends (ptr 4) and
+    a buffer whose work never ran in the region (ptr 5) keep what the record says."""
+    block = 50_816
+    main = _span(
+        "ProfilerStep",
+        0,
+        200,
+        _span("c10d::_reduce_scatter_base_", 10, 20, _alloc(11, 1, block)),
+        _span("c10d::_reduce_scatter_base_", 21, 22, _alloc(21, 3, 64)),
+        _alloc(25, 3, -64),
+        _span("c10d::_allgather_base_", 23, 24, _alloc(23, 4, 32)),
+        _alloc(26, 4, 16),  # the allocator handed the address out again: freed by then
+        _alloc(40, 2, 100_000),
+        _alloc(50, 2, -100_000),
+        _span("c10d::_reduce_scatter_base_", 150, 160, _alloc(151, 5, 8)),
+    )
+    workers = [
+        _span("gloo:all_reduce", 15, 30),
+        _span("gloo:all_reduce", 22, 35),
+        _span("gloo:all_gather", 24, 45),
+    ]
+    events = allocations_under([main, *workers], "cpu")
+    assert own_peak_bytes(events) == (100_016, 24)
+    frees = [(e.ts_ns, e.ptr, e.nbytes) for e in events if e.nbytes < 0]
+    assert frees == [(25, 3, -64), (30, 1, -block), (50, 2, -100_000)]
