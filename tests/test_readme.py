@@ -79,12 +79,14 @@ SUBSTITUTIONS: tuple[tuple[str, str, str, str], ...] = (
     ),
     (r"\bteraio profile ", "teraio profile --inner eager ", "shell", "an Inductor compile takes 20-40 s"),
     (
-        r"(examples/train_fsdp\.py .*)$",
+        r"(examples/train_(?:ddp|fsdp)\.py .*)$",
         r"\1 --inner eager --solver greedy",
         "shell",
-        "two ranks compiling every block with Inductor take a minute, and CP-SAT planning every block graph "
-        "takes most of the rest (56 s of CPU against 17 s without a plan); the DDP example beside it runs "
-        "on Inductor with the ILP, and tests/teraio/test_distributed.py runs FSDP2 per block",
+        "two ranks compiling with Inductor and planning with CP-SAT at once took 80 s of both cores for the "
+        "DDP example (45 s of it CP-SAT), and FSDP2's block graphs take longer; the jobs in "
+        "tests/teraio/test_distributed.py run both on the FX path, Inductor and the ILP are tested on one "
+        "process (a rank compiles and plans the same way), and DDP on Inductor with the ILP by hand "
+        "(test_distributed.py's expensive test)",
     ),
     (
         r"\btorchrun --nproc_per_node=",

@@ -138,6 +138,19 @@ def test_ddp_with_graph_splitting(tmp_path) -> None:
     assert all(r["stats"]["graphs"] > 1 for r in results)
 
 
+@pytest.mark.expensive  # by hand: two ranks compiling with Inductor and planning with CP-SAT, minutes of CPU
+@pytest.mark.xfail(
+    strict=True,
+    reason="found 2026-11-29, not yet understood: with DDP's graph splitting on Inductor, the losses differ "
+    "from enabled=False's in their last bits from the first step after the final compile, also at a 100% "
+    "budget with the greedy; without splitting (one graph) they are equal",
+)
+def test_ddp_with_graph_splitting_on_inductor_with_the_ilp(tmp_path) -> None:
+    """What docs/guide.md's DDP example runs by default (the suite runs that example on the FX path)."""
+    results = _check("ddp-split", tmp_path, inner="inductor", solver="ilp", steps=10)
+    assert all(r["stats"]["graphs"] > 1 for r in results)
+
+
 def test_ddp_without_graph_splitting(nosplit_job) -> None:
     results = _nosplit(nosplit_job, "activations")
     assert all(r["stats"]["graphs"] == 1 for r in results)

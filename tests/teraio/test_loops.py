@@ -40,8 +40,11 @@ from .loops import (
 # shape, profiled and planned: Note: [A graph Dynamo replaced keeps its shape] in teraio.lifecycle.shapes),
 # HF GPT-2's symbolic graph through the same shapes is tests/teraio/test_user_loops.py's
 # test_dynamic_true[hf-gpt2-eager] (specialised per shape, every shape exact and planned), and BERT's and
-# GPT-2's graphs run every other pattern here.
+# GPT-2's graphs run every other pattern here. In CI each HF model runs every pattern once: GPT-2 in
+# "all" (autocast too) and with checkpointing, BERT with a graph break (every pattern but autocast); the
+# other three by hand (55 s of CPU: the same code paths on the other architecture).
 EXPENSIVE_FX = {("hf-bert", "changing-shapes"), ("hf-gpt2", "changing-shapes")}
+EXPENSIVE_FX |= {("hf-bert", "all"), ("hf-gpt2-graph-break", "all-fp32"), ("hf-bert-checkpoint", "all-fp32")}
 FX_PARAMS = [
     pytest.param(c, p, id=f"{c}-{p}", marks=[pytest.mark.expensive] if (c, p) in EXPENSIVE_FX else [])
     for c, p in FX_MATRIX

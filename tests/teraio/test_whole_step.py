@@ -180,7 +180,9 @@ def _hf_run(name: str, opt_name: str, enabled: bool, offload_dir: str, budget: s
 @pytest.mark.parametrize(
     ("name", "opt_name", "budget"),
     [
-        ("hf-gpt2", "adamw", "40%"),
+        # By hand: tests/teraio/test_whole_step_budget.py runs GPT-2 with AdamW at 40% in CI, with the
+        # plan's own chunks and tighter checks; this one differs only in its 64 KiB chunks.
+        pytest.param("hf-gpt2", "adamw", "40%", marks=pytest.mark.expensive),
         # At 40% the Llama-shaped model's one graph, holding all of its parameters while it runs, has no
         # room left for the 64 KiB its loop holds beside the graph once that is measured (the graph's
         # floor with its parameters is 903 KiB of the 919 KiB budget): teraio then warns and runs above

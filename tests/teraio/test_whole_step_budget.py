@@ -1,7 +1,7 @@
 """The whole-step budget holds on models beyond the suite's own (Note: [The streamed step's chunks are
 sized to the budget] in teraio.states.residency): five HF architectures and the tiny GPT, AdamW, the
 parameters, gradients and optimizer states on disk with the default ``chunk_bytes`` (64 MiB, more than
-each model's whole state), at 40% and 60% of the whole step. The plan's prediction stays within the
+each model's whole state), at 40% or 60% of the whole step (the rest by hand: ``CASES``). The plan's prediction stays within the
 budget (the streamed step's chunks cut to fit), the measured whole step (the optimizer step included)
 is within 5% of the prediction, and every run is bit-identical to the same loop without teraio."""
 
@@ -36,8 +36,28 @@ def _reference(name: str, offload_dir: str) -> dict[str, Any]:
     return _run(name, False, "40%", offload_dir)
 
 
-@pytest.mark.parametrize("budget", ["40%", "60%"])
-@pytest.mark.parametrize("name", MODELS)
+# In CI: the tiny GPT at both budgets (its 40% run is the one whose kept choice pairs states with
+# parameters), GPT-2 and BERT at 40% (their default chunks are cut to fit: the assertion below), Llama and
+# T5 at 60%; the rest by hand (`pytest -m expensive`: 68 s of CPU, T5 at 40% alone 26 s), Qwen2 among them
+# (a decoder like Llama: RMSNorm, rotary positions, grouped-query attention).
+IN_CI = {
+    ("gpt-tiny", "40%"),
+    ("gpt-tiny", "60%"),
+    ("hf-gpt2", "40%"),
+    ("hf-bert", "40%"),
+    ("hf-llama", "60%"),
+}
+IN_CI |= {("hf-t5", "60%")}
+CASES = [
+    pytest.param(
+        name, budget, id=f"{name}-{budget}", marks=[] if (name, budget) in IN_CI else [pytest.mark.expensive]
+    )
+    for name in MODELS
+    for budget in ("40%", "60%")
+]
+
+
+@pytest.mark.parametrize(("name", "budget"), CASES)
 def test_the_whole_step_budget_holds_and_the_run_is_exact(name, budget, tmp_path_factory):
     ref = _reference(name, str(tmp_path_factory.getbasetemp() / f"ref-{name}"))
     got = _run(name, True, budget, str(tmp_path_factory.mktemp("off")))
