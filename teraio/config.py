@@ -184,7 +184,8 @@ class BackendConfig:
     """The compiler teraio hands the rewritten graphs to: "inductor", or "eager" (the FX-only path)."""
 
     enabled: bool = True
-    """False: profile only, never offload (a reference run through the same compiler)."""
+    """False: profile only, never offload (a reference run through the same compiler and the same phases:
+    with a budget its graphs wait for the step's other profiles as the planned run's do)."""
 
     plan: str | None = None
     """A plan file or directory from an earlier run (``teraio plan``) to use instead of planning."""

@@ -179,6 +179,10 @@ class TeraioBackend:
     def wants_transfer_price(self) -> bool:
         return self.pricing.wants_transfer_price()
 
+    def measuring_kernel_memory(self) -> bool:
+        """Whether one of its graphs measures its kernels' memory now (RunnerHost)."""
+        return any(r.profiler is not None and r.profiler.memory_step_running for r in self.runners)
+
     def probe_engine_id(self) -> int:
         return self.pricing.probe_engine_id()
 
@@ -262,11 +266,15 @@ class TeraioBackend:
                 if r.plan is None and r.profiler is not None:
                     r.finish_profiling()
             unplanned = [r for r in ready if r.plan is None and r.profile is not None]
-            if unplanned and self.cfg.enabled and self.cfg.memory_budget is not None:
+            if unplanned and self.cfg.memory_budget is not None:
                 # Note: [The step is planned once every graph it calls is profiled] in teraio.lifecycle.step_planner
+                # With enabled=False too: a graph waiting to be planned still runs its profiling code (the
+                # FX graph op by op, not Inductor's kernels), so a reference run that compiled it at once
+                # computed other bits than the run it is the reference of.
                 if self.planner.waits_for_profiles(step.index if step is not None else 0):
                     return
-                self.planner.plan(unplanned)
+                if self.cfg.enabled:
+                    self.planner.plan(unplanned)
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()
             for r in ready:

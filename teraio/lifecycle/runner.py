@@ -78,6 +78,9 @@ class RunnerHost(Protocol):
     def probe_engine_id(self) -> int:
         """The engine transfer probes use."""
 
+    def measuring_kernel_memory(self) -> bool:
+        """Whether one of its graphs measures its kernels' memory now (its forward ran, its backward not yet)."""
+
 
 def _device_of(example_inputs: list[Any]) -> str:
     """The device a graph computes on: its first non-CPU tensor input's (a leading CPU index or scalar

@@ -177,10 +177,18 @@ class RunnerProfiling:
         self.finish_kernel_memory()
         instrumented, calibration = profiling_split(self.cfg.profiling.steps)
         step = runner.backend.tracker.current_step
+        # Note: [A graph that is never the step's first measures inside the step]
+        #     A graph measures its kernels' memory from its forward to its backward, and keeps the timeline
+        #     only when no other forward ran in between. At the step's first forward nothing else is in
+        #     flight; but the graph after a graph break (or a later DDP piece) is never the step's first,
+        #     and waiting for that left it profiling for ever while the first graph, which never runs alone
+        #     to its backward, gave up and was planned alone. So a graph may also start inside the step,
+        #     when no other graph of its backend is measuring (the profiler takes one session at a time:
+        #     starting beside one would spend its attempts on a busy profiler).
         if (
             prof.steps_recorded >= instrumented
             and prof.wants_kernel_memory
-            and (step is None or step.complete)  # the step's first forward: nothing else in flight
+            and (step is None or step.complete or not runner.backend.measuring_kernel_memory())
         ):
             prof.memory_next = True
             prof.calibrate_next = False

@@ -141,13 +141,16 @@ def test_ddp_with_graph_splitting(tmp_path) -> None:
 @pytest.mark.expensive  # by hand: two ranks compiling with Inductor and planning with CP-SAT, minutes of CPU
 @pytest.mark.xfail(
     strict=True,
-    reason="found 2026-11-29, not yet understood: with DDP's graph splitting on Inductor, the losses differ "
-    "from enabled=False's in their last bits from the first step after the final compile, also at a 100% "
-    "budget with the greedy; without splitting (one graph) they are equal",
+    reason="found 2026-11-29, not yet understood: exact and planned, but rank 0's measured step peak is 29% "
+    "below its prediction (292,808 B for 414,976 B)",
 )
 def test_ddp_with_graph_splitting_on_inductor_with_the_ilp(tmp_path) -> None:
-    """What docs/guide.md's DDP example runs by default (the suite runs that example on the FX path)."""
-    results = _check("ddp-split", tmp_path, inner="inductor", solver="ilp", steps=10)
+    """What docs/guide.md's DDP example runs by default (the suite runs that example on the FX path). It
+    found the reference run compiling a graph while the planned run's waited for the step's other graphs
+    (Note: [The step is planned once every graph it calls is profiled]): the losses then differed in
+    their last bits; and the pieces after the first never planned (Note: [A graph that is never the
+    step's first measures inside the step] in teraio.lifecycle.runner_profiling)."""
+    results = _check("ddp-split", tmp_path, inner="inductor", solver="ilp", steps=16)
     assert all(r["stats"]["graphs"] > 1 for r in results)
 
 

@@ -22,7 +22,7 @@ from teraio.planner.hardware import HardwareError
 from teraio.profiling.op_timing import profiling_split
 
 from .fake_cuda import FWD_S, SCRATCH_NBYTES, LateModel, batch
-from .loops import CASES, GPTLoss, assert_bit_identical, run
+from .loops import CASES, GPTLoss, assert_bit_identical, loop_backend, run
 
 
 def test_backend_is_a_function_before_and_after_the_lifecycle_module_loads() -> None:
@@ -420,3 +420,59 @@ def test_a_quick_calibration_is_reused_by_later_backends_of_the_process(monkeypa
     monkeypatch.setattr(teraio.profiling.disk_calibration, "QUICK_REUSE_S", 0.0)
     assert quick(a, checksum=True)[1] is None
     assert len(calls) == 4
+
+
+def _phases_by_step(enabled: bool, tmp_path) -> list[tuple[str, ...]]:
+    """The tiny GPT compiled per block (``backend.compile``), 50% of its step: each runner's phase after
+    every step."""
+    from teraio.tools.workloads import builtin_workload
+
+    torch._dynamo.reset()
+    work = builtin_workload("tiny")
+    be = teraio.backend(
+        memory_budget="50%",
+        enabled=enabled,
+        inner="eager",
+        solver="greedy",
+        profiling=teraio.Profiling(steps=2, measure_memory=False),
+        offload_dirs=[str(tmp_path / str(enabled))],
+    )
+    phases = []
+    try:
+        model = be.compile(work.model)
+        for step in range(6):
+            model(*work.batch_at(step)).backward()
+            phases.append(tuple(r.phase.value for r in be.runners))
+    finally:
+        be.close()
+    return phases
+
+
+def test_the_reference_run_waits_for_the_steps_profiles_as_the_planned_run_does(tmp_path) -> None:
+    """Note: [The step is planned once every graph it calls is profiled] in teraio.lifecycle.step_planner:
+    a graph waiting to be planned still runs its profiling code (on Inductor: the graph op by op, not its
+    kernels). ``enabled=False`` is the reference of the run with a plan, so it waits too: had it compiled at
+    once, the two would have computed different bits in those steps (found with DDP's graph splitting on
+    Inductor)."""
+    planned = _phases_by_step(True, tmp_path)
+    reference = _phases_by_step(False, tmp_path)
+    waited = [p for p in planned if "planning" in p and "profiling" in p]
+    assert waited, planned  # the block graph finished profiling first and waited: the check is not vacuous
+    assert reference == planned
+
+
+def test_the_graph_after_a_graph_break_on_inductor_is_measured_and_planned(tmp_path) -> None:
+    """Note: [A graph that is never the step's first measures inside the step] in
+    teraio.lifecycle.runner_profiling: the graph after the break is never the step's first forward; it
+    stayed profiling for ever (and the first graph, which never runs alone to its backward, was planned
+    alone at the end of its wait). (Its measurement still falls back to the census here: not yet read why.)"""
+    be = loop_backend(True, "inductor", "70%", offload_dirs=[str(tmp_path)])
+    try:
+        run(CASES["gpt-graph-break"], "plain", be, 12)
+        st = be.stats()
+    finally:
+        be.close()
+    called = [g for g in st["per_graph"] if g["invocations"] >= 6]  # Dynamo replaced one graph once
+    assert len(called) == 2, st["per_graph"]
+    assert all(g["phase"] == "running" for g in called), st["per_graph"]
+    assert st["running_steps"] >= 1, st
