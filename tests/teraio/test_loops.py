@@ -38,8 +38,8 @@ from .loops import (
 # matrix (two eager compiles of the model per shape: 20 s of CPU for GPT-2). In CI, changing shapes run here
 # on the GPT and the convnet (a static graph first, then Dynamo's automatic dynamic one, dispatched per
 # shape, profiled and planned: Note: [A graph Dynamo replaced keeps its shape] in teraio.lifecycle.shapes),
-# HF GPT-2's symbolic graph through the same shapes is tests/teraio/test_user_loops.py's
-# test_dynamic_true[hf-gpt2-eager] (specialised per shape, every shape exact and planned), and BERT's and
+# the tiny GPT's symbolic graph through the same shapes is tests/teraio/test_user_loops.py's
+# test_dynamic_true[gpt-eager] (specialised per shape, every shape exact and planned; HF GPT-2's by hand), and BERT's and
 # GPT-2's graphs run every other pattern here. In CI each HF model runs every pattern once: GPT-2 in
 # "all" (autocast too) and with checkpointing, BERT with a graph break (every pattern but autocast); the
 # other three by hand (55 s of CPU: the same code paths on the other architecture).

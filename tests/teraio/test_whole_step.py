@@ -128,6 +128,10 @@ def test_adamw_at_40_percent_of_the_whole_step_is_exact_shown_and_resumed(adamw_
     assert finished["stats"]["whole_step"]["kept"] is not None
 
 
+# By hand (36 s of CPU on a fresh clone): the whole state on disk with Inductor runs in CI in
+# tests/teraio/test_params_offload.py (per block) and tests/teraio/test_frozen_params.py (LoRA per block),
+# validation forwards under a whole-step budget on the FX path in tests/teraio/test_loops.py's patterns.
+@pytest.mark.expensive
 def test_inductor_with_validation_forwards_at_50_percent_is_exact(tmp_path):
     """The whole model one Inductor graph, a validation forward under no_grad after every backward.
     Deterministic mode: Inductor's embedding backward adds its rows in a nondeterministic order
