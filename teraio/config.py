@@ -38,6 +38,9 @@ OnPlanMismatch = Literal["error", "reprofile"]
 IOBackendName = Literal["auto", "posix", "kvikio", "host"]
 TierName = Literal["ssd", "host"]
 RecomputeOption = Literal["off", "only", "joint"]
+#: Solver.partitioner_budget's value that searches (Note: [The partitioner's budget is part of the plan]
+#: in teraio.lifecycle.partitioner_search).
+PartitionerSearch = Literal["search"]
 #: ``hardware=CALIBRATE``: time the offload directory before the first plan instead of reading a file.
 CALIBRATE = "calibrate"
 
@@ -95,10 +98,28 @@ class Solver:
     None: the solver's default (teraio.planner.solve.default_recompute): "joint" with the solvers that
     plan recompute, "off" with the offload-only baselines."""
 
+    partitioner_budget: float | PartitionerSearch | None = None
+    """The min-cut partitioner's own recompute (``torch._functorch.config.activation_memory_budget``: the
+    share of the saved activations it keeps, recomputing the rest in backward, fused into Inductor's
+    kernels), under teraio's plan: a ratio from 0 to 1; "search": the plan chooses it (with a memory
+    budget, a step whose plan at the default partition moves or rebuilds tensors is profiled again at
+    the ratio estimated to fit by the partitioner alone and one between, and runs the fastest predicted;
+    Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search); None:
+    the process's ``activation_memory_budget`` (1.0 unless set)."""
+
     def __post_init__(self) -> None:
         from teraio.planner.limits import MAX_WORKERS
 
         _check_solver_name(self.name, "Solver.name")
+        pb = self.partitioner_budget
+        if (
+            pb is not None
+            and pb != "search"
+            and not (isinstance(pb, (int, float)) and not isinstance(pb, bool) and 0.0 <= pb <= 1.0)
+        ):
+            raise UserInputError(
+                f"Solver.partitioner_budget must be a ratio from 0 to 1, 'search' or None, not {pb!r}"
+            )
         if not _is_positive_number(self.time_limit):
             raise UserInputError(
                 f"Solver.time_limit must be a positive number of seconds, not {self.time_limit!r}"
@@ -301,6 +322,11 @@ class BackendConfig:
             )
         if self.offload_dirs is not None:
             self._check_offload_dirs()
+        if self.solver.partitioner_budget == "search" and (self.memory_budget in (None, "auto") or self.plan):
+            raise UserInputError(
+                "Solver.partitioner_budget='search' compares plans within a memory_budget (bytes, units or a "
+                "fraction, not 'auto') made by the backend, not read from plan=: set one, or give a ratio"
+            )
 
     def _check_offload_dirs(self) -> None:
         from teraio.platform.preflight import check_writable_dir
@@ -338,6 +364,13 @@ class BackendConfig:
             # A real write (where the directory will be created: nothing is left behind): root passes every
             # permission check, and only a write finds a full disk.
             check_writable_dir(path, option="offload_dirs")
+
+
+def partitioner_budget_option(cfg: BackendConfig) -> float | None:
+    """The partitioner budget a graph is first partitioned at: ``Solver.partitioner_budget`` when it is a
+    ratio, else None (the process's setting; "search" starts there)."""
+    pb = cfg.solver.partitioner_budget
+    return None if pb is None or pb == "search" else float(pb)
 
 
 def directory_problem(path: object) -> str | None:

@@ -130,6 +130,7 @@ SHARED_RUN_MODULES = frozenset(
         "tests/teraio/test_offload_e2e.py",
         "tests/teraio/test_offloaded_reads.py",
         "tests/teraio/test_overlapped_step.py",
+        "tests/teraio/test_partitioner_search.py",
         "tests/teraio/test_per_call_plans.py",
         "tests/teraio/test_recompute.py",
         "tests/teraio/test_states.py",

@@ -54,8 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--methods",
-        default="no-offload,teraio,checkpoint,teraio@checkpoint",
-        help="comma list of methods to run, in order (teraio@checkpoint: teraio with the checkpoint "
+        default="no-offload,teraio,torch-budget,checkpoint,teraio@checkpoint",
+        help="comma list of methods to run, in order (torch-budget: PyTorch's activation_memory_budget at "
+        "the ratio that reaches teraio's measured peak, so it comes after teraio; teraio@checkpoint: teraio "
+        "with the checkpoint "
         "method's measured peak as its budget, so it comes after checkpoint)",
     )
     p.add_argument(
@@ -152,6 +154,18 @@ def _table(result: dict[str, Any]) -> None:
             )
         )
     for tr in rows:
+        if "activation_memory_budget" in tr:
+            probes = ", ".join(f"{p['ratio']:g}: {format_size(p['peak_bytes'])}" for p in tr["ratio_probes"])
+            console.print(
+                f"{tr['method']}: PyTorch's activation_memory_budget "
+                + (
+                    f"{tr['activation_memory_budget']:g} reaches teraio's peak"
+                    if tr["reaches_target"]
+                    else f"cannot reach teraio's peak {format_size(tr['target_peak_bytes'])}; shown at "
+                    f"{tr['activation_memory_budget']:g}, the ratio that peaked lowest"
+                )
+                + f" (peak per ratio tried: {probes})"
+            )
         if "budget_raised_from_bytes" in tr:
             console.print(
                 f"{tr['method']}: the checkpoint peak {format_size(tr['budget_raised_from_bytes'])} is below "
@@ -198,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
         check_writable_dir(args.run_dir, option="--run-dir")
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
     from teraio.runtime.config import default_offload_dir
-    from teraio.tools.demo import AT_CHECKPOINT, METHODS, DemoConfig, run_demo
+    from teraio.tools.demo import AT_CHECKPOINT, METHODS, TORCH_BUDGET, DemoConfig, run_demo
 
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
@@ -208,6 +222,12 @@ def run(args: argparse.Namespace) -> int:
     ):
         raise UserInputError(
             f"--methods: {AT_CHECKPOINT} needs checkpoint before it (its measured peak is the budget)"
+        )
+    if TORCH_BUDGET in methods and (
+        "teraio" not in methods or methods.index("teraio") > methods.index(TORCH_BUDGET)
+    ):
+        raise UserInputError(
+            f"--methods: {TORCH_BUDGET} needs teraio before it (its measured peak is the target)"
         )
     if args.offload_dir is None:  # the per-user default: created if missing, as the runtime will
         check_writable_dir(default_offload_dir(), option="the offload directory")

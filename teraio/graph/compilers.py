@@ -115,20 +115,34 @@ def fx_only_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[
     return gm
 
 
-def _partition_base(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[Any, Any]:
+def _partition_base(
+    joint: fx.GraphModule, joint_inputs: Any, partitioner_budget: float | None, **kwargs: Any
+) -> tuple[Any, Any]:
+    """The min-cut partitioner; at ``partitioner_budget`` (its ``activation_memory_budget``) when given,
+    else at the process's setting. Note: [The partitioner's budget is part of the plan] in
+    teraio.lifecycle.partitioner_search."""
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    if partitioner_budget is None:
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+    with torch._functorch.config.patch(activation_memory_budget=partitioner_budget):
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
-def _hooked(on_partition: OnPartition, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-    fw_gm, bw_gm = _partition_base(joint, joint_inputs, **kwargs)
+def _hooked(
+    on_partition: OnPartition,
+    partitioner_budget: float | None,
+    joint: fx.GraphModule,
+    joint_inputs: Any,
+    **kwargs: Any,
+):
+    fw_gm, bw_gm = _partition_base(joint, joint_inputs, partitioner_budget, **kwargs)
     step = CapturedStep(fw_gm, bw_gm, int(kwargs["num_fwd_outputs"]))
     result = on_partition(step) or step
     return result.fw_gm, result.bw_gm
 
 
-def _inductor_partitioner(on_partition: OnPartition, uuid: str) -> Any:
+def _inductor_partitioner(on_partition: OnPartition, partitioner_budget: float | None, uuid: str) -> Any:
     from torch._inductor.custom_graph_pass import CustomPartitionerFn
 
     class TeraioPartitioner(CustomPartitionerFn):
@@ -137,7 +151,7 @@ def _inductor_partitioner(on_partition: OnPartition, uuid: str) -> Any:
         def __call__(
             self, gm: fx.GraphModule, joint_inputs: Sequence[object], **kwargs: Any
         ) -> tuple[fx.GraphModule, fx.GraphModule]:
-            return _hooked(on_partition, gm, joint_inputs, **kwargs)
+            return _hooked(on_partition, partitioner_budget, gm, joint_inputs, **kwargs)
 
         def uuid(self) -> str:
             return uuid
@@ -155,6 +169,7 @@ def compile_graph(
     graph_compiler: GraphCompiler | None = None,
     inductor_options: dict[str, Any] | None = None,
     calibration_kernels: bool = False,
+    partitioner_budget: float | None = None,
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph for training and inference with teraio's partitioner hook.
 
@@ -168,6 +183,8 @@ def compile_graph(
             they override ``TERAIO_INDUCTOR_OPTIONS``.
         calibration_kernels: with ``graph_compiler`` on "inductor", also compile each training graph to
             Inductor's kernels and hand them to ``graph_compiler``.
+        partitioner_budget: the min-cut partitioner's ``activation_memory_budget`` (the share of the
+            saved activations it keeps, recomputing the rest in backward); None: the process's setting.
 
     Note: [Calibrating on the compiler's own code]
         The calibration steps time the partitioned graphs as the step will run them (Note: [Calibrated times]
@@ -194,7 +211,9 @@ def compile_graph(
             fw_compiler=compile_train(False),
             bw_compiler=compile_train(True),
             inference_compiler=fx_only_compiler,
-            partition_fn=lambda joint, inputs, **kw: _hooked(on_partition, joint, inputs, **kw),
+            partition_fn=lambda joint, inputs, **kw: _hooked(
+                on_partition, partitioner_budget, joint, inputs, **kw
+            ),
         )(gm, example_inputs)
 
     from torch._inductor import config as inductor_config
@@ -208,11 +227,11 @@ def compile_graph(
             kernels = compile_fx_inner(copy.deepcopy(g), ex, **kwargs)
         return graph_compiler(g, list(ex), bool(kwargs.get("is_backward")), kernels)
 
-    uuid = hashlib.sha256(f"{identity}:{source_digest()}".encode()).hexdigest()
+    uuid = hashlib.sha256(f"{identity}:{partitioner_budget}:{source_digest()}".encode()).hexdigest()
     patches: dict[str, Any] = {
         **TERAIO_INDUCTOR_OPTIONS,  # Note: [Inductor keeps the profiled order]
         **(inductor_options or {}),
-        "custom_partitioner_fn": _inductor_partitioner(on_partition, uuid),
+        "custom_partitioner_fn": _inductor_partitioner(on_partition, partitioner_budget, uuid),
         # Note: [teraio's compiles bypass the compile caches]
         "fx_graph_cache": False,
         "fx_graph_remote_cache": False,
@@ -233,6 +252,7 @@ def capture_step(
     inner: InnerCompiler,
     *,
     inductor_options: dict[str, Any] | None = None,
+    partitioner_budget: float | None = None,
 ) -> CapturedStep | None:
     """The partitioned training graphs ``compile_graph`` would profile, without compiling them: tracing
     and the compiler's joint-graph passes run, code generation does not (the partitioner stops it).
@@ -242,7 +262,15 @@ def capture_step(
         raise _Captured(step)
 
     try:
-        compile_graph(gm, example_inputs, inner, stop, identity="capture", inductor_options=inductor_options)
+        compile_graph(
+            gm,
+            example_inputs,
+            inner,
+            stop,
+            identity="capture",
+            inductor_options=inductor_options,
+            partitioner_budget=partitioner_budget,
+        )
     except _Captured as done:
         return done.step
     except Exception as exc:  # torch wraps what a partitioner raises in its own errors on some paths

@@ -34,6 +34,7 @@ from teraio.lifecycle.engines import round_up, runtime_config
 from teraio.lifecycle.measurement import OutsideMemory, StepMeasurement
 from teraio.lifecycle.model_compile import compile_model
 from teraio.lifecycle.outside_time import OutsideTimer
+from teraio.lifecycle.partitioner_search import PartitionerSearch
 from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.pricing import TransferPricing
 from teraio.lifecycle.ranks import RankAgreement
@@ -114,6 +115,10 @@ class TeraioBackend:
             self.whole_step,
             hardware_model=self.pricing.hardware_model,
             save_plan=self.record.save_plan,
+        )
+        #: Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search
+        self.partitioner_search = (
+            PartitionerSearch(self.planner) if self.cfg.solver.partitioner_budget == "search" else None
         )
         self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
         #: The time each calibration step spends outside its graphs (teraio.lifecycle.outside_time).
@@ -273,7 +278,17 @@ class TeraioBackend:
                 # computed other bits than the run it is the reference of.
                 if self.planner.waits_for_profiles(step.index if step is not None else 0):
                     return
-                if self.cfg.enabled:
+                search = self.partitioner_search
+                if (
+                    self.cfg.enabled
+                    and search is not None
+                    and search.applies(unplanned, self.ranks.active(), self.states is not None)
+                ):
+                    # Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search
+                    if search.plan(unplanned):
+                        self.measurement.compiled_during(self.tracker.current_step)
+                        return  # profiling again at another partitioner budget
+                elif self.cfg.enabled:
                     self.planner.plan(unplanned)
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
                 self._tell_profile_only()

@@ -61,6 +61,8 @@ def backend_stats(backend: TeraioBackend) -> dict[str, Any]:
             # Forwards from lines of the loop whose outputs are never backpropagated, run without the
             # plan (Note: [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards).
             "unplanned_calls": r.unplanned_calls,
+            # Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search
+            "partitioner_budget": r.partitioner_budget,
         }
         for r in backend.runners
     ]
@@ -99,6 +101,10 @@ def backend_stats(backend: TeraioBackend) -> dict[str, Any]:
         **io_bytes_by_kind(io, backend.states),
         # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency
         "whole_step": backend.whole_step.stats() if backend.whole_step is not None else None,
+        # Each ratio the partitioner search planned (None: no search ran).
+        "partitioner_search": (
+            backend.partitioner_search.summary() if backend.partitioner_search is not None else None
+        ),
     }
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from teraio.config import partitioner_budget_option
 from teraio.errors import UserInputError
 from teraio.graph.capture import CapturedStep, analyse_saved
 from teraio.graph.compilers import compile_graph
@@ -157,16 +158,25 @@ class GraphRunner:
         self.unplanned_calls = 0
         self._unplanned_peak_bytes: int | None = None
         self.training = False  # set by the partitioner's hook: the graph has a backward
+        #: The min-cut partitioner's activation_memory_budget this graph is partitioned at (None: the
+        #: process's setting). Note: [The partitioner's budget is part of the plan] in
+        #: teraio.lifecycle.partitioner_search.
+        self.partitioner_budget: float | None = partitioner_budget_option(self.cfg)
         self.phase = Phase.PROFILING
         self.profiling = RunnerProfiling(self, _device_of(example_inputs))
-        self._compiled = compile_graph(
-            gm,
-            example_inputs,
+        self._compiled = self._compile_for_profiling()
+        if not self.training:
+            self.phase = Phase.INFERENCE
+
+    def _compile_for_profiling(self) -> Callable[..., Any]:
+        return compile_graph(
+            self.gm,
+            self.example_inputs,
             self.cfg.inner,
             self.profiling.on_partition,
             identity="profiling",
             graph_compiler=self.profiling.compiler,
-            inductor_options=backend.inductor_options,
+            inductor_options=self.backend.inductor_options,
             # Not with plans from a file: a graph they cover is never profiled (one that is not then
             # calibrates on the FX graph, and its profile says so in ``calibrated_on``). On Inductor the
             # kernels also give the memory timeline: Note: [The budget is of the graph that runs] in
@@ -174,10 +184,25 @@ class GraphRunner:
             calibration_kernels=(
                 profiling_split(self.cfg.profiling.steps)[1] > 0 or self.cfg.inner == "inductor"
             )
-            and not backend.plans_from_file,
+            and not self.backend.plans_from_file,
+            partitioner_budget=self.partitioner_budget,
         )
-        if not self.training:
-            self.phase = Phase.INFERENCE
+
+    def profile_at(self, partitioner_budget: float) -> None:
+        """Profile the graph again from its first step, partitioned at ``partitioner_budget`` (Note: [The
+        partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search). Outside any
+        backward; the previous profile and plans are the caller's to keep."""
+        if self.profiler is not None:
+            self.profiler.abandon_kernel_memory()  # never leave a profiler session running unowned
+        self.partitioner_budget = partitioner_budget
+        self.profiler, self.profile, self.plan, self.plans = None, None, None, {}
+        self._unplanned_peak_bytes = None
+        self.step_budget_bytes = None
+        self.profiling = RunnerProfiling(self, _device_of(self.example_inputs))
+        self.phase = Phase.PROFILING
+        with unguarded(self.example_inputs):  # Note in teraio.states.guarded.unguarded
+            self._compiled = self._compile_for_profiling()
+        self.compiles += 1
 
     @property
     def name(self) -> str:
@@ -284,6 +309,7 @@ class GraphRunner:
                 on_partition,
                 identity=identity,
                 inductor_options=self.backend.inductor_options,
+                partitioner_budget=self.partitioner_budget,
             )
 
     def _without_plan(self) -> Callable[..., Any]:
@@ -303,6 +329,7 @@ class GraphRunner:
                     lambda step: None,
                     identity="final:no-plan",
                     inductor_options=self.backend.inductor_options,
+                    partitioner_budget=self.partitioner_budget,
                 )
         return self._plain
 

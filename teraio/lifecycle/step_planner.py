@@ -104,6 +104,13 @@ class StepPlanner:
         self.save_plan = save_plan
         self.predicted_step_peak_bytes: int | None = None
         self._waiting_since_step: int | None = None
+        #: The step budget in bytes of the last plan, and the whole step's unplanned peak it was resolved
+        #: against (Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search).
+        self.last_budget_bytes: int | None = None
+        self.last_unplanned_bytes: int | None = None
+        #: When set, the step budget in bytes, instead of resolving ``memory_budget`` against this step's
+        #: unplanned peak (the partitioner search's later candidates: a fraction is of the default partition).
+        self.budget_bytes_override: int | None = None
 
     def waits_for_profiles(self, step_index: int) -> bool:
         """Whether the graphs ready to plan wait at step ``step_index`` for a graph still profiling that a
@@ -325,6 +332,10 @@ class _StepComposition:
             # Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks: the smallest rank's
             # budget is everyone's.
             budget_bytes = int(planner.ranks.reduce([budget_bytes], "min")[0])
+        if planner.budget_bytes_override is not None:
+            budget_bytes = planner.budget_bytes_override
+        planner.last_budget_bytes = budget_bytes
+        planner.last_unplanned_bytes = step_unplanned + outside + state_total
         for r in ready:
             r.step_budget_bytes = budget_bytes
             r.plans = {}

@@ -1,8 +1,10 @@
-"""The main job: train the built-in GPT four ways in one run and compare memory and time.
+"""The main job: train the built-in GPT five ways in one run and compare memory and time.
 
 - ``no-offload``: the teraio backend with ``enabled=False`` (same compile, no migration ops): the
   reference for exactness and overhead.
 - ``teraio``: profile, plan for the memory budget, recompile with migration ops, train.
+- ``torch-budget``: PyTorch's own ``activation_memory_budget`` (the min-cut partitioner's recompute) at the
+  ratio that reaches the ``teraio`` method's measured peak, without migration (teraio.tools.torch_budget).
 - ``checkpoint``: full activation checkpointing (``torch.utils.checkpoint`` per block), compiled the
   same way: the classic alternative that trades memory for recomputation.
 - ``teraio@checkpoint``: teraio with a budget equal to the ``checkpoint`` method's measured peak (so it
@@ -35,12 +37,16 @@ from teraio.profiling.measure import MemoryRecorder
 from teraio.profiling.transfer_probe import PROBE_STEPS
 from teraio.runtime.config import default_offload_dir
 from teraio.tools.models import GPT, build_gpt, synthetic_batch
+from teraio.tools.torch_budget import find_ratio, lowest_peak_ratio
 
 log = logging.getLogger(__name__)
 
-METHODS = ("no-offload", "teraio", "checkpoint", "teraio@checkpoint")
+METHODS = ("no-offload", "teraio", "torch-budget", "checkpoint", "teraio@checkpoint")
 #: The teraio method whose budget is the checkpoint method's measured peak.
 AT_CHECKPOINT = "teraio@checkpoint"
+#: PyTorch's own activation_memory_budget at the teraio method's measured peak (Note: [Finding the ratio
+#: that reaches a peak] in teraio.tools.torch_budget), so it comes after teraio.
+TORCH_BUDGET = "torch-budget"
 
 
 @dataclass
@@ -133,7 +139,13 @@ class _Method:
 
 
 def _setup(
-    method: str, base: GPT, cfg: DemoConfig, offload_dir: str | None, budget: str | int | None = None
+    method: str,
+    base: GPT,
+    cfg: DemoConfig,
+    offload_dir: str | None,
+    budget: str | int | None = None,
+    partitioner_budget: float | None = None,
+    profile_steps: int | None = None,
 ) -> _Method:
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -141,7 +153,13 @@ def _setup(
         be = TeraioBackend(
             BackendConfig(
                 memory_budget=budget if budget is not None else cfg.budget,
-                solver=Solver(name=cfg.solver, time_limit=cfg.time_limit),
+                # Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search:
+                # on Inductor, where the partitioner's recompute is fused into the backward kernels.
+                solver=Solver(
+                    name=cfg.solver,
+                    time_limit=cfg.time_limit,
+                    partitioner_budget="search" if cfg.inner == "inductor" else None,
+                ),
                 inner=cfg.inner,
                 offload_dirs=[offload_dir] if offload_dir else None,
                 profiling=Profiling(steps=cfg.profile_steps, measure_memory=False),
@@ -156,7 +174,8 @@ def _setup(
             BackendConfig(
                 enabled=False,
                 inner=cfg.inner,
-                profiling=Profiling(steps=cfg.profile_steps, measure_memory=False),
+                profiling=Profiling(steps=profile_steps or cfg.profile_steps, measure_memory=False),
+                solver=Solver(partitioner_budget=partitioner_budget),
             )
         )
         runnable = CheckpointedGPT(model) if method == "checkpoint" else model
@@ -171,22 +190,65 @@ def _warm_up(
     budget: int | None,
     warmup: int,
     methods: list[_Method],
+    partitioner_budget: float | None = None,
+    profile_steps: int | None = None,
 ) -> _Method:
     """Set up a method (appended to ``methods`` at once, so it is closed whatever happens), run its
     warm-up (profiling, planning, compiling) and its memory-measurement step."""
-    m = _setup(name, base, cfg, offload_dir, budget)
+    m = _setup(name, base, cfg, offload_dir, budget, partitioner_budget, profile_steps)
     methods.append(m)
     for step in range(warmup):
         m.warm_up_times.append(m.step(step, cfg)[0])
     # A plan may come later than ``profile_steps``: the backend goes on calibrating while it prices a
     # transfer under the model's own compute (Note: [Pricing transfers under the model's own compute]
     # in teraio.profiling.transfer_probe). Bounded, in case a graph never finishes profiling.
-    while m.steps_run < warmup + PROBE_STEPS + 2 and any(
+    # The partitioner search profiles the step again at up to two more ratios (Note: [The partitioner's
+    # budget is part of the plan] in teraio.lifecycle.partitioner_search).
+    rounds = 3 if m.backend.partitioner_search is not None else 1
+    while m.steps_run < rounds * (warmup + 2) + PROBE_STEPS and any(
         r.phase in (Phase.PROFILING, Phase.PLANNING) for r in m.backend.runners
     ):
         m.warm_up_times.append(m.step(m.steps_run, cfg)[0])
     m.step(m.steps_run, cfg, measure=True)
     return m
+
+
+def _torch_budget(
+    base: GPT, cfg: DemoConfig, warmup: int, methods: list[_Method]
+) -> tuple[_Method, dict[str, Any]]:
+    """The ``torch-budget`` method: PyTorch's activation_memory_budget at the ratio whose peak reaches
+    the teraio method's (Note: [Finding the ratio that reaches a peak] in teraio.tools.torch_budget), or
+    at the ratio that peaked lowest when none does; and the search's record."""
+    by_name = {m.name: m for m in methods}
+    teraio_m = by_name.get("teraio")
+    if teraio_m is None or teraio_m.peak_bytes is None:
+        raise ValueError(f"{TORCH_BUDGET} needs the teraio method before it: its measured peak is the target")
+    ref = by_name.get("no-offload")
+
+    def peak_at(ratio: float) -> int:
+        probe = _setup(f"{TORCH_BUDGET}-probe", base, cfg, None, partitioner_budget=ratio, profile_steps=1)
+        try:
+            while probe.steps_run < 8 and (
+                not probe.backend.runners
+                or any(r.phase in (Phase.PROFILING, Phase.PLANNING) for r in probe.backend.runners)
+            ):
+                probe.step(probe.steps_run, cfg)
+            probe.step(probe.steps_run, cfg, measure=True)
+            assert probe.peak_bytes is not None
+            return probe.peak_bytes
+        finally:
+            probe.backend.close()
+
+    no_budget = ref.peak_bytes if ref is not None and ref.peak_bytes is not None else peak_at(1.0)
+    search = find_ratio(teraio_m.peak_bytes, no_budget, peak_at)
+    ratio = search.ratio if search.ratio is not None else lowest_peak_ratio(search)
+    m = _warm_up(TORCH_BUDGET, base, cfg, None, None, warmup, methods, partitioner_budget=ratio)
+    return m, {
+        "activation_memory_budget": ratio,
+        "reaches_target": search.ratio is not None,
+        "target_peak_bytes": teraio_m.peak_bytes,
+        "ratio_probes": search.to_dict()["probes"],
+    }
 
 
 #: Below this step time (the first method's warm-up median), the timed rounds run each method's steps
@@ -333,9 +395,17 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         raise ValueError(
             f"{AT_CHECKPOINT} needs the checkpoint method before it: its measured peak is the budget"
         )
+    extra: dict[str, dict[str, Any]] = {}  # per method, figures only it has
+    # Every method (and each torch-budget probe) compiles its own copy of one model class: one Dynamo
+    # cache entry each, past the default limit of 8, beyond which Dynamo would run the model eagerly.
+    recompile_limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(recompile_limit, 32)
     try:
         for name in cfg.methods:
             budget = None
+            if name == TORCH_BUDGET:
+                _, extra[name] = _torch_budget(base, cfg, warmup, methods)
+                continue
             if name == AT_CHECKPOINT:
                 budget = next(m.peak_bytes for m in methods if m.name == "checkpoint")
             try:
@@ -362,8 +432,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         switch_steps = run_rounds(methods, cfg, round_steps)
         by_name = {m.name: m for m in methods}
         ref = by_name.get("no-offload")
-        rows = [_row(m, ref) for m in methods]
+        rows = [{**_row(m, ref), **extra.get(m.name, {})} for m in methods]
     finally:
+        torch._dynamo.config.recompile_limit = recompile_limit
         for m in methods:
             m.backend.close()
     for row in rows:

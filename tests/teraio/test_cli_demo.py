@@ -36,7 +36,7 @@ def test_demo_json_has_the_documented_keys(capsys, monkeypatch, tmp_path: Path) 
     # Two timed steps per method (fewer than a round), after one untimed switch step each.
     assert result["round_steps"] == 3 and result["switch_steps"] == 1
     rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == ["no-offload", "teraio", "checkpoint", "teraio@checkpoint"]
+    assert list(rows) == ["no-offload", "teraio", "torch-budget", "checkpoint", "teraio@checkpoint"]
     for row in rows.values():
         assert row["peak_bytes"] > 0 and row["step_s"] > 0 and 0 < row["fwd_bwd_s"] <= row["step_s"]
         assert len(row["step_times_s"]) == 2
@@ -60,6 +60,18 @@ def test_demo_json_has_the_documented_keys(capsys, monkeypatch, tmp_path: Path) 
     at = rows["teraio@checkpoint"]
     assert at["budget_bytes"] == rows["checkpoint"]["peak_bytes"]
     assert at["peak_bytes"] <= 1.05 * rows["checkpoint"]["peak_bytes"]
+    # PyTorch's own recompute at teraio's peak: the largest ratio measured within it, or its floor.
+    torch_row = rows["torch-budget"]
+    probes = [(p["ratio"], p["peak_bytes"]) for p in torch_row["ratio_probes"]]
+    ratios = [r for r, _ in probes]
+    assert torch_row["target_peak_bytes"] == teraio["peak_bytes"] and probes
+    assert ratios == sorted(ratios, reverse=True) and len(set(ratios)) == len(ratios)  # stepping down
+    within = [r for r, peak in probes if peak <= teraio["peak_bytes"]]
+    assert torch_row["reaches_target"] is bool(within)
+    if within:
+        assert within == [ratios[-1]] == [torch_row["activation_memory_budget"]]
+    else:
+        assert torch_row["activation_memory_budget"] == min(probes, key=lambda p: p[1])[0]
     assert result["losses_bit_identical"] is True
     assert result["losses_bit_identical_by_method"] == {"teraio": True, "teraio@checkpoint": True}
     assert result["loss_differences_by_method"] == {"teraio": [], "teraio@checkpoint": []}

@@ -1,0 +1,335 @@
+"""The partitioner's own recompute as part of the step's plan: which ``activation_memory_budget`` to run at.
+
+Note: [The partitioner's budget is part of the plan]
+    Before teraio sees a training graph, AOTAutograd's min-cut partitioner decides what the forward saves.
+    Its ``activation_memory_budget`` (``torch._functorch.config``, a ratio: 1 keeps what the min-cut keeps,
+    0 recomputes everything it may) makes it recompute saved activations in the backward instead, and
+    Inductor fuses what it recomputes into the backward kernels that read it: cheaper than the same
+    recompute as separate ops, which is what a plan's recompute or offload costs. teraio plans on the
+    partitioned graphs, so the ratio is a dimension of the plan that the plan's own solver cannot see.
+
+    With ``Solver(partitioner_budget="search")`` and a memory budget, the step is first profiled and planned
+    at the default partition (the process's ratio, 1.0 unless set). When that plan moves or rebuilds
+    nothing, it stands. Otherwise the step's graphs are profiled and planned again at up to three more
+    ratios (MAX_ROUNDS in all), and the step runs the candidate whose plans predict the fastest step (the
+    sum of the predicted times of the step's forward calls) within the budget:
+
+    - ``fit``: the largest ratio at which the partitioner alone is estimated to bring the step's peak
+      within the budget (teraio's plan then has little or nothing left to do), or 0 when none is;
+    - a lower ``fit`` when the first one's own peak without a plan, now measured, is still over the
+      budget: the recompute of a low ratio adds working memory to the backward that the saved bytes do
+      not show (the built-in GPT at ratio 0.39 saved 364 MiB and peaked at 467), so the next ratio is
+      the secant through the default's and that candidate's measured peaks;
+    - ``between``: halfway from the first ``fit`` to the default ratio (the partitioner's recompute and
+      teraio's plan sharing the work).
+
+    Each candidate is profiled from scratch: its own census, timing and calibration steps on the kernels
+    Inductor generates for that partition (Note: [Calibrating on the compiler's own code] in
+    teraio.graph.compilers), so the fused recompute is priced as it runs, and its memory is measured on its
+    own kernels. Only the choice of ratios is estimated. torch defines the ratio over the saved bytes
+    between its two ends, which measured linear on the built-in GPT (0.5 kept 519 MiB of 989 MiB, 0.2 kept
+    239, 0 kept 53), so one capture at ratio 0 (the partitioner run on the joint graph, no code
+    generated) per graph gives each ratio's saved bytes; the first ``fit`` takes the step's unplanned peak
+    at a ratio as the default's less the saved bytes it removes from each forward call of the step.
+
+    The budget is resolved once, on the default partition: a fraction is of the step as it runs without
+    teraio, and every candidate is planned for the same bytes. A candidate whose plan cannot meet the
+    budget is dropped; when none can, the smallest achievable peak among them is the error's. The search
+    runs on one process and without ``states="offload"`` (elsewhere the default partition is kept, and
+    the log says so): ranks would have to agree on each candidate, and the whole-step plan of states holds
+    decisions across rounds that this search does not yet restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from teraio.graph.capture import analyse_saved
+from teraio.graph.compilers import capture_step
+from teraio.planner.budget import BudgetError
+from teraio.sizes import format_size
+from teraio.states.guarded import unguarded
+
+if TYPE_CHECKING:
+    from teraio.lifecycle.runner import GraphRunner
+    from teraio.lifecycle.step_planner import StepPlanner
+    from teraio.planner.plan import Plan
+    from teraio.planner.profile import Profile
+
+log = logging.getLogger("teraio")
+
+#: Ratios are rounded down to this step: a partition is a discrete choice, and a ratio printed in the
+#: log is one a user can pass to ``torch._functorch.config.activation_memory_budget``.
+RATIO_STEP = 0.01
+#: Rounds of profiling and planning at most, the default partition's included: ``fit``, one lower
+#: ``fit`` when the first still peaks over the budget, ``between``.
+MAX_ROUNDS = 4
+
+
+@dataclass
+class _GraphState:
+    """What one graph's round produced, restored when its candidate wins."""
+
+    profile: Profile | None
+    profiler: Any
+    profiling: Any
+    plan: Plan | None
+    plans: dict[int, Plan]
+    step_budget_bytes: int | None
+    unplanned_peak_bytes: int | None
+    computation_fingerprint: str | None
+
+
+@dataclass
+class Candidate:
+    """One partitioner ratio, planned: the step's predicted time, or why it failed."""
+
+    ratio: float
+    predicted_step_s: float | None = None
+    predicted_peak_bytes: int | None = None
+    #: The whole step's peak at this ratio without a plan (teraio.lifecycle.step_planner).
+    unplanned_bytes: int | None = None
+    failure: BudgetError | None = None
+    graphs: dict[GraphRunner, _GraphState] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.failure is not None:
+            smallest = self.failure.smallest_peak_bytes
+            return f"ratio {self.ratio:g}: cannot meet the budget" + (
+                f" (smallest step peak {format_size(smallest)})" if smallest else ""
+            )
+        return f"ratio {self.ratio:g}: predicted step {self.predicted_step_s:.3f} s"
+
+
+def saved_bytes(runner: GraphRunner, ratio: float | None) -> int:
+    """The bytes ``runner``'s forward saves for backward when partitioned at ``ratio`` (None: its profile's
+    partition, from its profiler's analysis; else a capture of the partitioner alone)."""
+    if ratio is None and runner.profiler is not None:
+        analysis = runner.profiler.analysis
+    else:
+        with unguarded(runner.example_inputs):  # Note in teraio.states.guarded.unguarded
+            step = capture_step(
+                runner.gm,
+                runner.example_inputs,
+                runner.cfg.inner,
+                inductor_options=runner.backend.inductor_options,
+                partitioner_budget=ratio,
+            )
+        if step is None:
+            return 0
+        analysis = analyse_saved(step)
+    return sum(g.nbytes for g in analysis.groups if g.producer is not None)
+
+
+def ratio_to_fit(removable_bytes: int, need_bytes: int, default_ratio: float) -> float:
+    """The largest ratio (on the RATIO_STEP grid) at which removing ``need_bytes`` of the
+    ``removable_bytes`` the partitioner can remove between ``default_ratio`` and 0 is estimated to happen
+    (Note: [The partitioner's budget is part of the plan]: linear in the ratio); 0 when it cannot."""
+    if removable_bytes <= 0 or need_bytes >= removable_bytes:
+        return 0.0
+    ratio = default_ratio * (1.0 - need_bytes / removable_bytes)
+    return max(0.0, int(ratio / RATIO_STEP) * RATIO_STEP)
+
+
+def predicted_step_s(runners: list[GraphRunner], calls: list[tuple[Any, str, int]]) -> float:
+    """The step's predicted forward and backward time: each forward call's plan's (its graph's profile
+    time when it has no plan)."""
+    seen: Counter[GraphRunner] = Counter()
+    total = 0.0
+    for g, kind, _ in calls:
+        if kind != "fwd" or g not in runners:
+            continue
+        plan = g.plan_for(seen[g])
+        seen[g] += 1
+        if plan is not None:
+            total += plan.predicted_step_s
+        elif g.profile is not None:
+            total += float(g.profile.ops["duration_us"].sum()) / 1e6
+    return total
+
+
+class PartitionerSearch:
+    """Note: [The partitioner's budget is part of the plan]: the rounds of one step's planning."""
+
+    def __init__(self, planner: StepPlanner) -> None:
+        self.planner = planner
+        self.candidates: list[Candidate] = []
+        self._stage: Literal["fit", "between"] = "fit"
+        self._fit = 1.0
+        self._done = False
+        self._told_skip = False
+        self.chosen_ratio: float | None = None
+
+    def applies(self, runners: list[GraphRunner], ranks_active: bool, states: bool) -> bool:
+        """Whether the search runs for this step (logged once when it does not)."""
+        if self._done:
+            return False
+        if ranks_active or states:
+            if not self._told_skip:
+                self._told_skip = True
+                log.info(
+                    "partitioner_budget='search' keeps the default partition %s; the search runs on one "
+                    "process without states='offload'",
+                    "under torchrun" if ranks_active else "with states='offload'",
+                )
+            self._done = True
+            return False
+        return any(r.is_training for r in runners)
+
+    def plan(self, ready: list[GraphRunner]) -> bool:
+        """Plan ``ready`` at the current ratio and record the candidate; True when another round of
+        profiling has started (the caller compiles nothing now). When the search ends, the winning
+        candidate's profiles and plans are back in the runners. Raises the BudgetError of the best
+        failed candidate when none meets the budget."""
+        planner = self.planner
+        ratio = ready[0].partitioner_budget
+        if ratio is None:
+            ratio = float(torch._functorch.config.activation_memory_budget)
+        candidate = Candidate(ratio)
+        try:
+            planner.plan(ready)
+        except BudgetError as exc:
+            candidate.failure = exc
+        candidate.unplanned_bytes = planner.last_unplanned_bytes
+        if candidate.failure is None:
+            calls = planner.step_calls(ready)
+            candidate.predicted_step_s = predicted_step_s(ready, calls)
+            candidate.predicted_peak_bytes = planner.predicted_step_peak_bytes
+        candidate.graphs = {r: self._state_of(r) for r in ready}
+        self.candidates.append(candidate)
+        log.info("partitioner search: %s", candidate.describe())
+        if len(self.candidates) == 1:
+            if candidate.failure is None and not any(r.plan is not None and r.plan.decisions for r in ready):
+                self._done = True  # the default partition fits as it is: nothing to search
+                return False
+            if planner.last_budget_bytes is None or planner.last_unplanned_bytes is None:
+                self._done = True
+                return self._end(ready)
+            planner.budget_bytes_override = planner.last_budget_bytes
+        nxt = self._next_ratio(ready) if len(self.candidates) < MAX_ROUNDS else None
+        if nxt is not None:
+            log.info("partitioner search: profiling the step again at activation_memory_budget %g", nxt)
+            for r in ready:
+                if r.is_training:
+                    r.profile_at(nxt)
+            return True
+        self._done = True
+        return self._end(ready)
+
+    def _next_ratio(self, ready: list[GraphRunner]) -> float | None:
+        """The next ratio to try (Note: [The partitioner's budget is part of the plan]): the ``fit``
+        estimate after the default; a lower one while the latest fit's own unplanned peak is still above
+        the budget (the secant through the default's and its measured peaks); then ``between``."""
+        budget = self.planner.budget_bytes_override
+        assert budget is not None
+        first, last = self.candidates[0], self.candidates[-1]
+        tried = {c.ratio for c in self.candidates}
+        if len(self.candidates) == 1:
+            self._fit = self._fit_estimate(ready, first.ratio)
+            return self._fit if self._fit < first.ratio else None
+        if self._stage == "fit":
+            p0, p = first.unplanned_bytes, last.unplanned_bytes
+            if p is not None and p0 is not None and p > budget and p0 > p and last.ratio > 0:
+                slope = (p0 - p) / (first.ratio - last.ratio)  # bytes per unit of ratio
+                lower = max(0.0, int((last.ratio - (p - budget) / slope) / RATIO_STEP) * RATIO_STEP)
+                lower = round(lower, 6)
+                if lower < last.ratio and lower not in tried:
+                    log.info(
+                        "partitioner search: ratio %g still peaks at %s without a plan, over the budget %s",
+                        last.ratio,
+                        format_size(p),
+                        format_size(budget),
+                    )
+                    return lower
+            self._stage = "between"
+            between = round(int((self._fit + first.ratio) / 2 / RATIO_STEP) * RATIO_STEP, 6)
+            if self._fit < between < first.ratio and between not in tried:
+                return between
+        return None
+
+    def _fit_estimate(self, ready: list[GraphRunner], default_ratio: float) -> float:
+        """The ``fit`` ratio of Note: [The partitioner's budget is part of the plan], from the saved bytes
+        of the default partition and of ratio 0."""
+        planner = self.planner
+        assert planner.last_budget_bytes is not None and planner.last_unplanned_bytes is not None
+        need = planner.last_unplanned_bytes - planner.last_budget_bytes
+        forwards = Counter(g for g, k, _ in planner.step_calls(ready) if k == "fwd")
+        removable = 0
+        for r in ready:
+            if r.is_training and forwards[r]:
+                removable += forwards[r] * max(0, saved_bytes(r, None) - saved_bytes(r, 0.0))
+        fit = round(ratio_to_fit(removable, need, default_ratio), 6)
+        log.info(
+            "partitioner search: the step needs %s less; the partitioner can remove %s between ratios %g "
+            "and 0: trying %g",
+            format_size(max(need, 0)),
+            format_size(removable),
+            default_ratio,
+            fit,
+        )
+        return fit
+
+    @staticmethod
+    def _state_of(r: GraphRunner) -> _GraphState:
+        return _GraphState(
+            profile=r.profile,
+            profiler=r.profiler,
+            profiling=r.profiling,
+            plan=r.plan,
+            plans=dict(r.plans),
+            step_budget_bytes=r.step_budget_bytes,
+            unplanned_peak_bytes=r._unplanned_peak_bytes,
+            computation_fingerprint=r.computation_fingerprint,
+        )
+
+    def _end(self, ready: list[GraphRunner]) -> bool:
+        """Put the best candidate back in the runners (or raise when none fits); False: compile now."""
+        planner = self.planner
+        # The override stays: a later plan of the step (memory outside the graphs grew) is for the same
+        # bytes, not a fraction of the chosen partition's smaller peak.
+        fitting = [c for c in self.candidates if c.failure is None]
+        if not fitting:
+            failures = [c.failure for c in self.candidates if c.failure is not None]
+            raise min(failures, key=lambda e: e.smallest_peak_bytes or 1 << 62)
+        best = min(fitting, key=lambda c: c.predicted_step_s or 0.0)
+        log.info(
+            "partitioner search: running at activation_memory_budget %g (%s)",
+            best.ratio,
+            "; ".join(c.describe() for c in self.candidates),
+        )
+        for r, st in best.graphs.items():
+            r.partitioner_budget = best.ratio
+            r.profile, r.profiler, r.profiling = st.profile, st.profiler, st.profiling
+            r.plan, r.plans, r.step_budget_bytes = st.plan, st.plans, st.step_budget_bytes
+            r._unplanned_peak_bytes = st.unplanned_peak_bytes
+            r.computation_fingerprint = st.computation_fingerprint
+        planner.predicted_step_peak_bytes = best.predicted_peak_bytes
+        for r in best.graphs:
+            if r.profile is not None:
+                r.backend.save_profile(r)
+                planner.save_plan(r)
+        for c in self.candidates:  # the losers' profilers hold their runs: let them go
+            c.graphs = {}
+        self.chosen_ratio = best.ratio
+        return False
+
+    def summary(self) -> list[dict[str, Any]]:
+        """The candidates, for the run's stats."""
+        return [
+            {
+                "ratio": c.ratio,
+                "predicted_step_s": c.predicted_step_s,
+                "predicted_peak_bytes": c.predicted_peak_bytes,
+                "unplanned_peak_bytes": c.unplanned_bytes,
+                "fits": c.failure is None,
+            }
+            for c in self.candidates
+        ]
+
+
+__all__ = ["Candidate", "PartitionerSearch", "predicted_step_s", "ratio_to_fit", "saved_bytes"]

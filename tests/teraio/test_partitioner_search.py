@@ -1,0 +1,163 @@
+"""The partitioner's own recompute as part of the plan (Note: [The partitioner's budget is part of the
+plan] in teraio.lifecycle.partitioner_search): the option, the choice of ratios, the search end to end
+(on the FX path in CI: the search's rounds are the same on both inner compilers, and each of Inductor's
+takes 20-40 s to compile), and a fixed ratio bit-identical to the same compile without migration on both
+inner compilers."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import teraio
+from teraio.errors import UserInputError
+from teraio.lifecycle.backend import TeraioBackend
+from teraio.lifecycle.partitioner_search import RATIO_STEP, Candidate, PartitionerSearch, ratio_to_fit
+from teraio.tools.workloads import builtin_workload
+
+from .training import assert_bit_identical, train
+
+STEPS = 16
+DETERMINISTIC = {"deterministic_time_limit": 2.0, "workers": 1}
+UNMEASURED = teraio.Profiling(measure_memory=False)
+
+
+# ------------------------------------------------------------------------------------------- option
+@pytest.mark.parametrize("value", [1.5, -0.1, "auto", True, "0.5"])
+def test_a_partitioner_budget_that_is_not_a_ratio_or_search_is_refused(value) -> None:
+    with pytest.raises(UserInputError, match="Solver.partitioner_budget must be a ratio from 0 to 1"):
+        teraio.Solver(partitioner_budget=value)
+
+
+@pytest.mark.parametrize("budget", [None, "auto"])
+def test_the_search_without_a_memory_budget_is_refused_at_construction(budget) -> None:
+    with pytest.raises(UserInputError, match="compares plans within a memory_budget"):
+        teraio.backend(memory_budget=budget, solver=teraio.Solver(partitioner_budget="search"))
+
+
+def test_ratios_fit_the_need_linearly_and_stop_at_zero() -> None:
+    assert ratio_to_fit(1000, 0, 1.0) == 1.0
+    assert ratio_to_fit(1000, 500, 1.0) == pytest.approx(0.5)
+    assert ratio_to_fit(1000, 501, 1.0) == pytest.approx(0.49)  # rounded down: the estimate must fit
+    assert ratio_to_fit(1000, 250, 0.8) == pytest.approx(0.6)  # from the process's own ratio
+    assert ratio_to_fit(1000, 1000, 1.0) == 0.0 and ratio_to_fit(1000, 5000, 1.0) == 0.0
+    assert ratio_to_fit(0, 10, 1.0) == 0.0
+    assert (
+        abs(ratio_to_fit(1000, 333, 1.0) / RATIO_STEP - round(ratio_to_fit(1000, 333, 1.0) / RATIO_STEP))
+        < 1e-6
+    )
+
+
+def test_a_fit_still_over_the_budget_is_followed_by_a_lower_ratio_then_between() -> None:
+    """The built-in GPT's figures: the default partition peaked at 948 MiB, the first fit (0.39) still at
+    467 MiB for a 379 MiB budget; the secant through both asks for 0.27, then halfway back is 0.69."""
+    search = PartitionerSearch(SimpleNamespace(budget_bytes_override=379))
+    search._fit = 0.39
+    search.candidates = [Candidate(1.0, unplanned_bytes=948), Candidate(0.39, unplanned_bytes=467)]
+    assert search._next_ratio([]) == pytest.approx(0.27)
+    search.candidates.append(Candidate(0.27, unplanned_bytes=371))
+    assert search._next_ratio([]) == pytest.approx(0.69)
+    search.candidates.append(Candidate(0.69, unplanned_bytes=659))
+    assert search._next_ratio([]) is None
+
+
+# ------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory):
+    """The tiny GPT on the FX path at 60% with the search, and the same steps without migration at the
+    ratio it chose."""
+    tmp = tmp_path_factory.mktemp("search")
+    workload = builtin_workload("tiny")
+    be = TeraioBackend(
+        inner="eager",
+        memory_budget="60%",
+        offload_dirs=[str(tmp)],
+        solver=teraio.Solver(partitioner_budget="search", **DETERMINISTIC),
+        profiling=UNMEASURED,
+    )
+    try:
+        got = train(workload, be, STEPS)
+        stats = be.stats()
+    finally:
+        be.close()
+    chosen = be.runners[0].partitioner_budget
+    reference = train(
+        workload,
+        TeraioBackend(
+            inner="eager",
+            enabled=False,
+            profiling=UNMEASURED,
+            solver=teraio.Solver(partitioner_budget=chosen),
+        ),
+        STEPS,
+    )
+    return be, stats, got, reference
+
+
+def test_the_search_plans_several_ratios_for_one_budget_and_runs_the_fastest_predicted(searched) -> None:
+    be, stats, _, _ = searched
+    tried = stats["partitioner_search"]
+    assert len(tried) >= 2, f"the default partition's plan moved nothing: no search ({tried})"
+    assert tried[0]["ratio"] == 1.0 and all(t["ratio"] < 1.0 for t in tried[1:])
+    fitting = [t for t in tried if t["fits"]]
+    best = min(fitting, key=lambda t: t["predicted_step_s"])
+    assert be.runners[0].partitioner_budget == best["ratio"]
+    budget = be.runners[0].step_budget_bytes
+    assert all(t["predicted_peak_bytes"] <= budget for t in fitting), (budget, fitting)
+    assert stats["predicted_step_s"] == pytest.approx(best["predicted_step_s"])
+    assert [g["partitioner_budget"] for g in stats["per_graph"]] == [best["ratio"]]
+
+
+def test_every_candidate_is_planned_for_the_budget_of_the_default_partition(searched) -> None:
+    """A fraction is of the step without teraio: the smaller peak of a lower ratio does not shrink it."""
+    be, _, _, _ = searched
+    assert be.planner.budget_bytes_override == be.runners[0].step_budget_bytes
+    assert be.runners[0].plan.budget_bytes <= be.runners[0].step_budget_bytes
+
+
+def test_the_searched_run_is_bit_identical_to_no_migration_at_the_chosen_ratio(searched) -> None:
+    """On the FX path the partitioner's recompute runs the same aten ops: every step, the search's rounds
+    included, computes the bits of the compile without migration at the ratio the search chose."""
+    be, _, got, reference = searched
+    assert (
+        any(r.plan is not None and r.plan.decisions for r in be.runners)
+        or be.runners[0].partitioner_budget < 1
+    )
+    assert_bit_identical(reference, got)
+
+
+# Inductor by hand (`pytest -m expensive`, 60 s of six Inductor compiles): CI runs the FX path, whose
+# partitioner call and compiles take the ratio the same way.
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.expensive)])
+def test_a_fixed_ratio_with_a_plan_is_bit_identical_to_the_same_ratio_without(inner, tmp_path) -> None:
+    """The plan on top of the partitioner's recompute (``partitioner_budget=0.5``): the same bits as the
+    same partition without migration, from the same state, on both inner compilers."""
+    workload = builtin_workload("tiny")
+    old, threads = torch.are_deterministic_algorithms_enabled(), torch.get_num_threads()
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    try:
+        with torch._inductor.config.patch(deterministic=True):
+            traces = []
+            for enabled in (False, True):
+                be = TeraioBackend(
+                    inner=inner,
+                    enabled=enabled,
+                    memory_budget="85%",
+                    offload_dirs=[str(tmp_path)],
+                    profiling=UNMEASURED,
+                    solver=teraio.Solver(name="greedy", partitioner_budget=0.5),
+                )
+                try:
+                    traces.append(train(workload, be, 8))
+                finally:
+                    be.close()
+                assert be.runners[0].partitioner_budget == 0.5
+                if enabled:
+                    assert be.runners[0].plan is not None and be.runners[0].plan.decisions
+    finally:
+        torch.use_deterministic_algorithms(old)
+        torch.set_num_threads(threads)
+    assert_bit_identical(traces[0], traces[1])
