@@ -16,10 +16,12 @@ Note: [The partitioner's budget is part of the plan]
 
     - ``fit``: the largest ratio at which the partitioner alone is estimated to bring the step's peak
       within the budget (teraio's plan then has little or nothing left to do), or 0 when none is;
-    - a lower ``fit`` when the first one's own peak without a plan, now measured, is still over the
-      budget: the recompute of a low ratio adds working memory to the backward that the saved bytes do
-      not show (the built-in GPT at ratio 0.39 saved 364 MiB and peaked at 467), so the next ratio is
-      the secant through the default's and that candidate's measured peaks;
+    - once, a lower ``fit`` when the first one met the budget only with teraio's plan on top (its own
+      peak without a plan, now measured, is over the budget): the recompute of a low ratio adds working
+      memory to the backward that the saved bytes do not show (the built-in GPT at ratio 0.39 saved 364
+      MiB and peaked at 467), so the next ratio is the secant through the default's and that candidate's
+      measured peaks. Not below a fit that cannot meet the budget at all: lower ratios then help less
+      (the built-in GPT's smallest step peak was 314 MiB at 0.29, 348 at 0.07, 946 at 0);
     - ``between``: halfway from the first ``fit`` to the default ratio (the partitioner's recompute and
       teraio's plan sharing the work).
 
@@ -159,8 +161,9 @@ class PartitionerSearch:
     def __init__(self, planner: StepPlanner) -> None:
         self.planner = planner
         self.candidates: list[Candidate] = []
-        self._stage: Literal["fit", "between"] = "fit"
+        self._stage: Literal["fit", "between", "done"] = "fit"
         self._fit = 1.0
+        self._ratio: float | None = None  # the ratio the current round profiles at
         self._done = False
         self._told_skip = False
         self.chosen_ratio: float | None = None
@@ -187,10 +190,9 @@ class PartitionerSearch:
         candidate's profiles and plans are back in the runners. Raises the BudgetError of the best
         failed candidate when none meets the budget."""
         planner = self.planner
-        ratio = ready[0].partitioner_budget
-        if ratio is None:
-            ratio = float(torch._functorch.config.activation_memory_budget)
-        candidate = Candidate(ratio)
+        if self._ratio is None:  # the first round: the process's own ratio
+            self._ratio = float(torch._functorch.config.activation_memory_budget)
+        candidate = Candidate(self._ratio)
         try:
             planner.plan(ready)
         except BudgetError as exc:
@@ -214,6 +216,7 @@ class PartitionerSearch:
         nxt = self._next_ratio(ready) if len(self.candidates) < MAX_ROUNDS else None
         if nxt is not None:
             log.info("partitioner search: profiling the step again at activation_memory_budget %g", nxt)
+            self._ratio = nxt
             for r in ready:
                 if r.is_training:
                     r.profile_at(nxt)
@@ -223,8 +226,9 @@ class PartitionerSearch:
 
     def _next_ratio(self, ready: list[GraphRunner]) -> float | None:
         """The next ratio to try (Note: [The partitioner's budget is part of the plan]): the ``fit``
-        estimate after the default; a lower one while the latest fit's own unplanned peak is still above
-        the budget (the secant through the default's and its measured peaks); then ``between``."""
+        estimate after the default; one lower when that fit met the budget only with a plan on top (its
+        own unplanned peak over the budget: the secant through the default's and its measured peaks);
+        then ``between``."""
         budget = self.planner.budget_bytes_override
         assert budget is not None
         first, last = self.candidates[0], self.candidates[-1]
@@ -233,8 +237,19 @@ class PartitionerSearch:
             self._fit = self._fit_estimate(ready, first.ratio)
             return self._fit if self._fit < first.ratio else None
         if self._stage == "fit":
+            self._stage = "between"
             p0, p = first.unplanned_bytes, last.unplanned_bytes
-            if p is not None and p0 is not None and p > budget and p0 > p and last.ratio > 0:
+            # Only once, and only below a fit whose plan met the budget: one that cannot is lower than the
+            # partitioner helps (its smallest peak rises as the ratio falls: 314 MiB at 0.29, 348 at 0.07,
+            # 946 at 0 on the built-in GPT).
+            if (
+                last.failure is None
+                and p is not None
+                and p0 is not None
+                and p > budget
+                and p0 > p
+                and last.ratio > 0
+            ):
                 slope = (p0 - p) / (first.ratio - last.ratio)  # bytes per unit of ratio
                 lower = max(0.0, int((last.ratio - (p - budget) / slope) / RATIO_STEP) * RATIO_STEP)
                 lower = round(lower, 6)
@@ -246,7 +261,8 @@ class PartitionerSearch:
                         format_size(budget),
                     )
                     return lower
-            self._stage = "between"
+        if self._stage == "between":
+            self._stage = "done"
             between = round(int((self._fit + first.ratio) / 2 / RATIO_STEP) * RATIO_STEP, 6)
             if self._fit < between < first.ratio and between not in tried:
                 return between

@@ -264,7 +264,10 @@ class RunnerProfiling:
         assert runner.profiler is not None
         self.finish_kernel_memory()
         if runner.profile is None and runner.profiler.steps_recorded > 0:
-            extra: dict[str, Any] = {"inner": self.cfg.inner}
+            # The partitioner's ratio the graph was partitioned at (None: the process's setting): a plan
+            # made from this profile is for that partition (Note: [The partitioner's budget is part of the
+            # plan] in teraio.lifecycle.partitioner_search).
+            extra: dict[str, Any] = {"inner": self.cfg.inner, "partitioner_budget": runner.partitioner_budget}
             states = runner.backend.states
             if states is not None:  # states="offload": the step's other tensors, by kind
                 extra["model_states"] = states.model_states()

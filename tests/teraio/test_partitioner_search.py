@@ -15,6 +15,7 @@ import teraio
 from teraio.errors import UserInputError
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.lifecycle.partitioner_search import RATIO_STEP, Candidate, PartitionerSearch, ratio_to_fit
+from teraio.planner.budget import BudgetError
 from teraio.tools.workloads import builtin_workload
 
 from .training import assert_bit_identical, train
@@ -60,6 +61,18 @@ def test_a_fit_still_over_the_budget_is_followed_by_a_lower_ratio_then_between()
     search.candidates.append(Candidate(0.27, unplanned_bytes=371))
     assert search._next_ratio([]) == pytest.approx(0.69)
     search.candidates.append(Candidate(0.69, unplanned_bytes=659))
+    assert search._next_ratio([]) is None
+
+
+def test_below_a_fit_that_cannot_meet_the_budget_the_search_goes_back_up() -> None:
+    """At 0.3 of the built-in GPT's peak the first fit (0.29) could not be met at all: lower ratios peak
+    higher there, so the next is halfway back (0.64), then none."""
+    search = PartitionerSearch(SimpleNamespace(budget_bytes_override=285))
+    search._fit = 0.29
+    failed = Candidate(0.29, unplanned_bytes=440, failure=BudgetError("no", smallest_peak_bytes=314))
+    search.candidates = [Candidate(1.0, unplanned_bytes=948), failed]
+    assert search._next_ratio([]) == pytest.approx(0.64)
+    search.candidates.append(Candidate(0.64, unplanned_bytes=659))
     assert search._next_ratio([]) is None
 
 
