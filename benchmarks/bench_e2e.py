@@ -1,5 +1,6 @@
-"""End-to-end benchmark: the demo's four methods in one run (no offload, teraio, checkpointing, and
-teraio with the checkpoint method's measured peak as its budget).
+"""End-to-end benchmark: the demo's five methods in one run (no offload, teraio, PyTorch's
+``activation_memory_budget`` at teraio's peak, checkpointing, and teraio with the checkpoint method's
+measured peak as its budget).
 
 A thin wrapper over ``teraio.tools.demo.run_demo`` that adds machine and version info and writes the rows as
 JSON/CSV. Step times are medians of the timed steps, which run in rounds (one step of each method per

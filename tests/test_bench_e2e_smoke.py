@@ -42,7 +42,7 @@ def test_bench_e2e_tiny(capsys, tmp_path) -> None:
     assert sorted(p.name for p in shared.iterdir()) == ["rows.csv"]
     out = json.loads(capsys.readouterr().out)
     rows = {r["method"]: r for r in out["rows"]}
-    assert set(rows) == {"no-offload", "teraio", "checkpoint", "teraio@checkpoint"}
+    assert set(rows) == {"no-offload", "teraio", "torch-budget", "checkpoint", "teraio@checkpoint"}
     assert out["losses_bit_identical"] is True
     t = rows["teraio"]
     assert t["moved_bytes_per_step"] > 0 and t["peak_bytes"] < rows["no-offload"]["peak_bytes"]

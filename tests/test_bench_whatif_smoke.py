@@ -9,7 +9,11 @@ import pytest
 from benchmarks import bench_whatif, whatif_report
 
 
+# By hand (`pytest -m expensive`): 150 s of one worker in a fresh clone of 89ddcae, a benchmark's
+# minutes. CI covers its parts: the estimate from an HF config (tests/teraio/test_estimate.py), the what-if
+# sweeps and presets (tests/planner/test_whatif.py), the report's helpers below.
 @pytest.mark.slow
+@pytest.mark.expensive
 def test_run_tiny(tmp_path):
     r = bench_whatif.run(
         (("hf:llama-8b", 1),),
