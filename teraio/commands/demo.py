@@ -171,6 +171,12 @@ def _table(result: dict[str, Any]) -> None:
                 f"{tr['method']}: the checkpoint peak {format_size(tr['budget_raised_from_bytes'])} is below "
                 f"teraio's smallest achievable step peak: planned for {format_size(tr['budget_bytes'])}"
             )
+    for name, ratios in result.get("partitioner_budget_by_method", {}).items():
+        console.print(
+            f"{name}: ran at the partitioner's activation_memory_budget {', '.join(f'{r:g}' for r in ratios)} "
+            "(teraio.Solver(partitioner_budget='search')): its losses are not compared with no-offload's, "
+            "whose partition differs (on Inductor another partition computes other last bits)"
+        )
     if "losses_bit_identical" in result:
         console.print(
             f"losses bit-identical to no-offload: {'yes' if result['losses_bit_identical'] else 'NO'}"
