@@ -83,7 +83,6 @@ class _GraphState:
     plan: Plan | None
     plans: dict[int, Plan]
     step_budget_bytes: int | None
-    unplanned_peak_bytes: int | None
     computation_fingerprint: str | None
 
 
@@ -166,7 +165,6 @@ class PartitionerSearch:
         self._ratio: float | None = None  # the ratio the current round profiles at
         self._done = False
         self._told_skip = False
-        self.chosen_ratio: float | None = None
 
     def applies(self, runners: list[GraphRunner], ranks_active: bool, states: bool) -> bool:
         """Whether the search runs for this step (logged once when it does not)."""
@@ -299,7 +297,6 @@ class PartitionerSearch:
             plan=r.plan,
             plans=dict(r.plans),
             step_budget_bytes=r.step_budget_bytes,
-            unplanned_peak_bytes=r._unplanned_peak_bytes,
             computation_fingerprint=r.computation_fingerprint,
         )
 
@@ -322,7 +319,6 @@ class PartitionerSearch:
             r.partitioner_budget = best.ratio
             r.profile, r.profiler, r.profiling = st.profile, st.profiler, st.profiling
             r.plan, r.plans, r.step_budget_bytes = st.plan, st.plans, st.step_budget_bytes
-            r._unplanned_peak_bytes = st.unplanned_peak_bytes
             r.computation_fingerprint = st.computation_fingerprint
         planner.predicted_step_peak_bytes = best.predicted_peak_bytes
         for r in best.graphs:
@@ -331,7 +327,6 @@ class PartitionerSearch:
                 planner.save_plan(r)
         for c in self.candidates:  # the losers' profilers hold their runs: let them go
             c.graphs = {}
-        self.chosen_ratio = best.ratio
         return False
 
     def summary(self) -> list[dict[str, Any]]:

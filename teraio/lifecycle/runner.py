@@ -156,7 +156,8 @@ class GraphRunner:
         self.sites = SiteMemory()
         self._plain: Callable[..., Any] | None = None
         self.unplanned_calls = 0
-        self._unplanned_peak_bytes: int | None = None
+        # The unplanned peak and the profile it was computed from (a graph profiled again has another).
+        self._unplanned_peak: tuple[Profile, int] | None = None
         self.training = False  # set by the partitioner's hook: the graph has a backward
         #: The min-cut partitioner's activation_memory_budget this graph is partitioned at (None: the
         #: process's setting). Note: [The partitioner's budget is part of the plan] in
@@ -196,7 +197,6 @@ class GraphRunner:
             self.profiler.abandon_kernel_memory()  # never leave a profiler session running unowned
         self.partitioner_budget = partitioner_budget
         self.profiler, self.profile, self.plan, self.plans = None, None, None, {}
-        self._unplanned_peak_bytes = None
         self.step_budget_bytes = None
         self.profiling = RunnerProfiling(self, _device_of(self.example_inputs))
         self.phase = Phase.PROFILING
@@ -236,9 +236,9 @@ class GraphRunner:
         from teraio.planner.lifetimes import analyse
 
         assert self.profile is not None
-        if self._unplanned_peak_bytes is None:
-            self._unplanned_peak_bytes = analyse(self.profile).baseline_peak_bytes
-        return self._unplanned_peak_bytes
+        if self._unplanned_peak is None or self._unplanned_peak[0] is not self.profile:
+            self._unplanned_peak = (self.profile, analyse(self.profile).baseline_peak_bytes)
+        return self._unplanned_peak[1]
 
     # ----------------------------------------------------------------------------------- compiling
     def param_positions(self) -> frozenset[int]:
