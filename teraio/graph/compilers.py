@@ -115,6 +115,70 @@ def fx_only_compiler(gm: fx.GraphModule, example_inputs: list[Any]) -> Callable[
     return gm
 
 
+class _GraphCode:
+    """The code AOTAutograd calls for one partitioned training graph (boxed), replaceable later."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        # An instance attribute: Dynamo wraps the backward's code in a function that copies its __dict__.
+        self._boxed_call = True
+
+    def __call__(self, args: list[Any]) -> Any:
+        return self.fn(args)
+
+
+class RetainedTraining:
+    """A training compile's partitioned graphs, as AOTAutograd holds them, and the code it calls for each,
+    so that a plan can be put into them later without tracing the joint graph again (FX-only path).
+
+    Note: [One trace per graph on the FX path]
+        AOTAutograd traces a graph's forward and backward together and partitions them; the profiling
+        compile and the compile with the plan each did that (the trace and the partition were most of a
+        planned graph's compile time: 45% of the CPU of the suite's FX-path tests, and two compiles out of
+        three). The plan is written into the partitioned graphs in place, and never changes the forward's
+        outputs in number (Note in teraio.graph.rewrite), which is all AOTAutograd's runtime wrapper
+        knows of them. So the profiling compile keeps the graphs AOTAutograd holds and hands it, for
+        forward and backward, a :class:`_GraphCode` whose function the final compile replaces: the plan
+        is applied to the same graph objects (AOTAutograd's lazily compiled backward and compiled
+        autograd, which retraces AOTAutograd's own backward graph, see it too), each graph is compiled
+        again as the FX-only compiler does, and the profiling compile's function is the final one. Used
+        once, and only when no forward of the graph still waits for its backward (it saved what the
+        profiling code saves, and its backward runs the code in place then: a loop with two forwards
+        before one backward); the caller compiles anew whenever it cannot be used (that, several plans
+        for one graph, a backward that never ran, a second plan, Inductor, which compiles with contexts
+        of its own).
+    """
+
+    def __init__(self) -> None:
+        self.step: CapturedStep | None = None
+        self.code: dict[bool, _GraphCode] = {}  # is_backward -> the code AOTAutograd calls
+        self.used = False
+
+    def wrap(self, is_backward: bool, fn: Callable[..., Any]) -> Callable[..., Any]:
+        code = self.code[is_backward] = _GraphCode(fn)
+        return code
+
+    @property
+    def ready(self) -> bool:
+        """Both graphs compiled once (the backward is compiled at its first run) and not used yet."""
+        return not self.used and self.step is not None and len(self.code) == 2
+
+    def apply(self, on_partition: OnPartition) -> None:
+        """Rewrite the graphs with ``on_partition`` (in place) and compile them again, FX-only."""
+        assert self.ready and self.step is not None
+        self.used = True  # also when the hook raises: the graphs may be half rewritten
+        step = self.step
+        result = on_partition(step)
+        if result is not None and (result.fw_gm is not step.fw_gm or result.bw_gm is not step.bw_gm):
+            raise RuntimeError("RetainedTraining: the partition hook must rewrite the graphs in place")
+        self.code[False].fn = fx_only_compiler(step.fw_gm, [])
+        # AOTAutograd compiles a copy of its backward graph, and keeps its own for compiled autograd.
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            bw = copy.deepcopy(step.bw_gm)
+        self.code[True].fn = fx_only_compiler(bw, [])
+        self.step = None
+
+
 def _partition_base(
     joint: fx.GraphModule, joint_inputs: Any, partitioner_budget: float | None, **kwargs: Any
 ) -> tuple[Any, Any]:
@@ -134,11 +198,14 @@ def _hooked(
     partitioner_budget: float | None,
     joint: fx.GraphModule,
     joint_inputs: Any,
+    retain: RetainedTraining | None = None,
     **kwargs: Any,
 ):
     fw_gm, bw_gm = _partition_base(joint, joint_inputs, partitioner_budget, **kwargs)
     step = CapturedStep(fw_gm, bw_gm, int(kwargs["num_fwd_outputs"]))
     result = on_partition(step) or step
+    if retain is not None:  # Note: [One trace per graph on the FX path]
+        retain.step = result
     return result.fw_gm, result.bw_gm
 
 
@@ -170,6 +237,7 @@ def compile_graph(
     inductor_options: dict[str, Any] | None = None,
     calibration_kernels: bool = False,
     partitioner_budget: float | None = None,
+    retain: RetainedTraining | None = None,
 ) -> Callable[..., Any]:
     """Compile a Dynamo graph for training and inference with teraio's partitioner hook.
 
@@ -185,6 +253,8 @@ def compile_graph(
             Inductor's kernels and hand them to ``graph_compiler``.
         partitioner_budget: the min-cut partitioner's ``activation_memory_budget`` (the share of the
             saved activations it keeps, recomputing the rest in backward); None: the process's setting.
+        retain: on "eager", keeps the training graphs and their code for a later plan (Note: [One trace
+            per graph on the FX path]); ignored on "inductor".
 
     Note: [Calibrating on the compiler's own code]
         The calibration steps time the partitioned graphs as the step will run them (Note: [Calibrated times]
@@ -202,8 +272,10 @@ def compile_graph(
         def compile_train(is_backward: bool) -> Callable[..., Any]:
             def compile_one(g: fx.GraphModule, ex: list[Any]) -> Callable[..., Any]:
                 if graph_compiler is not None:
-                    return graph_compiler(g, ex, is_backward, None)
-                return fx_only_compiler(g, ex)
+                    fn = graph_compiler(g, ex, is_backward, None)
+                else:
+                    fn = fx_only_compiler(g, ex)
+                return retain.wrap(is_backward, fn) if retain is not None else fn
 
             return compile_one
 
@@ -212,7 +284,7 @@ def compile_graph(
             bw_compiler=compile_train(True),
             inference_compiler=fx_only_compiler,
             partition_fn=lambda joint, inputs, **kw: _hooked(
-                on_partition, partitioner_budget, joint, inputs, **kw
+                on_partition, partitioner_budget, joint, inputs, retain, **kw
             ),
         )(gm, example_inputs)
 

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from teraio.config import partitioner_budget_option
 from teraio.errors import UserInputError
 from teraio.graph.capture import CapturedStep, analyse_saved
-from teraio.graph.compilers import compile_graph
+from teraio.graph.compilers import RetainedTraining, compile_graph
 from teraio.graph.kernel_boundaries import Segmentation, coarsen, granularity_for
 from teraio.graph.recompute import recipes
 from teraio.graph.rewrite import RewriteResult, apply_plan, check_plan
@@ -165,11 +165,15 @@ class GraphRunner:
         self.partitioner_budget: float | None = partitioner_budget_option(self.cfg)
         self.phase = Phase.PROFILING
         self.profiling = RunnerProfiling(self, _device_of(example_inputs))
+        #: The profiling compile's graphs and code, for the plan (Note: [One trace per graph on the FX
+        #: path] in teraio.graph.compilers).
+        self._retained: RetainedTraining | None = None
         self._compiled = self._compile_for_profiling()
         if not self.training:
             self.phase = Phase.INFERENCE
 
     def _compile_for_profiling(self) -> Callable[..., Any]:
+        self._retained = RetainedTraining() if self.cfg.inner == "eager" else None
         return compile_graph(
             self.gm,
             self.example_inputs,
@@ -187,6 +191,7 @@ class GraphRunner:
             )
             and not self.backend.plans_from_file,
             partitioner_budget=self.partitioner_budget,
+            retain=self._retained,
         )
 
     def profile_at(self, partitioner_budget: float) -> None:
@@ -253,11 +258,27 @@ class GraphRunner:
         by_ordinal = self.plans or {0: self.plan}
         compiled: dict[str, Callable[..., Any]] = {}
         self._compiled_for = {}
+        plan_by_identity: dict[str, Plan | None] = {}
+        identity_of: dict[int, str] = {}
         for ordinal, p in sorted(by_ordinal.items()):
             plan = p if self.cfg.enabled and p is not None and p.decisions else None
             identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
+            plan_by_identity[identity], identity_of[ordinal] = plan, identity
+        retained, self._retained = self._retained, None
+        if (
+            len(plan_by_identity) == 1
+            and retained is not None
+            and retained.ready
+            # A forward that ran the profiling code saved what that code saves: its backward must too.
+            and self.backend.tracker.in_flight_of(self) == 0
+        ):
+            # Note: [One trace per graph on the FX path] in teraio.graph.compilers
+            ((identity, plan),) = plan_by_identity.items()
+            retained.apply(self._on_partition_with(plan))
+            compiled[identity] = self._compiled
+        for ordinal, identity in identity_of.items():
             if identity not in compiled:
-                compiled[identity] = self._compile_with(plan, identity)
+                compiled[identity] = self._compile_with(plan_by_identity[identity], identity)
             self._compiled_for[ordinal] = compiled[identity]
         self._compiled = self._compiled_for[min(self._compiled_for)]
         if len(self._compiled_for) == 1:
@@ -279,6 +300,19 @@ class GraphRunner:
 
     def _compile_with(self, plan: Plan | None, identity: str) -> Callable[..., Any]:
         """The graph compiled with ``plan``'s migration ops (None: without any)."""
+        with unguarded(self.example_inputs):  # Note in teraio.states.guarded.unguarded
+            return compile_graph(
+                self.gm,
+                self.example_inputs,
+                self.cfg.inner,
+                self._on_partition_with(plan),
+                identity=identity,
+                inductor_options=self.backend.inductor_options,
+                partitioner_budget=self.partitioner_budget,
+            )
+
+    def _on_partition_with(self, plan: Plan | None) -> Callable[[CapturedStep], CapturedStep | None]:
+        """The partitioner's hook that writes ``plan``'s migration ops into the graphs (None: nothing)."""
 
         def on_partition(step: CapturedStep) -> CapturedStep | None:
             if plan is None:
@@ -301,16 +335,7 @@ class GraphRunner:
             )
             return self.rewrite.step
 
-        with unguarded(self.example_inputs):  # Note in teraio.states.guarded.unguarded
-            return compile_graph(
-                self.gm,
-                self.example_inputs,
-                self.cfg.inner,
-                on_partition,
-                identity=identity,
-                inductor_options=self.backend.inductor_options,
-                partitioner_budget=self.partitioner_budget,
-            )
+        return on_partition
 
     def _without_plan(self) -> Callable[..., Any]:
         """The graph compiled without migration ops, for calls whose outputs are never backpropagated

@@ -123,6 +123,12 @@ class StepTracker:
         with self._lock:
             return len(self._in_flight)
 
+    def in_flight_of(self, graph: Any) -> int:
+        """How many of ``graph``'s forwards still wait for their backward (their autograd graph alive)."""
+        self.settle()
+        with self._lock:
+            return sum(1 for inv in self._in_flight.values() if inv.graph is graph)
+
     @property
     def current_step(self) -> StepRecord | None:
         return self._current

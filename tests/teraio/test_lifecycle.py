@@ -200,6 +200,47 @@ def test_measurement_is_silent_and_changes_no_bit(capfd, tmp_path) -> None:
         assert noise not in err
 
 
+@pytest.mark.parametrize("recompute", [None, "only"])
+def test_the_fx_path_traces_a_planned_graph_once(monkeypatch, tmp_path, recompute) -> None:
+    """Note: [One trace per graph on the FX path] in teraio.graph.compilers: the plan (offloads, or
+    rebuilds) goes into the graphs the profiling compile partitioned; the run is the same
+    bit for bit as the graph compiled without migration."""
+    import teraio.graph.compilers as compilers
+
+    partitions: list[int] = []
+    partition = compilers._partition_base
+
+    def counted(*args, **kwargs):
+        partitions.append(1)
+        return partition(*args, **kwargs)
+
+    monkeypatch.setattr(compilers, "_partition_base", counted)
+    solver = {"solver": "pipeline"} if recompute else {}
+    planned = loop_backend(
+        True,
+        "eager",
+        "80%" if recompute else "60%",
+        recompute=recompute,
+        offload_dirs=[str(tmp_path)],
+        **solver,
+    )
+    reference = loop_backend(False, "eager")
+    try:
+        a = run(CASES["gpt"], "plain", planned, 6)
+        assert len(partitions) == 1, "the plan's compile traced the joint graph again"
+        (runner,) = planned.runners
+        assert runner.phase is Phase.RUNNING and runner.plan is not None and runner.plan.decisions
+        assert runner.rewrite is not None and runner.rewrite.moved_groups == len(runner.plan.decisions)
+        if recompute:
+            assert runner.plan.recomputes
+        assert planned.stats()["moved_bytes_per_step"] > 0 or recompute
+        b = run(CASES["gpt"], "plain", reference, 6)
+        assert_bit_identical(a, b)
+    finally:
+        planned.close()
+        reference.close()
+
+
 def test_device_of_a_graph_is_its_accelerator_even_after_a_leading_cpu_tensor() -> None:
     """A CPU index or scalar tensor first among a CUDA graph's inputs does not make it a "cpu" graph
     (the profile, step times and peak recorder follow this device)."""
