@@ -145,11 +145,15 @@ class RetainedTraining:
         once, and only when no forward of the graph still waits for its backward (it saved what the
         profiling code saves, and its backward runs the code in place then: a loop with two forwards
         before one backward); the caller compiles anew whenever it cannot be used (that, several plans
-        for one graph, a backward that never ran, a second plan, Inductor, which compiles with contexts
-        of its own).
+        for one graph, a backward that never ran, a second plan, a plan for another partitioner ratio
+        (the partitioner search may choose a ratio it profiled before the last), Inductor, which
+        compiles with contexts of its own).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, partitioned_at: float | None = None) -> None:
+        #: The partitioner's ``activation_memory_budget`` the graphs were partitioned at (None: the
+        #: process's setting): a plan made at another ratio is for other graphs.
+        self.partitioned_at = partitioned_at
         self.step: CapturedStep | None = None
         self.code: dict[bool, _GraphCode] = {}  # is_backward -> the code AOTAutograd calls
         self.used = False

@@ -173,7 +173,9 @@ class GraphRunner:
             self.phase = Phase.INFERENCE
 
     def _compile_for_profiling(self) -> Callable[..., Any]:
-        self._retained = RetainedTraining() if self.cfg.inner == "eager" else None
+        self._retained = None
+        if self.cfg.inner == "eager":
+            self._retained = RetainedTraining(partitioned_at=self.partitioner_budget)
         return compile_graph(
             self.gm,
             self.example_inputs,
@@ -269,6 +271,8 @@ class GraphRunner:
             len(plan_by_identity) == 1
             and retained is not None
             and retained.ready
+            # The partitioner search may choose a ratio it profiled before the last one.
+            and retained.partitioned_at == self.partitioner_budget
             # A forward that ran the profiling code saved what that code saves: its backward must too.
             and self.backend.tracker.in_flight_of(self) == 0
         ):

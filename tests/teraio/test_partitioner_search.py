@@ -186,3 +186,40 @@ def test_a_fixed_ratio_with_a_plan_is_bit_identical_to_the_same_ratio_without(mo
         torch.use_deterministic_algorithms(old)
         torch.set_num_threads(threads)
     assert_bit_identical(traces[0], traces[1])
+
+
+def test_a_ratio_profiled_before_the_last_runs_its_own_plan(monkeypatch, tmp_path) -> None:
+    """The search chooses the default partition after profiling another ratio: the plan is compiled for
+    the default partition's graphs (on the FX path the last profiled graphs are another partition's: Note:
+    [One trace per graph on the FX path] in teraio.graph.compilers), and the run is exact."""
+    end = PartitionerSearch._end
+
+    def the_first_candidate_wins(self, ready):
+        for c in self.candidates[1:]:
+            if c.predicted_step_s is not None:
+                c.predicted_step_s += 1e6
+        return end(self, ready)
+
+    monkeypatch.setattr(PartitionerSearch, "_end", the_first_candidate_wins)
+    workload = builtin_workload("tiny")
+    be = TeraioBackend(
+        inner="eager",
+        memory_budget="60%",
+        offload_dirs=[str(tmp_path)],
+        solver=teraio.Solver(partitioner_budget="search", **DETERMINISTIC),
+        profiling=UNMEASURED,
+    )
+    try:
+        got = train(workload, be, STEPS)
+        tried = be.stats()["partitioner_search"]
+    finally:
+        be.close()
+    assert len(tried) >= 2 and be.runners[0].partitioner_budget == tried[0]["ratio"] == 1.0
+    reference = train(
+        workload,
+        TeraioBackend(
+            inner="eager", enabled=False, profiling=UNMEASURED, solver=teraio.Solver(partitioner_budget=1.0)
+        ),
+        STEPS,
+    )
+    assert_bit_identical(reference, got)
