@@ -78,19 +78,24 @@ def test_below_a_fit_that_cannot_meet_the_budget_the_search_goes_back_up() -> No
 
 
 # ------------------------------------------------------------------------------------- end to end
+def searching_backend(offload_dir) -> TeraioBackend:
+    """The FX path at 60% of the step with the partitioner search, on CP-SAT's deterministic clock."""
+    return TeraioBackend(
+        inner="eager",
+        memory_budget="60%",
+        offload_dirs=[str(offload_dir)],
+        solver=teraio.Solver(partitioner_budget="search", **DETERMINISTIC),
+        profiling=UNMEASURED,
+    )
+
+
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     """The tiny GPT on the FX path at 60% with the search, and the same steps without migration at the
     ratio it chose."""
     tmp = tmp_path_factory.mktemp("search")
     workload = builtin_workload("tiny")
-    be = TeraioBackend(
-        inner="eager",
-        memory_budget="60%",
-        offload_dirs=[str(tmp)],
-        solver=teraio.Solver(partitioner_budget="search", **DETERMINISTIC),
-        profiling=UNMEASURED,
-    )
+    be = searching_backend(tmp)
     try:
         got = train(workload, be, STEPS)
         stats = be.stats()
@@ -202,13 +207,7 @@ def test_a_ratio_profiled_before_the_last_runs_its_own_plan(monkeypatch, tmp_pat
 
     monkeypatch.setattr(PartitionerSearch, "_end", the_first_candidate_wins)
     workload = builtin_workload("tiny")
-    be = TeraioBackend(
-        inner="eager",
-        memory_budget="60%",
-        offload_dirs=[str(tmp_path)],
-        solver=teraio.Solver(partitioner_budget="search", **DETERMINISTIC),
-        profiling=UNMEASURED,
-    )
+    be = searching_backend(tmp_path)
     try:
         got = train(workload, be, STEPS)
         tried = be.stats()["partitioner_search"]
