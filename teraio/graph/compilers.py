@@ -133,9 +133,8 @@ class RetainedTraining:
 
     Note: [One trace per graph on the FX path]
         AOTAutograd traces a graph's forward and backward together and partitions them; the profiling
-        compile and the compile with the plan each did that (the trace and the partition were most of a
-        planned graph's compile time: 45% of the CPU of the suite's FX-path tests, and two compiles out of
-        three). The plan is written into the partitioned graphs in place, and never changes the forward's
+        compile and the compile with the plan each did that, and the trace and the partition are most
+        of a planned graph's compile time (measured: benchmarks/results/suite_time_*). The plan is written into the partitioned graphs in place, and never changes the forward's
         outputs in number (Note in teraio.graph.rewrite), which is all AOTAutograd's runtime wrapper
         knows of them. So the profiling compile keeps the graphs AOTAutograd holds and hands it, for
         forward and backward, a :class:`_GraphCode` whose function the final compile replaces: the plan
