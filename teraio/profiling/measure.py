@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from teraio.profiling.collective_frees import COLLECTIVE_OP_PREFIX, WORKER_SPAN_PREFIXES, unseen_frees
+from teraio.profiling.collective_frees import WORKER_SPAN_PREFIXES, is_collective_span, unseen_frees
 
 T = TypeVar("T")
 
@@ -91,7 +91,7 @@ def allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
             name = n.name
             if name.startswith(WORKER_SPAN_PREFIXES):
                 worker_spans.append((int(n.start_time_ns), int(n.end_time_ns)))
-            in_collective = in_collective or name.startswith(COLLECTIVE_OP_PREFIX)
+            in_collective = in_collective or is_collective_span(name)
         stack.extend((c, in_collective) for c in n.children)
     out.sort(key=lambda e: e.ts_ns)
     if in_collectives and worker_spans:

@@ -183,3 +183,29 @@ def test_a_collectives_buffer_the_profiler_saw_no_free_of_is_freed_after_its_wor
     assert own_peak_bytes(events) == (100_016, 24)
     frees = [(e.ts_ns, e.ptr, e.nbytes) for e in events if e.nbytes < 0]
     assert frees == [(25, 3, -64), (30, 1, -block), (50, 2, -100_000)]
+
+
+def test_fsdp2s_all_gather_output_the_profiler_saw_no_free_of_is_freed_after_its_work() -> None:
+    """The same race for FSDP2's flat all-gather output (ptr 1), allocated in the ``FSDP::all_gather``
+    span before the ``c10d::`` op; the gathered parameters its copy-out allocates (ptr 6, alive past the
+    region's last worker span: FSDP2 frees them itself) are not the work's."""
+    block = 50_816
+    main = _span(
+        "ProfilerStep",
+        0,
+        200,
+        _span(
+            "FSDP::all_gather (gpt.blocks.0)",
+            10,
+            20,
+            _alloc(11, 1, block),
+            _span("c10d::_allgather_base_", 12, 13),
+        ),
+        _span("FSDP::all_gather_copy_out (gpt.blocks.0)", 21, 22, _alloc(21, 6, block)),
+        _alloc(40, 2, 100_000),
+        _alloc(50, 2, -100_000),
+    )
+    events = allocations_under([main, _span("gloo:all_gather", 15, 30)], "cpu")
+    frees = [(e.ts_ns, e.ptr, e.nbytes) for e in events if e.nbytes < 0]
+    assert frees == [(30, 1, -block), (50, 2, -100_000)]
+    assert own_peak_bytes(events) == (block + 100_000, block)
