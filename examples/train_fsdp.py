@@ -2,6 +2,11 @@
 embeddings and head as graphs of their own (``backend.compile(model)``).
 
     torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 8 --run-dir runs/fsdp
+    torchrun --nproc_per_node=2 examples/train_fsdp.py --states offload
+
+``--states offload`` keeps each rank's shards of the parameters, gradients and AdamW states on its own
+disk between their uses (each parameter shard read back before FSDP2 gathers it), under one budget over
+the whole step; ``--states optimizer`` moves AdamW's states alone.
 
 ``fully_shard`` frees each block's gathered parameters after its forward and gathers them again for its
 backward, outside teraio's graphs: teraio measures that memory in the first running step and plans for
@@ -42,6 +47,13 @@ def main() -> None:
     parser.add_argument(
         "--disabled", action="store_true", help="enabled=False: the same run without teraio's plan"
     )
+    parser.add_argument(
+        "--states",
+        choices=["keep", "optimizer", "offload"],
+        default="keep",
+        help="offload: each rank's shards of parameters, gradients and AdamW states on disk between their "
+        "uses; optimizer: AdamW's states alone",
+    )
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available()
@@ -54,6 +66,16 @@ def main() -> None:
     torch.manual_seed(0)
     cfg = GPTConfig(layers=2, hidden=64, heads=2, seq=64, batch=4, vocab=256)
     model = GPT(cfg).to(device)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # over the shards (DTensors)
+    states = None
+    if args.states == "offload":
+        # min_param_bytes=0: this GPT's shards are all under the 64 KiB that stay in memory by default
+        states = teraio.States(optimizer=opt, gradients=True, parameters=True, model=model, min_param_bytes=0)
+    elif args.states == "optimizer":
+        states = teraio.States(optimizer=opt)
     backend = teraio.backend(
         memory_budget=args.budget,
         offload_dirs=[args.offload_dir] if args.offload_dir else None,
@@ -61,12 +83,9 @@ def main() -> None:
         inner=args.inner,
         solver=args.solver,
         enabled=not args.disabled,
+        states=states,
     )
     backend.compile(model)  # each block, the embeddings and the head as graphs of their own, in place
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank = dist.get_rank()
     for step in range(args.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
@@ -82,6 +101,14 @@ def main() -> None:
         f"median step {st['step_s']} s",
         flush=True,
     )
+    if st["whole_step"] is not None:
+        whole = st["whole_step"]
+        print(
+            f"rank {rank}: whole step measured {whole['measured_peak_bytes']} bytes (predicted "
+            f"{whole['predicted_peak_bytes']}, budget {whole['budget_bytes']}); moved by kind "
+            f"{st['moved_bytes_by_kind']}",
+            flush=True,
+        )
     backend.close()
     dist.destroy_process_group()
 

@@ -567,4 +567,4 @@ def _check_flat_states(flat: dict[str, Any], offload: bool) -> None:
     if flat.get("optimizer") is not None:
         from teraio.states.offload import check_optimizer
 
-        check_optimizer(flat["optimizer"])
+        check_optimizer(flat["optimizer"], optimizer_in_backward=bool(flat.get("optimizer_in_backward")))

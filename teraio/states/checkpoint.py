@@ -58,6 +58,7 @@ from teraio.states.safetensors_files import (
     read_into,
     write_shards,
 )
+from teraio.states.shards import is_sharded
 from teraio.states.store import Record, Residency
 from teraio.states.train_state import decode, encode, restore_rng_state, rng_state
 
@@ -113,7 +114,7 @@ def _on_every_rank(fn: Callable[[], Any], what: str) -> Any:
 #     own offload directory and restores its own generators. An error on one rank raises on every rank.
 #     DDP broadcasts rank 0's parameters when it wraps a model: after a load that put them on disk, wrap
 #     with ``DDP(model, init_sync=False)`` (every rank loaded the same values; there is nothing to send).
-#     FSDP2's sharded states are not supported by ``teraio.States`` yet.
+#     FSDP2's sharded parameters are refused in one line (the format holds whole tensors).
 
 
 def write_directory(target: str | os.PathLike, populate: Callable[[PrivateDir], None], *, what: str) -> Path:
@@ -594,6 +595,13 @@ class Checkpoints:
     def _model_for(self, action: str) -> torch.nn.Module:
         if self.model is None:
             raise CheckpointError(f"{action} needs the model: teraio.States(optimizer=opt, model=model, ...)")
+        if any(is_sharded(p) for p in self.model.parameters()):
+            # The format holds whole tensors, and one rank writes them (Note: [A checkpoint of a DDP job]).
+            raise CheckpointError(
+                f"{action} does not take FSDP2's sharded parameters yet: save and load with "
+                "torch.distributed.checkpoint (model.state_dict() and optimizer.state_dict() read the "
+                "shards on disk back as DTensors; load_state_dict() writes them)"
+            )
         return self.model
 
     def load_pretrained(self, path: str | os.PathLike, *, device: str | torch.device = "cpu") -> LoadReport:

@@ -37,7 +37,8 @@ class States:
     chunk by chunk (:mod:`teraio.states`); optionally its gradients and parameters too."""
 
     optimizer: Any = field(repr=False)
-    """The ``torch.optim.Optimizer`` whose states move (AdamW, Adam or SGD, plain parameters)."""
+    """The ``torch.optim.Optimizer`` whose states move (AdamW, Adam or SGD; plain parameters or FSDP2's
+    sharded ones)."""
 
     model: Any = field(default=None, repr=False)
     """The ``torch.nn.Module`` the optimizer trains; needed by ``parameters=True`` (its ``state_dict`` and
@@ -101,7 +102,7 @@ class States:
             )
         from teraio.states.offload import check_optimizer  # imports torch: a States holds an optimizer
 
-        check_optimizer(self.optimizer)
+        check_optimizer(self.optimizer, optimizer_in_backward=self.optimizer_in_backward)
 
     def recorded(self) -> dict[str, Any]:
         """The options as ``run_dir/config.json`` records them: the optimizer and model by class name."""

@@ -68,7 +68,7 @@ class EntryGate:
         """A module call starts running eagerly: the outermost one gives every parameter its class back."""
         if self.depth == 0:
             for rec in self._records():
-                guarded.release(rec.tensor)
+                guarded.release_record(rec)
         self.depth += 1
 
     def exit(self) -> None:
@@ -121,7 +121,7 @@ def never_guard(residency: Any, idxs: list[int]) -> None:
         rec = residency.records.get(i)
         if rec is not None:
             rec.entry_guarded = False
-            guarded.release(rec.tensor)
+            guarded.release_record(rec)
     if fresh and not residency.told_unguarded:
         residency.told_unguarded = True
         log.info(

@@ -78,10 +78,10 @@ import torch
 from teraio.states.errors import StatesError
 from teraio.states.guarded import (
     PENDABLE_OPS,
-    OffloadedTensor,
     PendingOp,
     evict_after_call,
     guard_of,
+    is_guarded,
     load_for_call,
     real,
     refuse_mutation,
@@ -126,7 +126,7 @@ class GradNorms:
         rec.norms.clear()
         if not self.wanted:
             return
-        t = rec.tensor
+        t = rec.target  # a DTensor's norm is a DTensor (Note: [A sharded tensor is guarded as a whole])
         variants = [((), t)]
         chain = self.chains.get(rec.param_idx)
         if chain:
@@ -158,7 +158,7 @@ def serve_foreach_norm(func: Callable[..., Any], args: tuple[Any, ...], kwargs: 
     dtype = args[2] if len(args) > 2 else kwargs.get("dtype")
     kind: NormKind = (float(ord_), dtype)
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    plain = [i for i, t in enumerate(tensors) if type(t) is not OffloadedTensor]
+    plain = [i for i, t in enumerate(tensors) if not is_guarded(t)]
     if plain:
         with torch._C.DisableTorchFunctionSubclass():
             for i, n in zip(plain, func([tensors[i] for i in plain], *args[1:], **kwargs)):
@@ -169,7 +169,7 @@ def serve_foreach_norm(func: Callable[..., Any], args: tuple[Any, ...], kwargs: 
         guard = guard_of(t)
         assert guard is not None and guard.record is not None and guard.store is not None
         rec, norms = guard.record, guard.store.grad_norms
-        whole = not guard.view
+        whole = not guard.view and guard.primary is rec.target  # a DTensor's local shard is not its whole
         if whole and norms is not None and rec.kind.value == "gradient":
             norms.wanted.add(kind)
             norms.chains[rec.param_idx] = list(rec.pending)
@@ -208,23 +208,30 @@ def serve_in_place(
     """An in-place op that writes into offloaded tensors: deferred on gradients for scaling and clamping
     (a pending op), refused otherwise in one line (Note: [What a read of an offloaded tensor does] in
     teraio.states.guarded)."""
+    if name in ACCUMULATE_OPS and all(_accumulated_shard(t) for t in mutated):
+        return _serve_accumulation(func, args, kwargs, mutated)
     for t in mutated:
         guard = guard_of(t)
         assert guard is not None and guard.record is not None
-        if name not in PENDABLE_OPS or guard.record.kind.value != "gradient" or guard.view:
+        if (
+            name not in PENDABLE_OPS
+            or guard.record.kind.value != "gradient"
+            or guard.view
+            or guard.primary is not guard.record.target  # a DTensor's local shard: ops apply to the DTensor
+        ):
             raise refuse_mutation(t, name)
     foreach = name.startswith("_foreach_") or name == UNSCALE
     selves = list(args[0]) if foreach else [args[0]]
     rest = args[1:]
     for a in rest:  # another offloaded tensor as an argument (a scale by a gradient): not a scale
         for x in a if isinstance(a, (list, tuple)) else [a]:
-            if type(x) is OffloadedTensor:
+            if is_guarded(x):
                 raise StatesError(
                     f"{name}() takes an offloaded gradient or state as an argument; read it first "
                     "(backend.states.gradient(p), opt.state_dict())"
                 )
     n = len(selves)
-    plain = [i for i, t in enumerate(selves) if type(t) is not OffloadedTensor]
+    plain = [i for i, t in enumerate(selves) if not is_guarded(t)]
     if plain:  # the plain tensors of a foreach list: the op as the caller made it, on them alone
         sub = [[a[i] for i in plain] if isinstance(a, (list, tuple)) and len(a) == n else a for a in rest]
         with torch._C.DisableTorchFunctionSubclass():
@@ -242,7 +249,7 @@ def serve_in_place(
         if rec.residency not in (Residency.DISK, Residency.READING):
             # an alias of a record in memory now: change it there
             with torch._C.DisableTorchFunctionSubclass():
-                func([rec.tensor] if foreach else rec.tensor, *mine, **kwargs)
+                func([rec.target] if foreach else rec.target, *mine, **kwargs)
             store.mark_changed(rec)
             continue
         norms = store.grad_norms
@@ -255,13 +262,47 @@ def serve_in_place(
                 loaded = load_for_call([t])
                 try:
                     with torch._C.DisableTorchFunctionSubclass():
-                        func([rec.tensor], *mine, **kwargs)
+                        func([rec.target], *mine, **kwargs)
                     rec.pending.append(op)
                 finally:
                     evict_after_call(loaded)
                 continue
         rec.pending.append(op)
     return None if foreach else args[0]
+
+
+#: The in-place adds FSDP2 accumulates a micro-batch's gradient shard with (Note: [FSDP2 accumulates into
+#: the local shard]).
+ACCUMULATE_OPS = frozenset({"__iadd__", "add_"})
+
+
+def _accumulated_shard(t: torch.Tensor) -> bool:
+    guard = guard_of(t)
+    return (
+        guard is not None
+        and guard.record.kind.value == "gradient"
+        and guard.record.holder is not None
+        and guard.primary is guard.record.tensor
+        and not guard.view
+    )
+
+
+def _serve_accumulation(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], mutated: list[torch.Tensor]
+) -> Any:
+    """Note: [FSDP2 accumulates into the local shard]
+    FSDP2 adds a later micro-batch's reduce-scattered gradient into the sharded gradient's local
+    tensor itself (``grad._local_tensor += new``), in Python, then runs the parameter's
+    post-accumulate hooks, which write it again (teraio.states.grads). The add is the gradient's
+    accumulation, as AccumulateGrad's is on one process: the shard is read back into its own
+    object (a blocking read, its pending ops replayed), the add runs on it, and it is marked
+    changed, in memory until that hook's write."""
+    loaded = load_for_call(mutated)
+    with torch._C.DisableTorchFunctionSubclass():
+        out = func(*args, **kwargs)
+    for rec, store in loaded:
+        store.mark_changed(rec)
+    return out
 
 
 # -- Note: [Clipping when the update runs in backward] ---------------------------------------------------

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from teraio.states.grad_norms import GradNorms, watch_in_backward
+from teraio.states.shards import local
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 
@@ -88,7 +89,10 @@ class GradOffload:
         rec = self.records.get(idx)
         if rec is None:
             return None
-        if self.params[idx].grad is rec.tensor:
+        grad = self.params[idx].grad
+        if (
+            grad is not None and local(grad) is rec.tensor
+        ):  # Note: [A sharded tensor's bytes are its local shard]
             return rec
         self._forget(idx)
         return None
@@ -161,7 +165,8 @@ class GradOffload:
         if grad is None or not self.offload:
             return
         rec = self.records.get(idx)
-        if rec is None or rec.tensor is not grad:
+        # Note: [A sharded tensor's bytes are its local shard] in teraio.states.shards
+        if rec is None or rec.tensor is not local(grad):
             if rec is not None:
                 self._forget(idx)
             rec = self.records[idx] = self.store.new_record(Kind.GRADIENT, grad, param_idx=idx)

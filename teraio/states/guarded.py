@@ -58,11 +58,21 @@ import torch.utils._foreach_utils as _foreach_utils
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from teraio.states.errors import StatesError
+from teraio.states.shards import local
 
 if TYPE_CHECKING:
     from teraio.states.store import Record, TensorStore
 
-__all__ = ["OffloadedTensor", "PendingOp", "guard_of", "protect", "release", "unguarded"]
+__all__ = [
+    "OffloadedTensor",
+    "PendingOp",
+    "guard_of",
+    "is_guarded",
+    "protect",
+    "release",
+    "release_record",
+    "unguarded",
+]
 
 #: Calls that read nothing but the tensor's metadata (property getters by their property's name).
 METADATA_OPS = frozenset(
@@ -166,7 +176,8 @@ class Guard:
 
     store: TensorStore
     record: Record
-    #: The record's own tensor (``record.tensor`` when this guard's object is an alias of it).
+    #: The record's own object this one stands for: ``record.tensor``, or ``record.holder`` (a DTensor
+    #: over it: Note: [A sharded tensor is guarded as a whole] in teraio.states.shards).
     primary: torch.Tensor | None
     #: The views from the record's tensor to this object (empty: the whole tensor).
     view: tuple[ViewStep, ...] = ()
@@ -183,9 +194,18 @@ class Guard:
             what += " of parameter"
         return f"{'a view of ' if self.view else ''}{what} {idx}"
 
+    @property
+    def on_holder(self) -> bool:
+        """Whether this object stands for the record's DTensor (else for its local tensor)."""
+        return self.primary is not None and self.primary is self.record.holder
+
     def tracked(self) -> bool:
         rec = self.record
-        return rec.tracked and rec.tensor is self.primary and rec.saved_key is not None
+        return (
+            rec.tracked
+            and (rec.tensor is self.primary or (rec.holder is not None and rec.holder is self.primary))
+            and rec.saved_key is not None
+        )
 
 
 class OffloadedTensor(torch.Tensor):
@@ -208,7 +228,7 @@ class OffloadedTensor(torch.Tensor):
             if name in METADATA_OPS:
                 return func(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
-        guarded = [x for x in leaves if type(x) is OffloadedTensor]
+        guarded = [x for x in leaves if is_guarded(x)]
         if not guarded:  # another subclass dispatched here: nothing of ours in the call
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
@@ -245,11 +265,53 @@ def _guard_of(t: torch.Tensor) -> Guard:
     return t.__dict__["_teraio_guard"]
 
 
+#: The guarded classes: OffloadedTensor, and OffloadedDTensor once a DTensor was guarded.
+_GUARDED_TYPES: set[type] = {OffloadedTensor}
+
+
+def is_guarded(t: object) -> bool:
+    """Whether ``t`` is an offloaded tensor's guarded object (a tensor or a DTensor over one)."""
+    return type(t) in _GUARDED_TYPES
+
+
 def guard_of(t: object) -> Guard | None:
     """The guard of an offloaded tensor (None: a plain tensor or not a tensor)."""
-    if type(t) is not OffloadedTensor:
+    if not is_guarded(t):
         return None
     return _guard_of(t)  # type: ignore[arg-type]
+
+
+_DTENSOR_GUARD: list[type] = []
+
+
+def _holder_class() -> type:
+    """The guarded class of a DTensor (Note: [A sharded tensor is guarded as a whole] in
+    teraio.states.shards): a DTensor to ``isinstance`` and to the foreach checks, whose torch calls go
+    through the guard as an :class:`OffloadedTensor`'s do. Made at the first use: torch.distributed may
+    be absent."""
+    if not _DTENSOR_GUARD:
+        from torch.distributed.tensor import DTensor
+        from torch.optim import optimizer as _optimizer
+
+        class OffloadedDTensor(DTensor):  # type: ignore[misc]
+            __slots__ = ()
+            __torch_function__ = OffloadedTensor.__dict__["__torch_function__"]
+
+            # DTensor's own Python methods that read the local shard (collectives over it) are not torch
+            # calls: served through the guard as reads.
+            def full_tensor(self, *args: Any, **kwargs: Any) -> Any:
+                return OffloadedDTensor.__torch_function__(DTensor.full_tensor, (), (self, *args), kwargs)
+
+            def redistribute(self, *args: Any, **kwargs: Any) -> Any:
+                return OffloadedDTensor.__torch_function__(DTensor.redistribute, (), (self, *args), kwargs)
+
+        _GUARDED_TYPES.add(OffloadedDTensor)
+        # clip_grad_norm_ and the optimizers take the foreach path over DTensors: over guarded ones too.
+        for supported in (_foreach_utils._foreach_supported_types, _optimizer._foreach_supported_types):
+            if DTensor in supported and OffloadedDTensor not in supported:
+                supported.append(OffloadedDTensor)
+        _DTENSOR_GUARD.append(OffloadedDTensor)
+    return _DTENSOR_GUARD[0]
 
 
 def _refusal(guard: Guard, what: str) -> StatesError:
@@ -280,7 +342,7 @@ def _mutated(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[t
     out = kwargs.get("out")
     if out is not None:
         written += list(out) if isinstance(out, (list, tuple)) else [out]
-    return [t for t in written if type(t) is OffloadedTensor]
+    return [t for t in written if is_guarded(t)]
 
 
 def refuse_mutation(t: torch.Tensor, name: str) -> StatesError:
@@ -317,7 +379,7 @@ def real(t: Any) -> Any:
     guard = guard_of(t)
     if guard is None:
         return t
-    out = guard.record.tensor
+    out = guard.record.holder if guard.on_holder else guard.record.tensor
     for step in guard.view:
         out = step.apply(out)
     return out
@@ -330,25 +392,26 @@ def serve_read(
     first argument's record (a view) becomes a guarded view of it; any other result sharing loaded bytes
     is copied; the record's own object comes back as itself."""
     base = guard_of(args[0]) if args else None  # before the load makes the record's tensor plain
-    rest_guarded = any(type(x) is OffloadedTensor for x in tree_flatten((args[1:], kwargs))[0])
-    loaded = load_for_call([x for x in leaves if type(x) is OffloadedTensor])
+    rest_guarded = any(is_guarded(x) for x in tree_flatten((args[1:], kwargs))[0])
+    loaded = load_for_call([x for x in leaves if is_guarded(x)])
     views: list[tuple[int, torch.Tensor]] = []
     try:
         real_args, real_kwargs = tree_unflatten([real(x) for x in leaves], spec)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*real_args, **real_kwargs)
-            own = {id(r.tensor) for r, _ in loaded}
+            own = {id(r.tensor) for r, _ in loaded} | {id(r.holder) for r, _ in loaded}
             ptrs = {r.tensor.untyped_storage().data_ptr() for r, _ in loaded} - {0}
-            base_ptr = real_args[0].untyped_storage().data_ptr() if base is not None else None
+            # A DTensor's bytes are its local shard's (Note: [A sharded tensor's bytes are its local shard]).
+            base_ptr = local(real_args[0]).untyped_storage().data_ptr() if base is not None else None
             out_leaves, out_spec = tree_flatten(out)
             for i, x in enumerate(out_leaves):
                 if (
                     not isinstance(x, torch.Tensor)
                     or id(x) in own
-                    or x.untyped_storage().data_ptr() not in ptrs
+                    or local(x).untyped_storage().data_ptr() not in ptrs
                 ):
                     continue
-                if x.untyped_storage().data_ptr() == base_ptr and not rest_guarded:
+                if local(x).untyped_storage().data_ptr() == base_ptr and not rest_guarded and x is local(x):
                     views.append((i, x))
                 else:
                     out_leaves[i] = x.clone()
@@ -377,21 +440,30 @@ def protect(rec: Record, store: TensorStore) -> None:
     ``nn.Parameter`` to ``isinstance`` (torch's ``_is_param`` mark, which the check honours for any
     tensor) while guarded (Note: [Parameters are guarded while no module of the model runs] in
     teraio.states.entry_gate)."""
-    t = rec.tensor
-    original = _guard_of(t).original if type(t) is OffloadedTensor else type(t)
-    t.__dict__["_teraio_guard"] = Guard(store=store, record=rec, primary=t, original=original)
-    if issubclass(original, torch.nn.Parameter):
-        t.__dict__["_is_param"] = True
-    t.__class__ = OffloadedTensor
+    for t, cls in [(rec.tensor, OffloadedTensor)] + (
+        [(rec.holder, _holder_class())] if rec.holder is not None else []
+    ):
+        original = _guard_of(t).original if is_guarded(t) else type(t)
+        t.__dict__["_teraio_guard"] = Guard(store=store, record=rec, primary=t, original=original)
+        if issubclass(original, torch.nn.Parameter):
+            t.__dict__["_is_param"] = True
+        t.__class__ = cls
 
 
 def release(t: torch.Tensor) -> None:
     """The tensor's bytes are (about to be) in memory: its own class again."""
-    if type(t) is OffloadedTensor:
+    if is_guarded(t):
         guard = t.__dict__.pop("_teraio_guard", None)
         t.__class__ = guard.original if guard is not None else torch.Tensor
         if guard is not None and issubclass(guard.original, torch.nn.Parameter):
             t.__dict__.pop("_is_param", None)
+
+
+def release_record(rec: Record) -> None:
+    """The record's bytes are (about to be) in memory: its tensor, and the DTensor over it, plain again."""
+    release(rec.tensor)
+    if rec.holder is not None:
+        release(rec.holder)
 
 
 @contextmanager
@@ -402,7 +474,7 @@ def unguarded(objs: Iterable[Any]) -> Iterator[None]:
     would take the guard's calls for reads."""
     from teraio.states.store import Residency
 
-    guards = [(t, _guard_of(t)) for t in objs if type(t) is OffloadedTensor]
+    guards = [(t, _guard_of(t)) for t in objs if is_guarded(t)]
     for t, _ in guards:
         release(t)
     try:
@@ -410,7 +482,12 @@ def unguarded(objs: Iterable[Any]) -> Iterator[None]:
     finally:
         for t, guard in guards:
             rec = guard.record
-            if rec.tensor is t and not guard.view and rec.residency is Residency.DISK and rec.guards_reads:
+            if (
+                (rec.tensor is t or rec.holder is t)
+                and not guard.view
+                and rec.residency is Residency.DISK
+                and rec.guards_reads
+            ):
                 protect(rec, guard.store)
 
 
@@ -421,5 +498,5 @@ def alias_of(t: torch.Tensor) -> torch.Tensor:
     with torch._C.DisableTorchFunctionSubclass():
         out = t.detach()
     out.__dict__["_teraio_guard"] = Guard(guard.store, guard.record, guard.primary, guard.view)
-    out.__class__ = OffloadedTensor
+    out.__class__ = type(t)
     return out

@@ -23,9 +23,11 @@ from teraio.runtime import Engine, RuntimeConfig
 from teraio.states.checkpoint import Checkpoints
 from teraio.states.errors import StatesError
 from teraio.states.frozen import frozen_parameters
+from teraio.states.fsdp_shards import ShardGathers
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
 from teraio.states.params import ParamResidency
+from teraio.states.shards import is_sharded, local, local_nbytes, rewrap
 from teraio.states.step_pipeline import attach_overlap
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
@@ -57,8 +59,11 @@ SUPPORTED: dict[type[torch.optim.Optimizer], Callable[[dict[str, Any]], int]] = 
 }
 
 
-def check_optimizer(optimizer: object, option: str = "optimizer") -> None:
-    """Raise ``StatesError`` (one line) unless ``optimizer`` is a supported ``torch.optim.Optimizer``."""
+def check_optimizer(
+    optimizer: object, option: str = "optimizer", *, optimizer_in_backward: bool = False
+) -> None:
+    """Raise ``StatesError`` (one line) unless ``optimizer`` is a supported ``torch.optim.Optimizer`` (and
+    ``optimizer_in_backward`` supported with its parameters)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise StatesError(
             f"{option} must be a torch.optim.Optimizer (AdamW, Adam or SGD), not {type(optimizer).__name__}"
@@ -73,12 +78,21 @@ def check_optimizer(optimizer: object, option: str = "optimizer") -> None:
         if g.get("differentiable", False):
             raise StatesError(f"{option}: teraio.States does not support differentiable=True")
         for p in g["params"]:
+            if is_sharded(p) and type(local(p)) in (torch.nn.Parameter, torch.Tensor):
+                if optimizer_in_backward:
+                    # FSDP2 hands over a sharded gradient after its reduce-scatter, outside the graph
+                    # calls whose holds an update inside backward relies on.
+                    raise StatesError(
+                        f"{option}: optimizer_in_backward=True does not take FSDP2's sharded parameters "
+                        "yet: use gradients=True to move the gradient shards instead"
+                    )
+                continue  # Note: [A sharded tensor's bytes are its local shard] in teraio.states.shards
             if type(p) not in (torch.nn.Parameter, torch.Tensor):
-                # A tensor subclass (FSDP2's DTensor shards, a quantized weight) keeps its bytes in inner
-                # tensors that the states' storage swap cannot reach.
+                # Another tensor subclass (a quantized weight) keeps its bytes in inner tensors that the
+                # states' storage swap cannot reach.
                 raise StatesError(
-                    f"{option}: teraio.States supports plain parameters, not {type(p).__name__} ones (FSDP2's "
-                    "fully_shard makes DTensors); use states=None with them"
+                    f"{option}: teraio.States supports plain parameters and FSDP2's DTensors, not "
+                    f"{type(p).__name__} ones; use states=None with them"
                 )
 
 
@@ -122,7 +136,7 @@ class StateOffload(Checkpoints):
         min_param_bytes: int = DEFAULT_MIN_PARAM_BYTES,
         overlap_step: bool = True,
     ) -> None:
-        check_optimizer(optimizer)
+        check_optimizer(optimizer, optimizer_in_backward=optimizer_in_backward)
         if offload_parameters and model is None:
             raise StatesError(
                 "offload_parameters=True needs the model too (model=...): its state_dict and load_state_dict "
@@ -160,12 +174,21 @@ class StateOffload(Checkpoints):
         )
         #: Note: [When a parameter is resident] in teraio.states.params (None: parameters stay in memory).
         self.residency: ParamResidency | None = None
+        #: FSDP2's gathers of offloaded shards (None: no sharded parameter on disk).
+        self.shard_gathers: ShardGathers | None = None
+        self._hooks_model: list[Any] = []
         if offload_parameters:
             assert model is not None
             # Note: [Frozen weights are read-only state] in teraio.states.frozen
             frozen = frozen_parameters(model, self.params)
             self.residency = ParamResidency(self.store, self.params, min_param_bytes, frozen)
             self.residency.attach_module(model)
+            if any(is_sharded(p) for p in self.params):
+                # Note: [A shard is read back before its all-gather] in teraio.states.fsdp_shards
+                self.shard_gathers = ShardGathers(self.residency, model)
+                self._hooks_model = [
+                    model.register_forward_pre_hook(lambda *_: self.shard_gathers.new_step(), prepend=True)
+                ]
             self.residency.frozen.log_setup()
             self.stream.residency = self.residency
             self.residency.hold_for_update = optimizer_in_backward
@@ -275,7 +298,7 @@ class StateOffload(Checkpoints):
         """The bytes the step reads of parameter ``idx``'s gradient: its size when gradients are offloaded
         (a gradient has its parameter's size), else none."""
         p = self.params[idx]
-        return p.numel() * p.element_size() if self.grads.offload else 0
+        return local_nbytes(p) if self.grads.offload else 0
 
     def zero_grad(self, set_to_none: bool) -> None:
         if not self.closed:
@@ -319,7 +342,9 @@ class StateOffload(Checkpoints):
             if not st:
                 continue
             recs = self.stream.records.get(idx, {})
-            out[idx] = {k: (self.store.read_copy(recs[k]) if k in recs else v) for k, v in st.items()}
+            out[idx] = {
+                k: (rewrap(v, self.store.read_copy(recs[k])) if k in recs else v) for k, v in st.items()
+            }
         return out
 
     @property
@@ -361,7 +386,7 @@ class StateOffload(Checkpoints):
         as its ``model_states`` (``teraio plan`` and ``teraio simulate`` show it by kind). Optimizer
         states the optimizer has not made yet are counted at the size its first step will make them."""
 
-        param_nbytes = sum(p.numel() * p.element_size() for p in self.params)
+        param_nbytes = sum(local_nbytes(p) for p in self.params)
         residency = self.residency
         offloaded_params = (
             sum(r.nbytes for i, r in residency.records.items() if i not in residency.frozen)
@@ -411,8 +436,13 @@ class StateOffload(Checkpoints):
         by_tensor: dict[int, Record] = {id(r.tensor): r for r in self.stream.all_records()}
         state = {}
         for pid, entries in sd["state"].items():
+            # Note: [A sharded tensor's bytes are its local shard] in teraio.states.shards
             state[pid] = {
-                k: (self.store.read_copy(by_tensor[id(v)]) if id(v) in by_tensor else v)
+                k: (
+                    rewrap(v, self.store.read_copy(by_tensor[id(local(v))]))
+                    if id(local(v)) in by_tensor
+                    else v
+                )
                 for k, v in entries.items()
             }
         return {**sd, "state": state}
@@ -449,6 +479,11 @@ class StateOffload(Checkpoints):
                     "with restore_states=False"
                     + (" (parameters come back even then: the model needs them)" if params else "")
                 )
+        if self.shard_gathers is not None:
+            self.shard_gathers.close()
+            for h in self._hooks_model:
+                h.remove()
+            self.shard_gathers = None
         if self.residency is not None:
             self.residency.close()
             self.stream.residency = self.residency = None

@@ -65,6 +65,7 @@ import torch
 
 from teraio.states.errors import StatesError
 from teraio.states.params import ParamResidency, param_key
+from teraio.states.shards import local, local_nbytes, rewrap
 from teraio.states.step_chunks import Chunk, StepLog, cut_chunks
 from teraio.states.store import Kind, Record, Residency, TensorStore
 from teraio.states.update_in_backward import InBackwardUpdates
@@ -162,6 +163,8 @@ class StreamedStep:
         return [r for recs in self.records.values() for r in recs.values()]
 
     def _offloaded_items(self, idx: int) -> list[tuple[str, torch.Tensor]]:
+        """The state tensors of ``params[idx]`` that live on disk (DTensors under FSDP2: Note: [A sharded
+        tensor's bytes are its local shard] in teraio.states.shards)."""
         st = self.opt.state.get(self.params[idx])
         if not st or idx in self.kept:
             return []
@@ -180,7 +183,7 @@ class StreamedStep:
             rec = recs.get(name)
             if rec is None:
                 rec = recs[name] = self.store.new_record(Kind.OPTIMIZER_STATE, v, name, param_idx=idx)
-            elif rec.tensor is not v:
+            elif rec.tensor is not local(v):
                 self.store.adopt(rec, v)
             self.store.mark_changed(rec)
             out.append(rec)
@@ -236,7 +239,7 @@ class StreamedStep:
         for i in self.kept:
             st = self.opt.state.get(self.params[i]) or {}
             total += sum(
-                v.numel() * v.element_size()
+                local_nbytes(v)
                 for k, v in st.items()
                 if isinstance(v, torch.Tensor) and k not in RESIDENT_STATE_KEYS
             )
@@ -250,13 +253,13 @@ class StreamedStep:
             return len(recs), sum(r.nbytes for r in recs)
         p = self.params[idx]
         n = self.states_per_param(self._group_of.get(id(p), {}))
-        return n, n * p.numel() * p.element_size()
+        return n, n * local_nbytes(p)
 
     def moved_nbytes(self, idx: int, grad_nbytes: int) -> int:
         """What the step reads and writes for ``params[idx]``: the parameter when it is offloaded, its
         gradient's ``grad_nbytes`` (0: in memory), and its states unless the plan keeps them."""
         p = self.params[idx]
-        param_nbytes = p.numel() * p.element_size() if self.param_record(idx) is not None else 0
+        param_nbytes = local_nbytes(p) if self.param_record(idx) is not None else 0
         state_nbytes = 0 if idx in self.kept else self.state_footprint(idx)[1]
         return param_nbytes + grad_nbytes + state_nbytes
 
@@ -372,7 +375,7 @@ class StreamedStep:
 
     def _held(self, rec: Record) -> bool:
         """A graph running now computes with this parameter (it is freed when that graph releases it)."""
-        return self.residency is not None and self.residency.uses.get(self.by_id[id(rec.tensor)], 0) > 0
+        return self.residency is not None and self.residency.uses.get(rec.param_idx, 0) > 0
 
     def commit(self, touched: list[Record]) -> None:
         """Note: [A step commits all of its states or none]: every write finished; switch the slots."""
@@ -384,7 +387,7 @@ class StreamedStep:
         if self.residency is not None:
             for rec in touched:
                 if rec.kind is Kind.PARAMETER:
-                    self.residency.saved(self.by_id[id(rec.tensor)])
+                    self.residency.saved(rec.param_idx)
         for previous, new in old:
             if previous is not None and previous != new:
                 self.store.drop_key(previous)
@@ -451,9 +454,9 @@ class StreamedStep:
                 for k, v in offloaded.items():  # the committed objects, whatever the step assigned
                     st[k] = v
                     rec = self.records.get(i, {}).get(k)
-                    if rec is not None and rec.tensor is not v:
+                    if rec is not None and rec.tensor is not local(v):
                         self.store.forget(rec)
-                        rec.tensor = v
+                        rec.tensor = local(v)
         if log.updated_resident_chunks:
             self.consistency = Consistency.PARAMETERS_AHEAD
             self.failure = (
@@ -479,11 +482,12 @@ class StreamedStep:
                 continue
             for name, v in self._offloaded_items(idx):
                 # Our own object over the loaded storage: the caller's loaded tensors must not be freed.
-                own = torch.empty(0, dtype=v.dtype, device=v.device)
+                loaded = local(v)
+                own = torch.empty(0, dtype=loaded.dtype, device=loaded.device)
                 with torch.no_grad():
-                    own.set_(v.untyped_storage(), v.storage_offset(), v.shape, v.stride())
-                st[name] = own
-                items.append((idx, name, own))
+                    own.set_(loaded.untyped_storage(), loaded.storage_offset(), loaded.shape, loaded.stride())
+                st[name] = rewrap(v, own)  # a DTensor's state stays one, over our local shard
+                items.append((idx, name, st[name]))
         self._write_committed(items)
         self.consistency = Consistency.COMMITTED
         self.failure = None

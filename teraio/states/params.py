@@ -57,6 +57,7 @@ import torch
 from teraio.states.entry_gate import EntryGate, never_guard
 from teraio.states.errors import StatesError
 from teraio.states.frozen import FrozenWeights, saved_by_backward
+from teraio.states.shards import is_sharded, local, local_nbytes, rewrap, whole_storage
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 log = logging.getLogger("teraio")
@@ -70,8 +71,12 @@ def param_key(idx: int, slot: int) -> str:
 
 def _owns_its_storage(p: torch.Tensor) -> bool:
     """A dense parameter whose storage holds exactly its elements: freeing that storage frees nothing
-    another tensor uses. A tensor subclass (a quantized frozen base, a DTensor) keeps its bytes in inner
-    tensors the storage swap cannot reach."""
+    another tensor uses. A tensor subclass (a quantized frozen base) keeps its bytes in inner tensors the
+    storage swap cannot reach; an FSDP2 shard's storage is FSDP2's padded shard of it, which holds nothing
+    else (Note: [A parameter shard moves with its padding] in teraio.states.fsdp_shards)."""
+    if is_sharded(p):
+        own = local(p)
+        return type(own) is torch.Tensor and own.layout is torch.strided and own.is_contiguous()
     return (
         type(p) in (torch.nn.Parameter, torch.Tensor)
         and p.layout is torch.strided
@@ -108,7 +113,7 @@ class ParamResidency:
         self.index_of: dict[int, int] = {
             id(p): i
             for i, p in enumerate(self.params)
-            if p.numel() * p.element_size() >= max(min_nbytes, 1) and _owns_its_storage(p)
+            if local_nbytes(p) >= max(min_nbytes, 1) and _owns_its_storage(p)
         }
         self.uses: dict[int, int] = {}
         #: The value's version when its bytes on disk were last made equal to memory (Note: [When a
@@ -140,9 +145,9 @@ class ParamResidency:
         self.frozen = FrozenWeights(
             first_idx=n,
             count=len(self.params) - n,
-            nbytes=sum(p.numel() * p.element_size() for p in self.params[n:]),
+            nbytes=sum(local_nbytes(p) for p in self.params[n:]),
             offloadable_count=len(movable),
-            offloadable_nbytes=sum(p.numel() * p.element_size() for p in movable),
+            offloadable_nbytes=sum(local_nbytes(p) for p in movable),
         )
         #: Note: [The whole-step budget keeps some states in memory] in teraio.states.residency.
         self.kept: frozenset[int] = frozenset()
@@ -168,7 +173,12 @@ class ParamResidency:
         return tuple(out)
 
     def _new_record(self, i: int) -> Record:
-        rec = self.store.new_record(Kind.PARAMETER, self.params[i], name="param", param_idx=i)
+        p = self.params[i]
+        if is_sharded(p):  # Note: [A parameter shard moves with its padding] in teraio.states.fsdp_shards
+            rec = self.store.new_record(Kind.PARAMETER, whole_storage(local(p)), name="param", param_idx=i)
+            rec.holder = p
+        else:
+            rec = self.store.new_record(Kind.PARAMETER, p, name="param", param_idx=i)
         rec.in_place = True
         rec.entry_gate = self.gate
         rec.entry_guarded = self.gate is not None and i not in self.unguarded
@@ -195,7 +205,7 @@ class ParamResidency:
         rec.staged_key = None
         if i in self.frozen:  # Note: [Frozen weights are read-only state] in teraio.states.frozen
             self.frozen.written_bytes += rec.nbytes
-        self._version[i] = rec.tensor._version
+        self._version[i] = rec.version
         self.store.evict(rec)
 
     def compiled_outside_modules(self, args: Iterable[Any]) -> None:
@@ -216,7 +226,7 @@ class ParamResidency:
             rec = self.records[i]
             if rec.residency in (Residency.DISK, Residency.READING):
                 self.store.load(rec)
-                self._version[i] = rec.tensor._version
+                self._version[i] = rec.version
                 if i in self.frozen:
                     self.frozen.read_bytes += rec.nbytes
 
@@ -234,7 +244,7 @@ class ParamResidency:
 
     def _free(self, i: int) -> None:
         rec = self.records[i]
-        if rec.residency is Residency.SAVED and self._version.get(i) != rec.tensor._version:
+        if rec.residency is Residency.SAVED and self._version.get(i) != rec.version:
             self.store.mark_changed(rec)  # changed outside the step (load_state_dict, an edit)
         if rec.residency is Residency.MEMORY:
             self.write_now(i)
@@ -251,7 +261,7 @@ class ParamResidency:
         if i in self.frozen:  # Note: [Frozen weights are read-only state] in teraio.states.frozen
             self.frozen.written_bytes += rec.nbytes
         rec.staged_key = None
-        self._version[i] = rec.tensor._version
+        self._version[i] = rec.version
         if old is not None and old != rec.saved_key:
             self.store.drop_key(old)
 
@@ -262,14 +272,14 @@ class ParamResidency:
             rec = self.records.get(i)
             if rec is None:
                 continue
-            if rec.residency is Residency.SAVED and self._version.get(i) != rec.tensor._version:
+            if rec.residency is Residency.SAVED and self._version.get(i) != rec.version:
                 self.store.mark_changed(rec)
             if rec.residency is Residency.MEMORY:
                 self.write_now(i)
 
     def mark_written(self, i: int) -> None:
         """Parameter ``i``'s value, as it is now, is being written by the step."""
-        self._version[i] = self.records[i].tensor._version
+        self._version[i] = self.records[i].version
 
     @property
     def forward_calls(self) -> list[tuple[int, ...]]:
@@ -295,7 +305,7 @@ class ParamResidency:
 
     def saved(self, i: int) -> None:
         """The streamed step committed parameter ``i``'s bytes: memory and disk agree from now."""
-        self._version[i] = self.records[i].tensor._version
+        self._version[i] = self.records[i].version
         if i in self._leaving:  # Note: [A parameter eager code uses stays resident]
             self._leaving.discard(i)
             self.uses[i] -= 1
@@ -383,9 +393,15 @@ class ParamResidency:
             if not own:
                 continue
             self._hooks.append(module.register_state_dict_post_hook(_state_dict_hook(self, module, own)))
-            self._hooks.append(
-                module.register_forward_pre_hook(lambda mod, args, own=own: self._eager_use(mod, own))
-            )
+            # FSDP2 gathers a module's shards before it computes, eagerly or not: they are read back then
+            # (teraio.states.fsdp_shards), so eager code does not pin them.
+            unsharded = tuple(i for i in own if not is_sharded(self.params[i]))
+            if unsharded:
+                self._hooks.append(
+                    module.register_forward_pre_hook(
+                        lambda mod, args, own=unsharded: self._eager_use(mod, own)
+                    )
+                )
             self._hooks.append(
                 module.register_load_state_dict_pre_hook(
                     lambda *a, own=own, **k: self.acquire(self._ours(own))
@@ -488,6 +504,12 @@ def _state_dict_hook(residency: ParamResidency, module: torch.nn.Module, own: tu
                 rec = residency.records[i]
                 if i in residency.frozen and rec.residency in (Residency.DISK, Residency.READING):
                     residency.frozen.read_bytes += rec.nbytes
-                state_dict[key] = residency.store.read_copy(rec).detach()
+                copy = residency.store.read_copy(rec).detach()
+                if rec.holder is not None:  # the shard's elements of its padded storage, as a DTensor
+                    shard = local(rec.holder)
+                    copy = rewrap(
+                        rec.holder, copy.as_strided(shard.shape, shard.stride(), shard.storage_offset())
+                    )
+                state_dict[key] = copy
 
     return hook

@@ -85,6 +85,7 @@ from teraio.planner.budget import BudgetError, format_size
 from teraio.planner.kept_states import StateItem, StateResidency, choose_resident_states, state_items
 from teraio.runtime.engine import read_buffer_storages
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
+from teraio.states.shards import local, local_nbytes
 from teraio.states.step_chunks import cut_chunks
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class StateMemory:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    return local_nbytes(t)  # Note: [A sharded tensor's bytes are its local shard] in teraio.states.shards
 
 
 def state_memory(states: StateOffload, held_by_graphs: frozenset[int] = frozenset()) -> StateMemory:
@@ -337,7 +338,7 @@ def resident_state_storages(states: StateOffload) -> dict[int, int]:
     def count(t: Any) -> None:
         if not isinstance(t, torch.Tensor):
             return
-        storage = t.untyped_storage()
+        storage = local(t).untyped_storage()
         ptr = storage.data_ptr()
         if ptr == 0 or ptr in seen:
             return

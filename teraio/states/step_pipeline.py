@@ -272,7 +272,7 @@ class OverlappedStep:
                 self.store.finish_write(rec)
         for rec in recs:
             if rec.kind is Kind.PARAMETER:
-                i = self.stream.by_id[id(rec.tensor)]
+                i = rec.param_idx
                 if i in keep or i not in self.used or residency.uses.get(i, 0) > 0:
                     continue  # the graph call's release frees it (its copy on disk is the one written)
             if rec.residency is Residency.SAVED:

@@ -50,6 +50,7 @@ from teraio.profiling.measure import note_freed
 from teraio.runtime import Engine, Handle
 from teraio.runtime.device import Device
 from teraio.states import guarded
+from teraio.states.shards import is_sharded, local, rewrap
 
 if TYPE_CHECKING:
     from teraio.states.grad_norms import GradNorms
@@ -108,6 +109,21 @@ class Record:
     entry_guarded: bool = False
     #: That note's gate (an ``EntryGate``): while it is open, the parameter stays plain.
     entry_gate: Any = field(default=None, repr=False)
+    #: The DTensor whose local shard ``tensor`` is (FSDP2's gradients and optimizer states), guarded
+    #: with it (Note: [A sharded tensor is guarded as a whole] in teraio.states.shards); None: plain.
+    holder: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def version(self) -> int:
+        """The version counter of the value: its DTensor's local shard's (what in-place updates of the
+        DTensor bump), else its tensor's."""
+        return local(self.holder)._version if self.holder is not None else self.tensor._version
+
+    @property
+    def target(self) -> torch.Tensor:
+        """The object ops on the record's value apply to: its DTensor, else its tensor (pending ops,
+        norms). Bytes move through ``tensor``."""
+        return self.holder if self.holder is not None else self.tensor
 
     @property
     def disk_key(self) -> str | None:
@@ -234,10 +250,14 @@ class TensorStore:
     def new_record(
         self, kind: Kind, tensor: torch.Tensor, name: str = "grad", param_idx: int | None = None
     ) -> Record:
-        """A record for a tensor that is in memory now (counted resident)."""
+        """A record for a tensor that is in memory now (counted resident); a DTensor's bytes move through
+        its local shard (Note: [A sharded tensor's bytes are its local shard] in teraio.states.shards)."""
+        holder = tensor if is_sharded(tensor) else None
+        tensor = local(tensor)
         rec = Record(
             kind=kind,
             tensor=tensor,
+            holder=holder,
             nbytes=tensor_nbytes(tensor),
             name=name,
             residency=Residency.DISK,
@@ -249,8 +269,9 @@ class TensorStore:
     def adopt(self, rec: Record, tensor: torch.Tensor) -> None:
         """The record's object was replaced by ``tensor`` (in memory); its saved bytes stay until replaced."""
         self._set(rec, Residency.DISK)
-        rec.tensor = tensor
-        rec.nbytes = tensor_nbytes(tensor)
+        rec.holder = tensor if is_sharded(tensor) else None
+        rec.tensor = local(tensor)
+        rec.nbytes = tensor_nbytes(rec.tensor)
         rec.pending.clear()
         rec.norms.clear()
         self._set(rec, Residency.MEMORY)
@@ -311,14 +332,14 @@ class TensorStore:
             self._set(rec, Residency.DISK)
             raise
         if rec.in_place:
-            guarded.release(rec.tensor)
+            guarded.release_record(rec)
             _fill_in_place(rec.tensor, fetched, self._device(rec.tensor))
             note_freed(fetched.untyped_storage())  # copied: the buffer goes (it may predate a measurement)
         else:
-            guarded.release(rec.tensor)
+            guarded.release_record(rec)
             _point_at(rec.tensor, fetched)
             for op in rec.pending:  # its value is its disk copy with them applied
-                op.apply(rec.tensor)
+                op.apply(rec.target)
         del fetched
         self.counts.read[rec.kind] += rec.nbytes
         self._set(rec, Residency.SAVED)
@@ -332,8 +353,9 @@ class TensorStore:
         assert rec.disk_key is not None
         out = self.engine.fetch(rec.disk_key, exclusive=True)
         self.counts.read[rec.kind] += rec.nbytes
+        target = out if rec.holder is None else rewrap(rec.holder, out)  # ops apply to a DTensor over it
         for op in rec.pending:
-            op.apply(out)
+            op.apply(target)
         return out
 
     def drain_read(self, rec: Record) -> None:
@@ -379,7 +401,7 @@ class TensorStore:
             self.drain_read(rec)
         if rec.residency is Residency.DISK:
             t = rec.tensor
-            guarded.release(t)
+            guarded.release_record(rec)
             _point_at(t, torch.zeros_like(t, memory_format=torch.preserve_format))
             rec.pending.clear()
             rec.norms.clear()

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from teraio.states.shards import local_nbytes
+
 log = logging.getLogger("teraio")
 
 #: Elements of each stand-in parameter: large enough that the allocator's rounding is noise.
@@ -125,7 +127,7 @@ def chunk_scratch_bytes(
     most = 0
     for g, ps in by_group.values():
         model = update_scratch(optimizer, g, ps[0].device, ps[0].dtype)
-        most = max(most, model.nbytes([p.numel() * p.element_size() for p in ps]))
+        most = max(most, model.nbytes([local_nbytes(p) for p in ps]))
     return most
 
 

@@ -21,6 +21,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+#: The backend's figures a run reports.
+STAT_KEYS = (
+    "running_steps",
+    "moved_bytes_per_step",
+    "offloaded_bytes",
+    "prefetched_bytes",
+    "measured_peak_bytes",
+    "predicted_peak_bytes",
+    "graphs",
+    "moved_bytes_by_kind",
+)
+
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
@@ -54,7 +66,8 @@ def worker(
     for run in enableds:
         name, enabled, more = (str(int(run)), run, {}) if isinstance(run, bool) else run
         torch._dynamo.reset()
-        _train(rank, world, mode, enabled, out_dir, {**options, **more}, f"{mode}-{name}-{rank}.json")
+        train = _train_fsdp_states if mode == "fsdp-states" else _train
+        train(rank, world, mode, enabled, out_dir, {**options, **more}, f"{mode}-{name}-{rank}.json")
         dist.barrier()
     dist.destroy_process_group()
 
@@ -180,21 +193,119 @@ def _train(
         "losses": losses,
         "grads": grads,
         "params": _digest(state),
-        "stats": {
-            k: st[k]
-            for k in (
-                "running_steps",
-                "moved_bytes_per_step",
-                "offloaded_bytes",
-                "prefetched_bytes",
-                "measured_peak_bytes",
-                "predicted_peak_bytes",
-                "graphs",
-                "moved_bytes_by_kind",
-            )
-        },
+        "stats": {k: st[k] for k in STAT_KEYS},
         "compiled_autograd": counters,
         "refused_save": refused,
+        "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
+    }
+    Path(out_dir, out_name).write_text(json.dumps(result))
+
+
+def _full(t: Any) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _train_fsdp_states(
+    rank: int, world: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any], out_name: str
+) -> None:
+    """FSDP2 (``fully_shard`` per block and at the root, each block compiled on its own) with AdamW, and
+    ``options["states"]``: None, "optimizer" (its states on disk), "whole" (parameters, gradients and
+    states on disk); ``options["model"]``: "gpt" (the tiny GPT) or "hf-llama" (a Llama-shaped model);
+    ``options["variant"]``: "accumulated" for 2 micro-batches a step that FSDP2 accumulates into the
+    sharded gradients, bf16 compute (``MixedPrecisionPolicy``) and ``reshard_after_forward=False``."""
+    from torch.distributed.fsdp import fully_shard
+
+    import teraio
+
+    torch.manual_seed(0)
+    if options.get("model", "gpt") == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from tests.teraio.models import LLAMA_LIKE, _lm_loss
+
+        llama = LlamaForCausalLM(LlamaConfig(**LLAMA_LIKE))
+        blocks = list(llama.model.layers)
+        model: torch.nn.Module = llama
+
+        def loss_of(step: int) -> torch.Tensor:
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            ids = torch.randint(0, 256, (2, 32), generator=g)
+            return _lm_loss(llama(input_ids=ids).logits, ids)
+
+    else:
+        from tests.teraio.loops import GPTLoss, _tokens
+
+        model = GPTLoss()
+        blocks = list(model.gpt.blocks)
+        make = _tokens(64, 2)
+
+        def loss_of(step: int) -> torch.Tensor:
+            return model(*make(step * world + rank, 32))
+
+    shard_options: dict[str, Any] = {}
+    micro_batches = 1
+    if options.get("variant") == "accumulated":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        shard_options = {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "reshard_after_forward": False,
+        }
+        micro_batches = 2
+    for block in blocks:
+        fully_shard(block, **shard_options)
+    fully_shard(model, **shard_options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    kind = options.get("states")
+    states = None
+    if kind == "optimizer":
+        states = teraio.States(optimizer=opt)
+    elif kind == "whole":
+        states = teraio.States(optimizer=opt, gradients=True, parameters=True, model=model, min_param_bytes=0)
+    backend = teraio.backend(
+        states=states,
+        memory_budget=options.get("budget"),
+        inner=options.get("inner", "eager"),
+        solver="greedy",
+        profiling=teraio.Profiling(steps=1),
+        io_backend="posix",
+        enabled=enabled,
+        offload_dirs=options["offload_dirs"],
+    )
+    for block in blocks:
+        block.compile(backend=backend)
+    losses, grads = [], []
+    try:
+        for step in range(int(options.get("steps", 8))):
+            for micro in range(micro_batches):
+                loss = loss_of(step * micro_batches + micro)
+                loss.backward()
+                losses.append(float(loss.detach()).hex())
+            if options.get("clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            # A read of an offloaded shard's gradient is served (Note: [A sharded tensor is guarded as a
+            # whole] in teraio.states.shards), each rank taking part in the gather.
+            grads.append(_digest({n: _full(p.grad) for n, p in model.named_parameters()}))
+            opt.step()
+            opt.zero_grad()
+        # Copies read back from disk, DTensors as without teraio.
+        opt_state = opt.state_dict()["state"]
+        state = {n: _full(p) for n, p in model.named_parameters()}
+        st = backend.stats()
+    finally:
+        backend.close()
+    whole = st.get("whole_step") or {}
+    result = {
+        "losses": losses,
+        "grads": grads,
+        "params": _digest(state),
+        "optimizer_states": _digest(
+            {f"{i}/{k}": _full(v).reshape(-1) for i, e in opt_state.items() for k, v in e.items()}
+        ),
+        "stats": {k: st[k] for k in STAT_KEYS},
+        "whole_step": {
+            k: whole.get(k) for k in ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes")
+        },
         "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
     }
     Path(out_dir, out_name).write_text(json.dumps(result))

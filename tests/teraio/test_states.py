@@ -252,7 +252,7 @@ def test_close_brings_everything_back(tmp_path):
 
 # -- the option ----------------------------------------------------------------------------------------
 class _Subclass(torch.Tensor):
-    """A tensor subclass parameter, as FSDP2's DTensor shards are."""
+    """A tensor subclass parameter other than a DTensor (a quantized weight)."""
 
 
 def test_states_option_is_checked_when_the_backend_is_built():
@@ -266,7 +266,7 @@ def test_states_option_is_checked_when_the_backend_is_built():
         (lambda: {"states": teraio.States(optimizer=opt, chunk_bytes="lots")}, "chunk_bytes"),
         (
             lambda: {"states": teraio.States(optimizer=torch.optim.SGD([_Subclass(torch.zeros(2))]))},
-            "supports plain parameters, not _Subclass",
+            "not _Subclass ones",
         ),
         (
             lambda: {"states": teraio.States(optimizer=opt, gradients="yes")},
