@@ -598,9 +598,9 @@ class Checkpoints:
         if any(is_sharded(p) for p in self.model.parameters()):
             # The format holds whole tensors, and one rank writes them (Note: [A checkpoint of a DDP job]).
             raise CheckpointError(
-                f"{action} does not take FSDP2's sharded parameters yet: save and load with "
+                f"{action} does not take FSDP2's sharded parameters yet: save with "
                 "torch.distributed.checkpoint (model.state_dict() and optimizer.state_dict() read the "
-                "shards on disk back as DTensors; load_state_dict() writes them)"
+                "shards on disk back as DTensors) and load before making teraio.States"
             )
         return self.model
 

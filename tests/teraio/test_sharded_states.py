@@ -102,3 +102,47 @@ def test_an_update_inside_backward_over_sharded_parameters_is_refused_in_one_lin
     opt = torch.optim.AdamW(_model(mesh).parameters())
     with pytest.raises(StatesError, match="optimizer_in_backward=True does not take FSDP2's sharded"):
         teraio.States(optimizer=opt, optimizer_in_backward=True)
+
+
+def test_fsdp2_parameter_shards_on_one_rank_train_exactly_and_refuse_a_load(
+    mesh: object, tmp_path: Path
+) -> None:
+    """FSDP2 on a 1-rank mesh (its gather reads the shard in ``wait_for_unshard``: Note: [A shard is read
+    back before its all-gather] in teraio.states.fsdp_shards), the whole state on disk, eager: bit-identical
+    to the same loop without teraio; a state dict loaded into the shards on disk is refused in one line."""
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> torch.Tensor:
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    reference, ref_opt = build()
+    model, opt = build()
+    engine = Engine(RuntimeConfig(dirs=[str(tmp_path / "off")], backend="posix"))
+    states = StateOffload(
+        opt, engine, offload_gradients=True, offload_parameters=True, model=model, min_param_bytes=0
+    )
+    try:
+        for i in range(3):
+            assert torch.equal(step(model, opt, i), step(reference, ref_opt, i))
+        assert states.stats()["moved_bytes_by_kind"]["parameter"] > 0
+        saved = model.state_dict()  # copies read back, DTensors
+        for (name, got), want in zip(saved.items(), reference.state_dict().values()):
+            assert torch.equal(got.full_tensor(), want.full_tensor()), name
+        with pytest.raises(StatesError, match="into FSDP2 parameter shards on disk is not supported yet"):
+            model.load_state_dict(saved)
+    finally:
+        states.close()
+        engine.close()
