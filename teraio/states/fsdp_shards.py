@@ -78,6 +78,8 @@ class ShardGathers:
                 self._restore.append((group, name, vars(group).get(name) if had else None))
                 setattr(group, name, make(group, getattr(group, name)))
         self._by_id = {id(g): g for g in self.groups}
+        # Before FSDP2's own hook on the root, which may gather the root's group.
+        self._step_hook = model.register_forward_pre_hook(lambda *_: self.new_step(), prepend=True)
 
     def new_step(self) -> None:
         """The next gathers are a new step's (the model's forward starts)."""
@@ -127,6 +129,7 @@ class ShardGathers:
 
     def close(self) -> None:
         """Give the groups their own methods back (holds in flight are dropped)."""
+        self._step_hook.remove()
         for group in list(self._by_id.values()):
             self._drop(group)
         for group, name, saved in self._restore:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from teraio.planner.budget import format_size
-from teraio.planner.model_states import offload_states_record
 from teraio.runtime import Engine, RuntimeConfig
 from teraio.states.checkpoint import Checkpoints
 from teraio.states.errors import StatesError
@@ -27,6 +26,7 @@ from teraio.states.fsdp_shards import ShardGathers
 from teraio.states.grads import GradOffload
 from teraio.states.optimizer_stream import Consistency, StepLog, StreamedStep
 from teraio.states.params import ParamResidency
+from teraio.states.residency import model_states_record
 from teraio.states.shards import is_sharded, local, local_nbytes, rewrap
 from teraio.states.step_pipeline import attach_overlap
 from teraio.states.store import Kind, Record, Residency, TensorStore
@@ -176,7 +176,6 @@ class StateOffload(Checkpoints):
         self.residency: ParamResidency | None = None
         #: FSDP2's gathers of offloaded shards (None: no sharded parameter on disk).
         self.shard_gathers: ShardGathers | None = None
-        self._hooks_model: list[Any] = []
         if offload_parameters:
             assert model is not None
             # Note: [Frozen weights are read-only state] in teraio.states.frozen
@@ -186,9 +185,6 @@ class StateOffload(Checkpoints):
             if any(is_sharded(p) for p in self.params):
                 # Note: [A shard is read back before its all-gather] in teraio.states.fsdp_shards
                 self.shard_gathers = ShardGathers(self.residency, model)
-                self._hooks_model = [
-                    model.register_forward_pre_hook(lambda *_: self.shard_gathers.new_step(), prepend=True)
-                ]
             self.residency.frozen.log_setup()
             self.stream.residency = self.residency
             self.residency.hold_for_update = optimizer_in_backward
@@ -380,54 +376,9 @@ class StateOffload(Checkpoints):
         }
 
     def model_states(self) -> dict[str, Any]:
-        """The parameters, gradients and optimizer states by kind (``tensors``, ``bytes``,
-        ``offloaded_bytes``) and the bytes a step moves for each (``traffic``: ``read_bytes``,
-        ``written_bytes``; ``teraio.planner.model_states.offload_states_record``). A profile records it
-        as its ``model_states`` (``teraio plan`` and ``teraio simulate`` show it by kind). Optimizer
-        states the optimizer has not made yet are counted at the size its first step will make them."""
-
-        param_nbytes = sum(local_nbytes(p) for p in self.params)
-        residency = self.residency
-        offloaded_params = (
-            sum(r.nbytes for i, r in residency.records.items() if i not in residency.frozen)
-            if residency is not None
-            else 0
-        )
-        footprints = [self.stream.state_footprint(i) for i in range(len(self.params))]
-        kept = 0
-        if self.residency is not None and not self.in_backward and self.overlapped is None:
-            # Note: [When a parameter is resident]: the step's last chunk keeps its parameters for the
-            # next forward. The chunks as the step will cut them (every parameter with a gradient).
-            order = [i for i in self.step_order() if self.params[i].requires_grad]
-            chunks = self.stream.cut(order, self.grad_nbytes)
-            if chunks:
-                recs = self.residency.records
-                kept = sum(recs[i].nbytes for i in chunks[-1].param_idxs if i in recs)
-        record = offload_states_record(
-            param_tensors=len(self.params),
-            param_nbytes=param_nbytes,
-            offloaded_param_nbytes=offloaded_params,
-            state_tensors=sum(n for n, _ in footprints),
-            state_nbytes=sum(b for _, b in footprints),
-            offloaded_state_nbytes=sum(b for i, (_, b) in enumerate(footprints) if i not in self.stream.kept),
-            offload_gradients=self.grads.offload,
-            optimizer_in_backward=self.in_backward,
-            kept_param_nbytes=kept,
-            overlap_step=self.overlapped is not None,
-        )
-        if residency is not None and residency.frozen.count:
-            # Note: [Frozen weights are read-only state] in teraio.states.frozen: parameters without a
-            # gradient or a state, read for forward (and backward when it saved them), never written by a
-            # step.
-            frozen = residency.frozen
-            recs = {i: r for i, r in residency.records.items() if i in frozen}
-            param = record["parameter"]
-            param["tensors"] += frozen.count
-            param["bytes"] += frozen.nbytes
-            param["offloaded_bytes"] += sum(r.nbytes for r in recs.values())
-            reads = sum(frozen.reads_per_step(i) * r.nbytes for i, r in recs.items())
-            record["traffic"]["parameter"]["read_bytes"] += reads
-        return record
+        """The parameters, gradients and optimizer states by kind, and the bytes a step moves for each
+        (:func:`teraio.states.residency.model_states_record`): a profile's ``model_states``."""
+        return model_states_record(self)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def _fill_state_dict(self, sd: dict[str, Any]) -> dict[str, Any]:
@@ -481,8 +432,6 @@ class StateOffload(Checkpoints):
                 )
         if self.shard_gathers is not None:
             self.shard_gathers.close()
-            for h in self._hooks_model:
-                h.remove()
             self.shard_gathers = None
         if self.residency is not None:
             self.residency.close()

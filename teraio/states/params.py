@@ -57,7 +57,8 @@ import torch
 from teraio.states.entry_gate import EntryGate, never_guard
 from teraio.states.errors import StatesError
 from teraio.states.frozen import FrozenWeights, saved_by_backward
-from teraio.states.shards import is_sharded, local, local_nbytes, rewrap, whole_storage
+from teraio.states.param_hooks import model_hooks
+from teraio.states.shards import is_sharded, local, local_nbytes, whole_storage
 from teraio.states.store import Kind, Record, Residency, TensorStore
 
 log = logging.getLogger("teraio")
@@ -219,7 +220,7 @@ class ParamResidency:
         """Bring these parameters into memory (waiting for their reads) and hold them until released."""
         if self.before_use is not None:  # a pending step updates them first (teraio.states.step_pipeline)
             self.before_use(idxs)
-        idxs = self._ours(idxs)
+        idxs = self.offloaded(idxs)
         for i in idxs:
             self.uses[i] += 1
         for i in idxs:
@@ -233,13 +234,13 @@ class ParamResidency:
     def release(self, idxs: tuple[int, ...]) -> None:
         """Drop one hold on each; a parameter no call holds any more leaves memory (written first when it
         has no copy on disk, or its value changed since)."""
-        for i in self._ours(idxs):
+        for i in self.offloaded(idxs):
             self.uses[i] -= 1
             if self.uses[i] == 0:
                 self._free(i)
 
     def prefetch(self, idxs: tuple[int, ...]) -> None:
-        for i in self._ours(idxs):
+        for i in self.offloaded(idxs):
             self.store.prefetch(self.records[i])
 
     def _free(self, i: int) -> None:
@@ -386,50 +387,14 @@ class ParamResidency:
             )
         self.gate = EntryGate(self.store, self.records.values)
         self.gate.attach(model)
-        for module in model.modules():
-            own = tuple(
-                self.index_of[id(p)] for p in module.parameters(recurse=False) if id(p) in self.index_of
-            )
-            if not own:
-                continue
-            self._hooks.append(module.register_state_dict_post_hook(_state_dict_hook(self, module, own)))
-            # FSDP2 gathers a module's shards before it computes, eagerly or not: they are read back then
-            # (teraio.states.fsdp_shards), so eager code does not pin them.
-            unsharded = tuple(i for i in own if not is_sharded(self.params[i]))
-            if unsharded:
-                self._hooks.append(
-                    module.register_forward_pre_hook(
-                        lambda mod, args, own=unsharded: self._eager_use(mod, own)
-                    )
-                )
-            self._hooks.append(
-                module.register_load_state_dict_pre_hook(lambda *a, own=own, **k: self._before_load(own))
-            )
-            self._hooks.append(
-                module.register_load_state_dict_post_hook(
-                    lambda *a, own=own, **k: self.release(self._ours(own))
-                )
-            )
+        self._hooks += model_hooks(self, model)
 
-    def _before_load(self, own: tuple[int, ...]) -> None:
-        """``load_state_dict`` reaches a module: its offloaded parameters in memory for the copy."""
-        ours = self._ours(own)
-        if any(is_sharded(self.params[i]) for i in ours):
-            # Loaded into shards on disk through torch.distributed.checkpoint's set_model_state_dict, a
-            # 2-rank job's parameters came out different from the checkpoint's (seen; not read yet): a
-            # refusal rather than wrong values.
-            raise StatesError(
-                "loading a state dict into FSDP2 parameter shards on disk is not supported yet: load it "
-                "before making teraio.States (or with parameters=False); saving works (model.state_dict() "
-                "and opt.state_dict() read the shards back)"
-            )
-        self.acquire(ours)
-
-    def _ours(self, idxs: tuple[int, ...]) -> tuple[int, ...]:
+    def offloaded(self, idxs: tuple[int, ...]) -> tuple[int, ...]:
+        """Those of ``idxs`` that are offloaded (have a record)."""
         return tuple(i for i in idxs if i in self.records)
 
     # -- eager code ----------------------------------------------------------------------------------
-    def _eager_use(self, module: torch.nn.Module, own: tuple[int, ...]) -> None:
+    def eager_use(self, module: torch.nn.Module, own: tuple[int, ...]) -> None:
         """A module's forward pre-hook: Note: [A parameter eager code uses stays resident]."""
         if torch.compiler.is_compiling():
             return  # traced into a graph: the graph call fetches its parameters
@@ -502,26 +467,3 @@ class ParamResidency:
     def offloaded_nbytes(self) -> int:
         """Bytes of the parameters that are not in memory now."""
         return sum(r.nbytes for r in self.records.values() if r.residency is Residency.DISK)
-
-
-def _state_dict_hook(residency: ParamResidency, module: torch.nn.Module, own: tuple[int, ...]) -> Any:
-    """``module.state_dict()`` returns copies of its offloaded parameters, read back from disk."""
-    by_tensor = {id(residency.params[i]): i for i in own}
-
-    def hook(mod: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for name, p in mod.named_parameters(recurse=False):
-            i = by_tensor.get(id(p))
-            key = prefix + name
-            if i is not None and i in residency.records and key in state_dict:
-                rec = residency.records[i]
-                if i in residency.frozen and rec.residency in (Residency.DISK, Residency.READING):
-                    residency.frozen.read_bytes += rec.nbytes
-                copy = residency.store.read_copy(rec).detach()
-                if rec.holder is not None:  # the shard's elements of its padded storage, as a DTensor
-                    shard = local(rec.holder)
-                    copy = rewrap(
-                        rec.holder, copy.as_strided(shard.shape, shard.stride(), shard.storage_offset())
-                    )
-                state_dict[key] = copy
-
-    return hook

@@ -83,6 +83,7 @@ import torch
 
 from teraio.planner.budget import BudgetError, format_size
 from teraio.planner.kept_states import StateItem, StateResidency, choose_resident_states, state_items
+from teraio.planner.model_states import offload_states_record
 from teraio.runtime.engine import read_buffer_storages
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
 from teraio.states.shards import local, local_nbytes
@@ -627,3 +628,53 @@ def fetched_parameter_bytes(residency: Any, calls: set[tuple[int, ...]]) -> int:
     per_call = [sum(records[i].nbytes for i in c if i in records) for c in calls]
     largest = max(per_call, default=0)
     return 2 * largest if len(calls) > 1 else largest
+
+
+def model_states_record(states: StateOffload) -> dict[str, Any]:
+    """The parameters, gradients and optimizer states by kind (``tensors``, ``bytes``,
+    ``offloaded_bytes``) and the bytes a step moves for each (``traffic``: ``read_bytes``,
+    ``written_bytes``; ``teraio.planner.model_states.offload_states_record``). A profile records it
+    as its ``model_states`` (``teraio plan`` and ``teraio simulate`` show it by kind). Optimizer states
+    the optimizer has not made yet are counted at the size its first step will make them."""
+    param_nbytes = sum(local_nbytes(p) for p in states.params)
+    residency = states.residency
+    offloaded_params = (
+        sum(r.nbytes for i, r in residency.records.items() if i not in residency.frozen)
+        if residency is not None
+        else 0
+    )
+    footprints = [states.stream.state_footprint(i) for i in range(len(states.params))]
+    kept = 0
+    if states.residency is not None and not states.in_backward and states.overlapped is None:
+        # Note: [When a parameter is resident]: the step's last chunk keeps its parameters for the
+        # next forward. The chunks as the step will cut them (every parameter with a gradient).
+        order = [i for i in states.step_order() if states.params[i].requires_grad]
+        chunks = states.stream.cut(order, states.grad_nbytes)
+        if chunks:
+            recs = states.residency.records
+            kept = sum(recs[i].nbytes for i in chunks[-1].param_idxs if i in recs)
+    record = offload_states_record(
+        param_tensors=len(states.params),
+        param_nbytes=param_nbytes,
+        offloaded_param_nbytes=offloaded_params,
+        state_tensors=sum(n for n, _ in footprints),
+        state_nbytes=sum(b for _, b in footprints),
+        offloaded_state_nbytes=sum(b for i, (_, b) in enumerate(footprints) if i not in states.stream.kept),
+        offload_gradients=states.grads.offload,
+        optimizer_in_backward=states.in_backward,
+        kept_param_nbytes=kept,
+        overlap_step=states.overlapped is not None,
+    )
+    if residency is not None and residency.frozen.count:
+        # Note: [Frozen weights are read-only state] in teraio.states.frozen: parameters without a
+        # gradient or a state, read for forward (and backward when it saved them), never written by a
+        # step.
+        frozen = residency.frozen
+        recs = {i: r for i, r in residency.records.items() if i in frozen}
+        param = record["parameter"]
+        param["tensors"] += frozen.count
+        param["bytes"] += frozen.nbytes
+        param["offloaded_bytes"] += sum(r.nbytes for r in recs.values())
+        reads = sum(frozen.reads_per_step(i) * r.nbytes for i, r in recs.items())
+        record["traffic"]["parameter"]["read_bytes"] += reads
+    return record

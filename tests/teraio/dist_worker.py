@@ -160,14 +160,7 @@ def _train(
             else:
                 loss.backward()
             losses.append(float(loss).hex())
-            grads.append(
-                _digest(
-                    {
-                        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
-                        for n, p in model.named_parameters()
-                    }
-                )
-            )
+            grads.append(_digest({n: _full(p.grad) for n, p in model.named_parameters()}))
             opt.step()
             opt.zero_grad()
             if options.get("save_at") == step + 1:
@@ -182,9 +175,7 @@ def _train(
             except Exception as exc:  # noqa: BLE001 - recorded for the test
                 refused = f"{type(exc).__name__}: {exc}"
             first_param.grad = None
-        state = {
-            n: (p.full_tensor() if hasattr(p, "full_tensor") else p) for n, p in model.named_parameters()
-        }
+        state = {n: _full(p) for n, p in model.named_parameters()}
         st = backend.stats()
         counters = dict(torch._dynamo.utils.counters.get("compiled_autograd", {}))
     finally:
