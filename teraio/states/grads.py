@@ -90,9 +90,8 @@ class GradOffload:
         if rec is None:
             return None
         grad = self.params[idx].grad
-        if (
-            grad is not None and local(grad) is rec.tensor
-        ):  # Note: [A sharded tensor's bytes are its local shard]
+        # Note: [A sharded tensor's bytes are its local shard] in teraio.states.shards
+        if grad is not None and local(grad) is rec.tensor:
             return rec
         self._forget(idx)
         return None
