@@ -11,7 +11,9 @@ optimizer state, the batch) is not counted.
 
 from __future__ import annotations
 
+import atexit
 import bisect
+import contextlib
 import dataclasses
 import os
 import re
@@ -191,6 +193,20 @@ def noted_frees(roots: list[Any]) -> list[AllocationEvent]:
 # measurement in the process takes this claim.
 _SESSION_LOCK = threading.Lock()
 _session_owner: object | None = None
+
+
+# Note: [A session still open at exit is ended]
+#     A whole step's measurement spans calls: it starts in one step and stops in the next. A script that
+#     ends inside it (two steps of a smoke test, without backend.close()) left the torch profiler's session
+#     open, and torch destroys that session after the interpreter is gone, where it crashed (SIGSEGV in
+#     ProfilerStateBase's destructor, seen with torch 2.13 on CPU). So the process's open session is
+#     ended at exit, unread, while Python still runs; and stderr, which the session quiets, is given back.
+@atexit.register
+def _end_open_session() -> None:
+    owner = _session_owner
+    if isinstance(owner, MemoryRecorder):
+        with contextlib.suppress(Exception):
+            owner.abandon()
 
 
 class ProfilerBusyError(RuntimeError):
@@ -433,6 +449,22 @@ class MemoryRecorder:
         if self._prof is not None:
             with torch.profiler.record_function(_END_MARK):
                 pass
+
+    def abandon(self) -> None:
+        """End the session without reading it (Note: [A session still open at exit is ended])."""
+        prof, self._prof = self._prof, None
+        try:
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                _release_session(prof)
+        finally:
+            if self._quiet is not None:
+                self._quiet.__exit__(None, None, None)
+                self._quiet = None
+            if not self._local:
+                _leave_barrier()
+            self._dev = self._marked = None
+            release_profiler(self)
 
     def _read_device(self) -> MemoryMeasurement:
         d = torch.device(self.device)

@@ -313,6 +313,36 @@ def test_training_with_failed_steps_and_the_collector_at_every_allocation(tmp_pa
     assert list((tmp_path / "off").iterdir()) == []
 
 
+_ENDS_MID_MEASUREMENT = """
+import sys
+import torch
+import teraio
+from tests.teraio.loops import GPTLoss, _tokens
+
+model = GPTLoss()
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+backend = teraio.backend(offload_dirs=[sys.argv[1]])
+for block in model.gpt.blocks:  # one graph, called twice a step: its kernels' memory is measured over calls
+    block.compile(backend=backend)
+make = _tokens(64, 2)
+for step in range(2):
+    model(*make(step, 32)).backward()
+    opt.step()
+    opt.zero_grad()
+print("trained", flush=True)
+"""
+
+
+def test_a_script_that_ends_inside_a_measurement_exits_cleanly(tmp_path) -> None:
+    """Two steps and no close(): the script ended inside the torch profiler session of a measurement that
+    spans calls (the kernels' memory of a graph called twice a step), which torch then destroyed after the
+    interpreter, with SIGSEGV (Note: [A session still open at exit is
+    ended] in teraio.profiling.measure)."""
+    done = _python(_ENDS_MID_MEASUREMENT, str(tmp_path / "off"), timeout_s=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.strip().endswith("trained")
+
+
 # ------------------------------------------------------------------ run directories like offload dirs
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
 def test_a_run_dir_others_can_write_is_refused(tmp_path, mode) -> None:
