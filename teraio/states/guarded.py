@@ -30,7 +30,10 @@ Note: [What a read of an offloaded tensor does]
       the bytes it would change are on disk. A result that shares loaded bytes without being a view of
       the first argument is copied. ``.detach()`` and ``.data`` return another guarded object over the
       whole record, so ``p.grad.data.norm()`` is served and ``p.grad.data.mul_(c)`` does what
-      ``p.grad.mul_(c)`` does.
+      ``p.grad.mul_(c)`` does. What hands the bytes to another library (``.numpy()``, ``__array__``,
+      ``__dlpack__``) runs on a copy: its result outlives the call (it does not see later changes, as it
+      would share them in memory), and ``.numpy()`` also pins a storage's size, so the eviction after it
+      failed (seen).
     - *Scaling and clamping an offloaded gradient* in place (``clip_grad_norm_``'s ``_foreach_mul_``,
       ``clip_grad_value_``'s clamps, a GradScaler's unscale) are deferred: the op and its arguments are
       recorded on the record as pending and replayed, same op and same arguments, whenever its bytes are
@@ -385,6 +388,11 @@ def real(t: Any) -> Any:
     return out
 
 
+#: Tensor methods whose result shares the tensor's memory outside torch: served on a copy (Note: [What a
+#: read of an offloaded tensor does]).
+_EXPORTS_MEMORY = frozenset({"numpy", "__array__", "__dlpack__"})
+
+
 def serve_read(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], spec: Any
 ) -> Any:
@@ -398,6 +406,10 @@ def serve_read(
     try:
         real_args, real_kwargs = tree_unflatten([real(x) for x in leaves], spec)
         with torch._C.DisableTorchFunctionSubclass():
+            if getattr(func, "__name__", None) in _EXPORTS_MEMORY and isinstance(real_args[0], torch.Tensor):
+                # The copy needs grad as the guarded object does (``p.detach()`` is guarded over ``p``).
+                copy = real_args[0].detach().clone().requires_grad_(bool(args[0].requires_grad))
+                real_args = (copy, *real_args[1:])
             out = func(*real_args, **real_kwargs)
             own = {id(r.tensor) for r, _ in loaded} | {id(r.holder) for r, _ in loaded}
             ptrs = {r.tensor.untyped_storage().data_ptr() for r, _ in loaded} - {0}

@@ -8,6 +8,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,10 @@ READS: dict[str, Callable[[torch.Tensor], Any]] = {
     "iterate": lambda t: [row.sum() for row in t][:4],
     "to_same_dtype": lambda t: t.to(torch.float32).sum(),
     "metadata": lambda t: (tuple(t.shape), t.dtype, t.device, t.numel(), t.requires_grad, t.is_leaf),
+    # Copied at once: without teraio the result shares the tensor's memory, and sees the later steps.
+    "numpy": lambda t: torch.from_numpy(t.detach().numpy().copy()),
+    "array": lambda t: torch.from_numpy(numpy.asarray(t.detach()).copy()),
+    "dlpack": lambda t: torch.from_dlpack(t.detach()).clone(),
 }
 #: In-place changes other than a scale or a clamp: refused in one line.
 MUTATIONS: dict[str, Callable[[torch.Tensor], Any]] = {
