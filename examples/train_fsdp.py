@@ -3,10 +3,14 @@ embeddings and head as graphs of their own (``backend.compile(model)``).
 
     torchrun --nproc_per_node=2 examples/train_fsdp.py --steps 8 --run-dir runs/fsdp
     torchrun --nproc_per_node=2 examples/train_fsdp.py --states offload
+    torchrun --nproc_per_node=2 examples/train_fsdp.py --states offload --steps 4 --save ckpt/step-4
+    torchrun --nproc_per_node=2 examples/train_fsdp.py --states offload --steps 8 --resume ckpt/step-4
 
 ``--states offload`` keeps each rank's shards of the parameters, gradients and AdamW states on its own
 disk between their uses (each parameter shard read back before FSDP2 gathers it), under one budget over
-the whole step; ``--states optimizer`` moves AdamW's states alone.
+the whole step; ``--states optimizer`` moves AdamW's states alone. With it, ``--save`` writes a checkpoint
+after the last step (each rank its own shards) and ``--resume`` loads one before the first step and goes
+on from its step count.
 
 ``fully_shard`` frees each block's gathered parameters after its forward and gathers them again for its
 backward, outside teraio's graphs: teraio measures that memory in the first running step and plans for
@@ -54,7 +58,18 @@ def main() -> None:
         help="offload: each rank's shards of parameters, gradients and AdamW states on disk between their "
         "uses; optimizer: AdamW's states alone",
     )
+    parser.add_argument(
+        "--save", default=None, metavar="DIR", help="with --states offload: a checkpoint after the last step"
+    )
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="with --states offload: load this checkpoint before the first step and go on from its step",
+    )
     args = parser.parse_args()
+    if (args.save or args.resume) and args.states != "offload":
+        parser.error("--save and --resume need --states offload (the checkpoints of backend.states)")
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -87,13 +102,21 @@ def main() -> None:
     )
     backend.compile(model)  # each block, the embeddings and the head as graphs of their own, in place
     rank = dist.get_rank()
-    for step in range(args.steps):
+    first = 0
+    if args.resume:  # every rank loads its own blocks of the checkpoint's tensors, before the first step
+        first = backend.states.load_checkpoint(args.resume)["committed_steps"]
+    loss = None
+    for step in range(first, args.steps):
         g = torch.Generator().manual_seed(1000 * step + rank)
         tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
         loss = model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
         loss.backward()
         opt.step()
         opt.zero_grad()
+    if args.save:
+        backend.states.save_checkpoint(args.save)  # every rank calls it; each writes its own shards
+    if loss is not None:
+        print(f"rank {rank}: loss at step {args.steps} {float(loss.detach()):.6f}", flush=True)
     st = backend.stats()
     print(
         f"rank {rank}: {st['running_steps']} running steps, {st['moved_bytes_per_step']} bytes moved per step, "

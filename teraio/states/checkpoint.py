@@ -11,7 +11,9 @@ Note: [The checkpoint format]
     ``torch.distributed.checkpoint``'s optimizer state dicts), the rest (param groups, the teraio step
     count, the random generators, a scheduler's or a GradScaler's state) to ``train_state.json`` (Note: [A
     checkpoint's small values round-trip exactly] in teraio.states.train_state), and the manifest
-    ``teraio-checkpoint.json``, with every file's size and every tensor's crc32c, last. Why not
+    ``teraio-checkpoint.json``, with every file's size and every tensor's crc32c, last (format version 1;
+    version 2 is an FSDP2 job's, each rank's shards in files of its own: Note: [A checkpoint of an FSDP2
+    job] in teraio.states.sharded_checkpoint). Why not
     ``torch.distributed.checkpoint``'s own files: its ``FileSystemWriter`` holds every tensor of a file
     until the file closes (the whole rank's state by default), its metadata and non-tensor values are
     pickles (loading would run code), and it has no checksums; its ``HuggingFaceStorageReader`` reads the
@@ -49,7 +51,14 @@ from teraio.lifecycle.ranks import RankAgreement
 from teraio.planner.private_dir import PrivateDir
 from teraio.runtime.config import parse_nbytes
 from teraio.states.errors import CheckpointError
-from teraio.states.loading import LoadReport, is_hf_model, load_model, model_tensors, pretrained_files
+from teraio.states.loading import (
+    LoadReport,
+    ignored_unexpected,
+    is_hf_model,
+    load_model,
+    model_tensors,
+    pretrained_files,
+)
 from teraio.states.optimizer_stream import RESIDENT_STATE_KEYS
 from teraio.states.safetensors_files import (
     Planned,
@@ -57,6 +66,17 @@ from teraio.states.safetensors_files import (
     headers_by_tensor,
     read_into,
     write_shards,
+)
+from teraio.states.sharded_checkpoint import (
+    SHARDED_FORMAT_VERSION,
+    SHARDED_LAYOUT,
+    SavedPieces,
+    load_model_pieces,
+    load_state_pieces,
+    merge_rank_results,
+    rank_items,
+    state_boxes,
+    write_rank_files,
 )
 from teraio.states.shards import is_sharded
 from teraio.states.store import Record, Residency
@@ -114,7 +134,8 @@ def _on_every_rank(fn: Callable[[], Any], what: str) -> Any:
 #     own offload directory and restores its own generators. An error on one rank raises on every rank.
 #     DDP broadcasts rank 0's parameters when it wraps a model: after a load that put them on disk, wrap
 #     with ``DDP(model, init_sync=False)`` (every rank loaded the same values; there is nothing to send).
-#     FSDP2's sharded parameters are refused in one line (the format holds whole tensors).
+#     Under FSDP2 each rank writes its own shards instead (Note: [A checkpoint of an FSDP2 job] in
+#     teraio.states.sharded_checkpoint).
 
 
 def write_directory(target: str | os.PathLike, populate: Callable[[PrivateDir], None], *, what: str) -> Path:
@@ -256,12 +277,11 @@ def _save_pretrained(
 
 def _optimizer_tensors(
     offload: StateOffload, fqn: dict[int, str]
-) -> tuple[list[Planned], dict[str, Any], dict[str, Any]]:
-    """The optimizer's tensors to save (``state.{name}.{key}``), a fetch for each, and its non-tensor
-    state values by parameter name."""
+) -> tuple[list[tuple[str, torch.Tensor, Record | None]], dict[str, Any]]:
+    """The optimizer's tensors to save (``state.{name}.{key}``, each with its record when it lives on
+    disk), and its non-tensor state values by parameter name."""
     opt = offload.optimizer
-    planned: list[Planned] = []
-    sources: dict[str, Any] = {}
+    items: list[tuple[str, torch.Tensor, Record | None]] = []
     values: dict[str, Any] = {}
     for i, p in enumerate(offload.params):
         st = opt.state.get(p)
@@ -272,13 +292,11 @@ def _optimizer_tensors(
         for k, v in st.items():
             order.append(k)
             if isinstance(v, torch.Tensor):
-                name = f"state.{fqn[i]}.{k}"
-                planned.append(Planned(name, v.dtype, tuple(v.shape)))
-                sources[name] = recs.get(k) if k in recs else v
+                items.append((f"state.{fqn[i]}.{k}", v, recs.get(k)))
             else:
                 values.setdefault(fqn[i], {})[k] = encode(v, f"optimizer state {fqn[i]}.{k}")
         values.setdefault(fqn[i], {})["__order__"] = order
-    return planned, sources, values
+    return items, values
 
 
 def _save_checkpoint(
@@ -289,13 +307,18 @@ def _save_checkpoint(
     extra: dict[str, Any] | None,
     max_shard_bytes: int,
 ) -> Path:
-    """Note: [The checkpoint format], [A checkpoint is complete or absent], [A checkpoint of a DDP job]."""
+    """Note: [The checkpoint format], [A checkpoint is complete or absent], [A checkpoint of a DDP job];
+    FSDP2's shards: Note: [A checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint."""
+    if any(is_sharded(p) for p in model.parameters()):
+        return _save_sharded(offload, model, directory, extra=extra, max_shard_bytes=max_shard_bytes)
     rank, world = _rank()
 
     def prepare() -> tuple[dict[str, Any], list[Planned], dict[str, Any]]:
         _check_between_steps(offload, "save_checkpoint")
         _, fqn = _names(offload, model)
-        planned, sources, values = _optimizer_tensors(offload, fqn)
+        items, values = _optimizer_tensors(offload, fqn)
+        planned = [Planned(n, v.dtype, tuple(v.shape)) for n, v, _ in items]
+        sources = {n: (v if rec is None else rec) for n, v, rec in items}
         return _train_state(offload, fqn, values, extra), planned, sources
 
     train_state, planned, sources = _on_every_rank(prepare, "save_checkpoint")
@@ -340,6 +363,126 @@ def _save_checkpoint(
     return _on_every_rank(write, "save_checkpoint")
 
 
+class _RankFailed(CheckpointError):
+    """A rank's error, already named by rank (Note: [A checkpoint of an FSDP2 job])."""
+
+
+def _failure(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
+
+
+def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    try:
+        return fn(), None
+    except Exception as exc:  # any error: the other ranks must hear of it
+        return None, _failure(exc)
+
+
+def _write_together(
+    directory: str | os.PathLike,
+    own_files: Callable[[PrivateDir], dict[str, Any]],
+    finish: Callable[[PrivateDir, list[dict[str, Any]]], None],
+) -> Path:
+    """Every rank writes ``own_files`` into the staging directory rank 0 made; rank 0 ``finish``es it with
+    every rank's result and renames it (Note: [A checkpoint of an FSDP2 job] in
+    teraio.states.sharded_checkpoint). The same collectives on every rank, whatever fails where."""
+    rank, _ = _rank()
+    path = Path(os.path.abspath(os.fspath(directory)))
+    error: str | None = None
+    failure: BaseException | None = None
+    if rank == 0:
+        announced = False
+
+        def populate(d: PrivateDir) -> None:
+            nonlocal announced
+            _RANKS.gather_objects(str(d.path))
+            announced = True
+            results = _RANKS.gather_objects(_attempt(lambda: own_files(d)))
+            for r, (_, err) in enumerate(results):
+                if err is not None:
+                    raise _RankFailed(f"save_checkpoint failed on rank {r}: {err}")
+            finish(d, [res for res, _ in results])
+
+        try:
+            write_directory(path, populate, what="checkpoint")
+        except Exception as exc:
+            failure = exc
+            error = (
+                str(exc)
+                if isinstance(exc, _RankFailed)
+                else f"save_checkpoint failed on rank 0: {_failure(exc)}"
+            )
+            if not announced:  # the others wait to hear where to write: nowhere
+                _RANKS.gather_objects(None)
+    else:
+        staged = _RANKS.gather_objects(None)[0]
+        if staged is not None:
+
+            def open_and_write() -> dict[str, Any]:
+                if not os.path.isdir(staged):
+                    raise CheckpointError(
+                        f"'{staged}' (rank 0's staging directory) is not on a filesystem this rank sees: every "
+                        "rank must see the checkpoint directory"
+                    )
+                with PrivateDir.open(staged, what="the checkpoint's staging directory") as d:
+                    return own_files(d)
+
+            _RANKS.gather_objects(_attempt(open_and_write))
+    errors = _RANKS.gather_objects(error)
+    if errors[0] is not None:
+        raise CheckpointError(errors[0]) from failure
+    return path
+
+
+def _save_sharded(
+    offload: StateOffload,
+    model: torch.nn.Module,
+    directory: str | os.PathLike,
+    *,
+    extra: dict[str, Any] | None,
+    max_shard_bytes: int,
+) -> Path:
+    """Note: [A checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint."""
+    rank, world = _rank()
+
+    def prepare() -> tuple[dict[str, Any], Any, Any]:
+        _check_between_steps(offload, "save_checkpoint")
+        tensors, fqn = _names(offload, model)
+        res = offload.residency
+        records = {} if res is None else {id(res.params[i]): r for i, r in res.records.items()}
+        model_items = rank_items([(n, t, records.get(id(t))) for n, t in tensors], rank)
+        items, values = _optimizer_tensors(offload, fqn)
+        return _train_state(offload, fqn, values, extra), model_items, rank_items(items, rank)
+
+    train_state, model_items, opt_items = _on_every_rank(prepare, "save_checkpoint")
+    train_state["world_size"] = world
+    train_state["rng_by_rank"] = _RANKS.gather_objects(train_state.pop("rng"))
+
+    def finish(d: PrivateDir, results: list[dict[str, Any]]) -> None:
+        merged = merge_rank_results(results, d)
+        state_bytes = json.dumps(train_state, indent=1).encode()
+        _write_file(d, TRAIN_STATE, state_bytes)
+        manifest = {
+            "format": FORMAT,
+            "version": SHARDED_FORMAT_VERSION,
+            "layout": SHARDED_LAYOUT,
+            "world_size": world,
+            "model_files": merged["model_files"],
+            "optimizer_files": merged["optimizer_files"],
+            "file_bytes": {n: os.stat(n, dir_fd=d.fd).st_size for n in os.listdir(d.fd)},
+            "crc32c": merged["crc32c"],
+            "train_state_crc32c": crc32c_of(torch.frombuffer(bytearray(state_bytes), dtype=torch.uint8)),
+            "pieces": merged["pieces"],
+        }
+        _write_file(d, MANIFEST, json.dumps(manifest, indent=1).encode())  # last
+
+    return _write_together(
+        directory,
+        lambda d: write_rank_files(offload, d, rank, model_items, opt_items, max_shard_bytes),
+        finish,
+    )
+
+
 def _train_state(
     offload: StateOffload, fqn: dict[int, str], values: dict[str, Any], extra: dict[str, Any] | None
 ) -> dict[str, Any]:
@@ -380,7 +523,19 @@ def _load_pretrained(
     def load() -> LoadReport:
         _check_fresh(offload, "load_pretrained")
         files = pretrained_files(path)
-        report = load_model(model, files, residency=offload.residency, device=device, source=f"'{path}'")
+        if any(is_sharded(p) for p in model.parameters()):  # each rank its blocks of the whole tensors
+            ignored = ignored_unexpected(model)
+            report = load_model_pieces(
+                model,
+                SavedPieces.from_whole_files(files),
+                residency=offload.residency,
+                device=device,
+                source=f"'{path}'",
+                checksums=None,
+                ignored=lambda name: any(p.search(name) for p in ignored),
+            )
+        else:
+            report = load_model(model, files, residency=offload.residency, device=device, source=f"'{path}'")
         if is_hf_model(model):
             model.eval()  # as from_pretrained leaves it: the same dropout from the same loop
         return report
@@ -402,9 +557,10 @@ def _read_manifest(directory: Path) -> dict[str, Any]:
         raise CheckpointError(f"'{directory / MANIFEST}' cannot be read: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"'{directory / MANIFEST}' is not a teraio checkpoint manifest")
-    if manifest.get("version") != FORMAT_VERSION:
+    if manifest.get("version") not in (FORMAT_VERSION, SHARDED_FORMAT_VERSION):
         raise CheckpointError(
-            f"'{directory}' is a version {manifest.get('version')} checkpoint; this teraio reads version {FORMAT_VERSION}"
+            f"'{directory}' is a version {manifest.get('version')} checkpoint; this teraio reads versions "
+            f"{FORMAT_VERSION} and {SHARDED_FORMAT_VERSION}"
         )
     for name, size in manifest["file_bytes"].items():
         p = directory / name
@@ -482,7 +638,18 @@ def _load_here(
             f"({len(groups)} groups there, {len(mine)} here): build the optimizer as the saved run did"
         )
     opt_files = [path / n for n in manifest["optimizer_files"]]
-    opt_headers = headers_by_tensor(opt_files)
+    # Note: [A checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint: read as pieces when it was
+    # saved rank by rank or is loaded into shards.
+    saved_in_pieces = manifest.get("layout") == SHARDED_LAYOUT
+    by_pieces = saved_in_pieces or any(is_sharded(p) for p in model.parameters())
+    model_pieces = opt_pieces = None
+    if saved_in_pieces:
+        model_pieces = SavedPieces.from_manifest(path, manifest, "model")
+        opt_pieces = SavedPieces.from_manifest(path, manifest, "optimizer")
+    elif by_pieces:
+        model_pieces = SavedPieces.from_whole_files(path / n for n in manifest["model_files"])
+        opt_pieces = SavedPieces.from_whole_files(opt_files)
+    opt_headers: Any = opt_pieces if opt_pieces is not None else headers_by_tensor(opt_files)
     index = {name: i for i, name in fqn.items()}
     values = saved_opt["state_values"]
     wanted: list[tuple[int, str, str]] = []
@@ -509,17 +676,31 @@ def _load_here(
             raise CheckpointError(
                 f"'{path}' holds no state for extra[{key!r}] (it has: {sorted(extras) or 'none'})"
             )
-    # Everything checked: now the bytes move.
     checksums = manifest["crc32c"]
-    report = load_model(
-        model,
-        [path / n for n in manifest["model_files"]],
-        residency=offload.residency,
-        device=device,
-        source=f"'{path}'",
-        checksums=checksums,
-    )
-    states_bytes = _load_optimizer_states(offload, wanted, values, opt_headers, checksums, device, fqn)
+    if model_pieces is not None and opt_pieces is not None:
+        boxes = state_boxes(offload, wanted, opt_pieces)
+        # Everything checked (the model's tensors first thing in load_model_pieces): now the bytes move.
+        report = load_model_pieces(
+            model,
+            model_pieces,
+            residency=offload.residency,
+            device=device,
+            source=f"'{path}'",
+            checksums=checksums,
+        )
+        states_bytes = load_state_pieces(offload, wanted, boxes, opt_pieces, checksums, device)
+        _order_states(offload, values, fqn)
+    else:
+        # Everything checked: now the bytes move.
+        report = load_model(
+            model,
+            [path / n for n in manifest["model_files"]],
+            residency=offload.residency,
+            device=device,
+            source=f"'{path}'",
+            checksums=checksums,
+        )
+        states_bytes = _load_optimizer_states(offload, wanted, values, opt_headers, checksums, device, fqn)
     for g, saved in zip(opt.param_groups, groups):
         for k, v in saved.items():
             if k != "params":
@@ -577,13 +758,18 @@ def _load_optimizer_states(
     finally:
         for fd in fds.values():
             os.close(fd)
-    # The non-tensor values, and each state's keys in their saved order (state_dict() lists them so).
+    _order_states(offload, values, fqn)
+    return total
+
+
+def _order_states(offload: StateOffload, values: dict[str, Any], fqn: dict[int, str]) -> None:
+    """The non-tensor values, and each state's keys in their saved order (state_dict() lists them so)."""
+    opt = offload.optimizer
     index = {n: i for i, n in fqn.items()}
     for name, entries in values.items():
         p = offload.params[index[name]]
         loaded = opt.state.get(p, {})
         opt.state[p] = {k: (decode(entries[k]) if k in entries else loaded[k]) for k in entries["__order__"]}
-    return total
 
 
 class Checkpoints:
@@ -595,12 +781,12 @@ class Checkpoints:
     def _model_for(self, action: str) -> torch.nn.Module:
         if self.model is None:
             raise CheckpointError(f"{action} needs the model: teraio.States(optimizer=opt, model=model, ...)")
-        if any(is_sharded(p) for p in self.model.parameters()):
-            # The format holds whole tensors, and one rank writes them (Note: [A checkpoint of a DDP job]).
+        if action == "save_pretrained" and any(is_sharded(p) for p in self.model.parameters()):
+            # Its files hold whole tensors, each rank has a shard of each.
             raise CheckpointError(
-                f"{action} does not take FSDP2's sharded parameters yet: save with "
-                "torch.distributed.checkpoint (model.state_dict() and optimizer.state_dict() read the "
-                "shards on disk back as DTensors) and load before making teraio.States"
+                "save_pretrained does not take FSDP2's sharded parameters: save_checkpoint writes each rank's "
+                "shards, and load_checkpoint in one process without FSDP2 reads them whole (restore_rng=False); "
+                "save_pretrained from there"
             )
         return self.model
 

@@ -149,12 +149,27 @@ def pretrained_files(path: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"'{p}' does not exist: give a .safetensors file or a Hugging Face model directory")
 
 
-def _ignored_unexpected(model: torch.nn.Module) -> list[re.Pattern[str]]:
+def ignored_unexpected(model: torch.nn.Module) -> list[re.Pattern[str]]:
     """Names a Hugging Face model declares it may find in its checkpoints and ignore (old layouts)."""
     patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
     if any(n.endswith("rotary_emb.inv_freq") for n, _ in model.named_buffers()):
         patterns.append(r"rotary_emb\.inv_freq")  # moved out of old checkpoints, as from_pretrained allows
     return [re.compile(p) for p in patterns]
+
+
+def saved_name(names: list[str], saved: Any, tensor: torch.Tensor, what: str, source: str) -> str:
+    """The first of a tensor's ``names`` (tied weights have several) that ``saved`` holds.
+
+    Raises:
+        CheckpointError: none of them.
+    """
+    for n in names:
+        if n in saved:
+            return n
+    raise CheckpointError(
+        f"{source} has no tensor for {what} {names[0]!r} {tuple(tensor.shape)}: it is not the checkpoint "
+        "of this model (or of this model's configuration)"
+    )
 
 
 def plan_load(model: torch.nn.Module, headers: dict[str, Header], *, source: str) -> LoadPlan:
@@ -169,14 +184,8 @@ def plan_load(model: torch.nn.Module, headers: dict[str, Header], *, source: str
     plan = LoadPlan([], [])
 
     def pick(names: list[str], tensor: torch.Tensor, what: str) -> tuple[str, Header]:
-        present = [n for n in names if n in headers]
-        if not present:
-            raise CheckpointError(
-                f"{source} has no tensor for {what} {names[0]!r} {tuple(tensor.shape)}: it is not the "
-                "checkpoint of this model (or of this model's configuration)"
-            )
-        used.update(present)
-        name = present[0]
+        name = saved_name(names, headers, tensor, what, source)
+        used.update(n for n in names if n in headers)
         header = headers[name]
         entry = header.entries[name]
         if entry.shape != tuple(tensor.shape):
@@ -195,7 +204,7 @@ def plan_load(model: torch.nn.Module, headers: dict[str, Header], *, source: str
         plan.params.append((slot, *pick(slot.names, slot.param, "parameter")))
     for bslot in buffers:
         plan.buffers.append((bslot, *pick(bslot.names, bslot.tensor, "buffer")))
-    ignored = _ignored_unexpected(model)
+    ignored = ignored_unexpected(model)
     for name in headers:
         if name not in used and not any(p.search(name) for p in ignored):
             raise CheckpointError(
@@ -205,7 +214,7 @@ def plan_load(model: torch.nn.Module, headers: dict[str, Header], *, source: str
     return plan
 
 
-def _materialize(p: torch.Tensor, device: torch.device) -> None:
+def materialize(p: torch.Tensor, device: torch.device) -> None:
     """Note: [A loaded parameter keeps its object]."""
     cls = type(p)
     data = torch.empty(p.shape, dtype=p.dtype, device=device)
@@ -249,7 +258,7 @@ def check_computable_buffers(model: torch.nn.Module) -> None:
         )
 
 
-def _init_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
+def init_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
     """Note: [Buffers the model computes]."""
     if not any(b.is_meta for b in model.buffers()):
         return
@@ -268,7 +277,7 @@ def _init_meta_buffers(model: torch.nn.Module, device: torch.device) -> None:
         )
 
 
-class _Files:
+class OpenFiles:
     """Open descriptors of the files a load reads, closed together."""
 
     def __init__(self) -> None:
@@ -292,7 +301,7 @@ class _Files:
 
 
 def _read(
-    files: _Files,
+    files: OpenFiles,
     header: Header,
     name: str,
     target: torch.Tensor,
@@ -334,7 +343,7 @@ def load_model(
     plan = plan_load(model, headers, source=source)
     check_computable_buffers(model)
     report = LoadReport(files=[p.name for p in paths])
-    opened = _Files()
+    opened = OpenFiles()
     try:
         for bslot, name, header in plan.buffers:
             b = bslot.tensor
@@ -347,7 +356,7 @@ def load_model(
             report.tensors += 1
             report.read_bytes += header.entries[name].nbytes
             report.resident_bytes += header.entries[name].nbytes
-        _init_meta_buffers(model, device)
+        init_meta_buffers(model, device)
         writing: int | None = None  # the parameter whose write to disk is in flight
         for k, (slot, name, header) in enumerate(plan.params):
             if k + 1 < len(plan.params) and hasattr(os, "POSIX_FADV_WILLNEED"):
@@ -355,7 +364,7 @@ def load_model(
                 opened.advise(next_header, next_name, os.POSIX_FADV_WILLNEED)
             p = slot.param
             if p.is_meta:
-                _materialize(p, device)
+                materialize(p, device)
             with torch.no_grad():
                 _read(opened, header, name, p, checksums)  # while the previous one is written
             if writing is not None and residency is not None:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from teraio.states.errors import StatesError
-from teraio.states.shards import is_sharded, local, rewrap
+from teraio.states.shards import is_sharded, rewrap, shard_elements
 from teraio.states.store import Residency
 
 if TYPE_CHECKING:
@@ -78,10 +78,7 @@ def _state_dict_hook(residency: ParamResidency, own: tuple[int, ...]) -> Any:
                     residency.frozen.read_bytes += rec.nbytes
                 copy = residency.store.read_copy(rec).detach()
                 if rec.holder is not None:  # the shard's elements of its padded storage, as a DTensor
-                    shard = local(rec.holder)
-                    copy = rewrap(
-                        rec.holder, copy.as_strided(shard.shape, shard.stride(), shard.storage_offset())
-                    )
+                    copy = rewrap(rec.holder, shard_elements(rec.holder, copy))
                 state_dict[key] = copy
 
     return hook

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["is_sharded", "local", "local_nbytes", "rewrap", "whole_storage"]
+__all__ = ["is_sharded", "local", "local_nbytes", "rewrap", "shard_elements", "whole_storage"]
 
 
 def _dtensor_type() -> type | None:
@@ -64,6 +64,14 @@ def whole_storage(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out.set_(storage, 0, (storage.nbytes() // t.element_size(),), (1,))
     return out
+
+
+def shard_elements(holder: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """``holder``'s local elements within ``whole``, a copy of its local tensor's whole storage (an FSDP2
+    parameter shard's record holds its padded storage: Note: [A parameter shard moves with its padding] in
+    teraio.states.fsdp_shards)."""
+    shard = local(holder)
+    return whole.as_strided(shard.shape, shard.stride(), shard.storage_offset())
 
 
 def rewrap(like: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

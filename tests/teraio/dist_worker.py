@@ -196,6 +196,50 @@ def _full(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def model_digests(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """Digests of the full parameters and optimizer states (each rank's shards gathered)."""
+    opt_state = opt.state_dict()["state"]
+    return {
+        "params": _digest({n: _full(p) for n, p in model.named_parameters()}),
+        "optimizer_states": _digest(
+            {f"{i}/{k}": _full(v).reshape(-1) for i, e in opt_state.items() for k, v in e.items()}
+        ),
+    }
+
+
+def _checkpoint_failures(states: Any, rank: int, base: str) -> dict[str, Any]:
+    """Every rank hears one rank's failure to save, and nothing is left behind (Note: [A checkpoint of an
+    FSDP2 job] in teraio.states.sharded_checkpoint): a target that exists (rank 0's check), and rank 1
+    failing to write its files."""
+    from teraio.states import checkpoint
+    from teraio.states.errors import CheckpointError
+
+    out: dict[str, Any] = {}
+    for case in ("exists", "rank 1 fails"):
+        target = Path(base, case.replace(" ", "-"))
+        if case == "exists" and rank == 0:
+            target.mkdir()
+        real = checkpoint.write_rank_files
+
+        def failing(*args: Any, real: Any = real, **kwargs: Any) -> Any:
+            if rank == 1:
+                raise OSError(28, "No space left on device")
+            return real(*args, **kwargs)
+
+        if case == "rank 1 fails":
+            checkpoint.write_rank_files = failing  # type: ignore[assignment]
+        try:
+            states.save_checkpoint(target)
+            out[case] = "saved"
+        except CheckpointError as exc:
+            out[case] = str(exc)
+        finally:
+            checkpoint.write_rank_files = real  # type: ignore[assignment]
+        dist.barrier()
+        out[f"{case}: left"] = sorted(os.listdir(base))
+    return out
+
+
 def _train_fsdp_states(
     rank: int, world: int, mode: str, enabled: bool, out_dir: str, options: dict[str, Any], out_name: str
 ) -> None:
@@ -203,7 +247,11 @@ def _train_fsdp_states(
     ``options["states"]``: None, "optimizer" (its states on disk), "whole" (parameters, gradients and
     states on disk); ``options["model"]``: "gpt" (the tiny GPT) or "hf-llama" (a Llama-shaped model);
     ``options["variant"]``: "accumulated" for 2 micro-batches a step that FSDP2 accumulates into the
-    sharded gradients, bf16 compute (``MixedPrecisionPolicy``) and ``reshard_after_forward=False``."""
+    sharded gradients, bf16 compute (``MixedPrecisionPolicy``) and ``reshard_after_forward=False``.
+    Checkpoints (``states="whole"``): ``options["save_at"]`` saves to ``options["checkpoint"]`` after that
+    many steps; ``options["load"]`` loads a checkpoint before the first step and goes on from its step
+    count (``options["restore_rng"]``, default True); ``options["save_failures"]`` tries saves that fail;
+    ``options["digest_at"]`` records the digests after that many steps."""
     from torch.distributed.fsdp import fully_shard
 
     import teraio
@@ -266,8 +314,16 @@ def _train_fsdp_states(
     for block in blocks:
         block.compile(backend=backend)
     losses, grads = [], []
+    checkpoints: dict[str, Any] = {}
+    start = 0
     try:
-        for step in range(int(options.get("steps", 8))):
+        if options.get("load"):
+            report = backend.states.load_checkpoint(
+                options["load"], restore_rng=options.get("restore_rng", True)
+            )
+            start = report["committed_steps"]
+            checkpoints["loaded"] = model_digests(model, opt)
+        for step in range(start, int(options.get("steps", 8))):
             for micro in range(micro_batches):
                 loss = loss_of(step * micro_batches + micro)
                 loss.backward()
@@ -279,6 +335,13 @@ def _train_fsdp_states(
             grads.append(_digest({n: _full(p.grad) for n, p in model.named_parameters()}))
             opt.step()
             opt.zero_grad()
+            if step + 1 == options.get("digest_at"):
+                checkpoints["at_step"] = model_digests(model, opt)
+            if step + 1 == options.get("save_at"):
+                backend.states.save_checkpoint(options["checkpoint"])
+                checkpoints["at_save"] = model_digests(model, opt)
+        if options.get("save_failures"):
+            checkpoints["failures"] = _checkpoint_failures(backend.states, rank, options["save_failures"])
         # Copies read back from disk, DTensors as without teraio.
         opt_state = opt.state_dict()["state"]
         state = {n: _full(p) for n, p in model.named_parameters()}
@@ -298,6 +361,7 @@ def _train_fsdp_states(
             k: whole.get(k) for k in ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes")
         },
         "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
+        "checkpoints": checkpoints,
     }
     Path(out_dir, out_name).write_text(json.dumps(result))
 

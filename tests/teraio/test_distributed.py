@@ -234,11 +234,11 @@ def test_ddp_resumes_bit_identically_from_a_checkpoint_rank_0_wrote(nosplit_job)
 #     disk under a whole-step budget and without one (DTensor gradients and optimizer states on disk
 #     without FSDP2's gathers are test_sharded_states.py's, on one rank); and the whole state with 2
 #     micro-batches a step accumulated by FSDP2, bf16 compute and ``reshard_after_forward=False``, with
-#     its reference.
+#     its reference. The whole-state run saves a checkpoint after step 3, which a second job resumes.
 FSDP_RUNS = [
     ("reference", False, {}),
     ("activations", True, {"budget": "80%"}),
-    ("whole", True, {"states": "whole", "budget": "50%"}),
+    ("whole", True, {"states": "whole", "budget": "50%", "save_at": 3}),
     ("whole-unbudgeted", True, {"states": "whole"}),
     ("llama-reference", False, {"model": "hf-llama"}),
     ("llama-whole", True, {"model": "hf-llama", "states": "whole", "budget": "50%"}),
@@ -251,9 +251,9 @@ FSDP_RUNS = [
 def fsdp_job(tmp_path_factory) -> dict[str, Any]:
     def job() -> dict[str, Any]:
         tmp = tmp_path_factory.mktemp("fsdp-states")
-        _run("fsdp-states", FSDP_RUNS, tmp, steps=8, clip=True)
+        _run("fsdp-states", FSDP_RUNS, tmp, steps=8, clip=True, checkpoint=str(tmp / "ckpt-step3"))
         results = _results(tmp / "results", "fsdp-states", FSDP_RUNS)
-        return {name: r for (name, _, _), r in zip(FSDP_RUNS, results)}
+        return {"dir": str(tmp), **{name: r for (name, _, _), r in zip(FSDP_RUNS, results)}}
 
     return once_per_run("distributed-fsdp-states-job", job)
 
@@ -271,6 +271,11 @@ def _assert_whole_step(reference: list[dict], results: list[dict], kinds: tuple[
     for rank, (got, want) in enumerate(zip(results, reference)):
         for key in ("losses", "grads", "params", "optimizer_states"):
             assert got[key] == want[key], f"rank {rank}: {key} differ"
+    _assert_moved_within_budget(results, kinds)
+
+
+def _assert_moved_within_budget(results: list[dict], kinds: tuple[str, ...]) -> None:
+    for rank, got in enumerate(results):
         moved = got["stats"]["moved_bytes_by_kind"]
         assert all(moved[k] > 0 for k in kinds), (rank, moved)
         whole = got["whole_step"]
@@ -334,3 +339,146 @@ def test_compiled_autograd_while_profiling_is_refused_on_every_rank(compiled_aut
     """Note: [Compiled autograd runs its own copy of the backward] in teraio.lifecycle.runner: never a silent run
     without a plan."""
     assert compiled_autograd_job["refused"] is not None, "compiled autograd while profiling ran to its end"
+
+
+# Note: [An FSDP2 checkpoint resumed by a new job]
+#     The whole-state run of the FSDP2 job saved a checkpoint after step 3 (each rank its shards: Note: [A
+#     checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint). A second 2-rank job resumes it under
+#     the same budget and tries saves that fail; it also loads a checkpoint one process saved without
+#     FSDP2 (each rank its blocks of the whole tensors); and this process loads the 2-rank checkpoint
+#     without FSDP2. The FX path: on Inductor a resumed run's profiled steps compute op by op
+#     (docs/limits.md).
+def _one_process_checkpoint(directory: Path) -> dict[str, str]:
+    """One step of the tiny GPT with the whole state on disk, saved to ``directory``: its digests."""
+    import torch
+
+    import teraio
+
+    from .dist_worker import model_digests
+    from .loops import GPTLoss, _tokens
+
+    torch.manual_seed(0)
+    model = GPTLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = teraio.States(optimizer=opt, gradients=True, parameters=True, model=model, min_param_bytes=0)
+    backend = teraio.backend(
+        states=states, inner="eager", io_backend="posix", offload_dirs=[str(directory.parent / "off-one")]
+    )
+    try:
+        model.compile(backend=backend)
+        model(*_tokens(64, 2)(100, 32)).backward()
+        opt.step()
+        opt.zero_grad()
+        backend.states.save_checkpoint(directory)
+        return model_digests(model, opt)
+    finally:
+        backend.close()
+
+
+@pytest.fixture
+def fsdp_resume_job(fsdp_job, tmp_path_factory) -> dict[str, Any]:
+    def job() -> dict[str, Any]:
+        tmp = tmp_path_factory.mktemp("fsdp-resume")
+        one = _one_process_checkpoint(tmp / "one-process")
+        (tmp / "failures").mkdir()
+        runs = [
+            (
+                "resumed",
+                True,
+                {
+                    "states": "whole",
+                    "budget": "50%",
+                    "load": str(Path(fsdp_job["dir"]) / "ckpt-step3"),
+                    "save_failures": str(tmp / "failures"),
+                    # The reference's 8 steps, then 4 more: the plan is made again once the memory FSDP2's
+                    # gathers take outside the graphs was measured twice, and measured after that.
+                    "digest_at": 8,
+                    "steps": 12,
+                },
+            ),
+            (
+                "from-one-process",
+                True,
+                {"states": "whole", "load": str(tmp / "one-process"), "restore_rng": False, "steps": 0},
+            ),
+        ]
+        results = _run("fsdp-states", runs, tmp, steps=8, clip=True)
+        return {"one-process": one, **{name: r for (name, _, _), r in zip(runs, results)}}
+
+    return once_per_run("distributed-fsdp-resume-job", job)
+
+
+def test_fsdp2_checkpoint_resumes_bit_identically_in_a_new_job(fsdp_job, fsdp_resume_job) -> None:
+    """Saved after step 3 by the whole-state run, loaded by a new 2-rank job under the same budget: steps 4
+    to 8 as if never interrupted, and the budget held (Note: [An FSDP2 checkpoint resumed by a new job])."""
+    reference, resumed = fsdp_job["reference"], fsdp_resume_job["resumed"]
+    for rank, (ref, saver, got) in enumerate(zip(reference, fsdp_job["whole"], resumed)):
+        assert got["checkpoints"]["loaded"] == saver["checkpoints"]["at_save"], rank
+        assert got["losses"][:5] == ref["losses"][3:], rank
+        assert got["grads"][:5] == ref["grads"][3:], rank
+        after_8 = {"params": ref["params"], "optimizer_states": ref["optimizer_states"]}
+        assert got["checkpoints"]["at_step"] == after_8, rank
+    _assert_moved_within_budget(resumed, ("parameter", "gradient", "optimizer_state"))
+    files = sorted(p.name for p in (Path(fsdp_job["dir"]) / "ckpt-step3").iterdir())
+    assert files == [
+        "model.rank00000.safetensors",
+        "model.rank00001.safetensors",
+        "optimizer.rank00000.safetensors",
+        "optimizer.rank00001.safetensors",
+        "teraio-checkpoint.json",
+        "train_state.json",
+    ], files
+
+
+def test_fsdp2_checkpoint_save_failures_raise_on_every_rank_and_leave_nothing(fsdp_resume_job) -> None:
+    """A target that exists (rank 0 finds it) and rank 1 failing to write: every rank raises the same
+    line, and the staging directory rank 0 made is gone."""
+    messages = [got["checkpoints"]["failures"] for got in fsdp_resume_job["resumed"]]
+    assert messages[0] == messages[1], messages
+    failures = messages[0]
+    assert failures["exists"].startswith("save_checkpoint failed on rank 0: "), failures
+    assert "exists" in failures["exists"], failures
+    assert failures["rank 1 fails"] == (
+        "save_checkpoint failed on rank 1: OSError: [Errno 28] No space left on device"
+    ), failures
+    assert failures["exists: left"] == ["exists"] and failures["rank 1 fails: left"] == ["exists"], failures
+
+
+def test_a_one_process_checkpoint_loads_into_fsdp2_shards(fsdp_resume_job) -> None:
+    """A checkpoint of one process without FSDP2, loaded by the 2-rank job: each rank its blocks."""
+    for rank, got in enumerate(fsdp_resume_job["from-one-process"]):
+        assert got["checkpoints"]["loaded"] == fsdp_resume_job["one-process"], rank
+
+
+def test_an_fsdp2_checkpoint_loads_in_one_process_without_fsdp2(fsdp_job, tmp_path) -> None:
+    """The 2-rank checkpoint, loaded whole by one process with the whole state on disk (the parameters
+    written to disk as they are read), then one step trained."""
+    import torch
+
+    import teraio
+
+    from .dist_worker import model_digests
+    from .loops import GPTLoss, _tokens
+
+    with torch.device("meta"):
+        model = GPTLoss()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = teraio.States(optimizer=opt, gradients=True, parameters=True, model=model, min_param_bytes=0)
+    backend = teraio.backend(states=states, inner="eager", io_backend="posix", offload_dirs=[str(tmp_path)])
+    try:
+        ckpt = Path(fsdp_job["dir"]) / "ckpt-step3"
+        from teraio.states.errors import CheckpointError
+
+        with pytest.raises(CheckpointError, match="saved by a job of 2 ranks, this one has 1"):
+            backend.states.load_checkpoint(ckpt)
+        report = backend.states.load_checkpoint(ckpt, restore_rng=False)
+        assert report["committed_steps"] == 3
+        assert report["model"]["offloaded_bytes"] == report["model"]["read_bytes"] > 0, report
+        assert model_digests(model, opt) == fsdp_job["whole"][0]["checkpoints"]["at_save"]
+        model.compile(backend=backend)
+        loss = model(*_tokens(64, 2)(0, 32))
+        loss.backward()
+        opt.step()
+        assert torch.isfinite(loss)
+    finally:
+        backend.close()

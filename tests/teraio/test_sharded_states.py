@@ -104,45 +104,111 @@ def test_an_update_inside_backward_over_sharded_parameters_is_refused_in_one_lin
         teraio.States(optimizer=opt, optimizer_in_backward=True)
 
 
+def _sequential(shard: bool, meta: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two linear layers, each ``fully_shard``-ed and the model at the root when ``shard``, and AdamW."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    with torch.device("meta" if meta else "cpu"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    if shard:
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> torch.Tensor:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def test_fsdp2_parameter_shards_on_one_rank_train_exactly_and_refuse_a_load(
     mesh: object, tmp_path: Path
 ) -> None:
     """FSDP2 on a 1-rank mesh (its gather reads the shard in ``wait_for_unshard``: Note: [A shard is read
     back before its all-gather] in teraio.states.fsdp_shards), the whole state on disk, eager: bit-identical
     to the same loop without teraio; a state dict loaded into the shards on disk is refused in one line."""
-    from torch.distributed.fsdp import fully_shard
-
-    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-        for layer in (model[0], model[2]):
-            fully_shard(layer)
-        fully_shard(model)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-
-    def step(model: torch.nn.Module, opt: torch.optim.Optimizer, i: int) -> torch.Tensor:
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(i))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    reference, ref_opt = build()
-    model, opt = build()
+    reference, ref_opt = _sequential(shard=True)
+    model, opt = _sequential(shard=True)
     engine = Engine(RuntimeConfig(dirs=[str(tmp_path / "off")], backend="posix"))
     states = StateOffload(
         opt, engine, offload_gradients=True, offload_parameters=True, model=model, min_param_bytes=0
     )
     try:
         for i in range(3):
-            assert torch.equal(step(model, opt, i), step(reference, ref_opt, i))
+            assert torch.equal(_step(model, opt, i), _step(reference, ref_opt, i))
         assert states.stats()["moved_bytes_by_kind"]["parameter"] > 0
         saved = model.state_dict()  # copies read back, DTensors
         for (name, got), want in zip(saved.items(), reference.state_dict().values()):
             assert torch.equal(got.full_tensor(), want.full_tensor()), name
         with pytest.raises(StatesError, match="into FSDP2 parameter shards on disk is not supported yet"):
             model.load_state_dict(saved)
+    finally:
+        states.close()
+        engine.close()
+
+
+def test_an_fsdp2_checkpoint_on_one_rank_loads_into_fsdp2_and_into_a_plain_model(
+    mesh: object, tmp_path: Path
+) -> None:
+    """Saved rank by rank (Note: [A checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint), loaded
+    into a fresh FSDP2 model and into the same model without FSDP2: the same parameters and optimizer
+    states, and the next step bit-identical; a shard still on the meta device is refused in one line."""
+    from teraio.states.errors import CheckpointError
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    def values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        st = opt.state_dict()["state"]
+        return [full(p).detach().clone() for p in model.parameters()] + [
+            full(v).clone() for i in sorted(st) for _, v in sorted(st[i].items())
+        ]
+
+    def offload(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str) -> tuple[Engine, StateOffload]:
+        engine = Engine(RuntimeConfig(dirs=[str(tmp_path / name)], backend="posix"))
+        states = StateOffload(
+            opt, engine, offload_gradients=True, offload_parameters=True, model=model, min_param_bytes=0
+        )
+        return engine, states
+
+    model, opt = _sequential(shard=True)
+    engine, states = offload(model, opt, "off")
+    try:
+        for i in range(2):
+            _step(model, opt, i)
+        states.save_checkpoint(tmp_path / "ckpt")
+        saved = values(model, opt)
+        after = _step(model, opt, 2)
+    finally:
+        states.close()
+        engine.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir())[:2] == [
+        "model.rank00000.safetensors",
+        "optimizer.rank00000.safetensors",
+    ]
+    for shard in (True, False):
+        model, opt = _sequential(shard=shard)
+        engine, states = offload(model, opt, f"off-{shard}")
+        try:
+            report = states.load_checkpoint(tmp_path / "ckpt")
+            assert report["committed_steps"] == 2
+            got = values(model, opt)
+            assert len(got) == len(saved) and all(torch.equal(a, b) for a, b in zip(got, saved)), shard
+            assert torch.equal(_step(model, opt, 2), after), shard
+        finally:
+            states.close()
+            engine.close()
+    model, opt = _sequential(shard=True, meta=True)
+    engine, states = offload(model, opt, "off-meta")
+    try:
+        with pytest.raises(CheckpointError, match=r"FSDP2 shard on the meta device: .*model\.to_empty"):
+            states.load_checkpoint(tmp_path / "ckpt")
     finally:
         states.close()
         engine.close()
