@@ -563,6 +563,27 @@ def run(
     }
 
 
+def print_fsdp_table(r: dict[str, Any]) -> None:
+    """The figures of ``--fsdp`` (benchmarks.states_fsdp) a person reads first."""
+    print(
+        f"{r['config']} over {r['world_size']} FSDP2 ranks: {r['params'] / 1e9:.3f}e9 parameters, training "
+        f"state {_fmt_gb(r['state_bytes'])} (exceeds MemTotal: {r['state_exceeds_mem_total']})"
+    )
+    for rank, (peak, moved) in enumerate(
+        zip(r["peak_rss_bytes_by_rank"], r["moved_bytes_per_step_by_kind_by_rank"])
+    ):
+        kinds = ", ".join(f"{k} {_fmt_gb(v)}" for k, v in moved.items() if v)
+        print(f"  rank {rank}: peak RSS {_fmt_gb(peak)}; moved per step: {kinds}")
+    print(
+        f"  median running step {r['median_step_s']:.2f} s; compute {r['compute_s']:.2f} s, I/O lower bound of "
+        f"the shared disk {r['io_lower_bound_s']:.2f} s: {r['step_vs_max_compute_io']:.2f}x of their max"
+    )
+    print(
+        f"  first loss {r['first_loss']:.6f} (reference {r['reference_first_loss']:.6f}, bit-equal: "
+        f"{r['first_loss_bit_equal']})"
+    )
+
+
 #: The rates measured before and after training; the report's ``disk`` holds the faster of each.
 DISK_RATES = (
     "raw_write_gb_per_s",
@@ -712,6 +733,13 @@ def main(argv: list[str] | None = None) -> int:
         help="teraio.States(overlap_step=False): the whole optimizer step runs in opt.step(), after backward "
         "(the step before issue 41's overlap, for comparison)",
     )
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="under torchrun (torchrun --nproc_per_node=2 -m benchmarks.bench_states --fsdp): the GPT sharded "
+        "by FSDP2 over the ranks, each rank's parameter, gradient and optimizer-state shards on the shared "
+        "disk, loaded from a weights file into the shards (benchmarks.states_fsdp, issue 40)",
+    )
     p.add_argument("--train-child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.train_child is not None:
@@ -740,9 +768,35 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.keep_parameters and args.offload_parameters:
             raise ValueError("--keep-parameters and --offload-parameters contradict each other: give one")
+        if args.fsdp:
+            given = [
+                flag
+                for flag, on in (
+                    ("--keep-parameters", args.keep_parameters),
+                    ("--optimizer-in-backward", args.optimizer_in_backward),
+                    ("--clip", args.clip is not None),
+                    ("--from-checkpoint", args.from_checkpoint),
+                )
+                if on
+            ]
+            if given:
+                raise ValueError(
+                    f"--fsdp takes {given[0]} not yet: it moves the whole state and loads the weights file"
+                )
     except (ValueError, OutputError) as exc:
         print(f"bench_states: {exc}", file=sys.stderr)
         return 2
+    if args.fsdp:
+        from benchmarks.states_fsdp import fsdp_main
+
+        try:
+            fsdp_report = fsdp_main(args, io_size=io_size, keep_free=keep_free, config=CONFIGS[args.config])
+        except Exception as exc:  # one line, not a traceback
+            print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+        if fsdp_report is not None:  # rank 0
+            _emit(args, fsdp_report, print_fsdp_table)
+        return 0
     try:
         report = run(
             args.config,
@@ -763,13 +817,18 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one line, not a traceback
         print(f"bench_states: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    _emit(args, report, print_table)
+    return 0
+
+
+def _emit(args: argparse.Namespace, report: dict[str, Any], table: Any) -> None:
+    """The report to ``--out``, and as JSON (``--json``) or a table on stdout."""
     if args.out:
         write_json(args.out, report, overwrite=True)
     if args.json:
         print(json.dumps(report, default=str))
     else:
-        print_table(report)
-    return 0
+        table(report)
 
 
 if __name__ == "__main__":

@@ -149,3 +149,39 @@ def test_bench_states_tiny_from_checkpoint(capsys, tmp_path) -> None:
         "teraio-checkpoint.json",
     } <= set(save["files"])
     assert r["leftovers"] == [] and list(data.iterdir()) == []  # the model file and checkpoint too
+
+
+def test_bench_states_fsdp_tiny_under_torchrun(tmp_path) -> None:
+    """``--fsdp`` at tiny size under torchrun, 2 gloo ranks: each rank loads its shards from the weights
+    file, trains, moves its gradient and optimizer-state shards, and rank 0's first loss is the reference
+    loss bit for bit (benchmarks.states_fsdp). Structure and invariants only, never timing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "report.json"
+    data = tmp_path / "offload"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv-backend=c10d"]
+    cmd += ["--rdzv-endpoint=localhost:0", "-m", "benchmarks.bench_states", "--fsdp", "--config", "tiny"]
+    cmd += ["--steps", "3", "--io-size", "1MiB", "--dir", str(data), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["world_size"] == 2 and r["first_loss_bit_equal"] is True and r["losses_finite"] is True
+    assert r["losses_by_rank"][0] != r["losses_by_rank"][1]  # each rank trains on its own batches
+    n = r["params"]
+    assert r["io_must_write_bytes"] == r["gradient_bytes"] + r["optimizer_state_bytes"] == 12 * n
+    for rank in r["ranks"]:
+        assert rank["load"]["read_bytes"] > 0 and rank["peak_rss_bytes"] > 0
+        for s in rank["steps"][1:]:  # each rank writes and reads its half of every gradient and moment
+            assert s["written_bytes"]["gradient"] == s["read_bytes"]["gradient"] > 0
+            assert s["written_bytes"]["optimizer_state"] == s["read_bytes"]["optimizer_state"] > 0
+        assert rank["closed_with"] == "close()"
+    halves = [rank["steps"][1]["written_bytes"]["optimizer_state"] for rank in r["ranks"]]
+    assert sum(halves) == r["optimizer_state_bytes"], halves
+    for key in ("compute_s", "io_lower_bound_s", "median_step_s", "step_vs_max_compute_io"):
+        assert r[key] > 0, key
+    assert list(data.iterdir()) == []  # the disk measurement's, the weights' and the backend's files are gone

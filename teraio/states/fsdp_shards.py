@@ -23,6 +23,16 @@ Note: [A shard is read back before its all-gather]
     teraio's graphs (measured and planned for as outside memory). FSDP2's lazy initialisation at the first
     forward re-derives the shards' views from their storage, which must be whole then: shards are adopted
     at their group's first gather, which comes after it.
+
+Note: [The step follows FSDP2's gathers]
+    The overlapped optimizer step (Note: [The step of offloaded parameters runs in the next forward] in
+    teraio.states.step_pipeline) cuts its chunks in the order the forward takes the parameters, and
+    updates every chunk up to the one a use needs. Under FSDP2 no graph call takes a shard (the graphs
+    take the gathered parameters), so that order was the optimizer's reversed: the root group's
+    embeddings came last, the forward's first gather ran the whole step at once, and every updated shard
+    stayed in memory until its own gather (seen: 4 GB a rank on the 2B GPT over 2 ranks). The order is
+    the groups' gathers of the last step instead, so each gather updates its own group's chunk behind
+    the one before, and frees it after its all-gather.
 """
 
 from __future__ import annotations
@@ -78,8 +88,15 @@ class ShardGathers:
                 self._restore.append((group, name, vars(group).get(name) if had else None))
                 setattr(group, name, make(group, getattr(group, name)))
         self._by_id = {id(g): g for g in self.groups}
+        residency.gather_order = self.gather_order
         # Before FSDP2's own hook on the root, which may gather the root's group.
         self._step_hook = model.register_forward_pre_hook(lambda *_: self.new_step(), prepend=True)
+
+    def gather_order(self) -> list[tuple[int, ...]]:
+        """Note: [The step follows FSDP2's gathers]: each group's offloaded shards, in the order of this
+        step's gathers (the last step's before the first)."""
+        order = self._order or self._last_order
+        return [self.residency.indices(self._params_of[g]) for g in order if g in self._params_of]
 
     def new_step(self) -> None:
         """The next gathers are a new step's (the model's forward starts)."""
@@ -130,6 +147,8 @@ class ShardGathers:
     def close(self) -> None:
         """Give the groups their own methods back (holds in flight are dropped)."""
         self._step_hook.remove()
+        if self.residency.gather_order == self.gather_order:
+            self.residency.gather_order = None
         for group in list(self._by_id.values()):
             self._drop(group)
         for group, name, saved in self._restore:

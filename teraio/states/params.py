@@ -160,6 +160,9 @@ class ParamResidency:
         self.told_unguarded = False
         #: Called with the parameters about to be fetched (teraio.states.step_pipeline).
         self.before_use: Callable[[tuple[int, ...]], None] | None = None
+        #: The shards FSDP2's gathers took, group by group in the last step's order: their forward order,
+        #: which no graph call shows (Note: [The step follows FSDP2's gathers] in teraio.states.fsdp_shards).
+        self.gather_order: Callable[[], list[tuple[int, ...]]] | None = None
 
     # -- which graph inputs --------------------------------------------------------------------------
     def indices(self, args: Any) -> tuple[int, ...]:
@@ -288,9 +291,13 @@ class ParamResidency:
         return self._order or self._last_order
 
     def forward_order(self, idxs: list[int]) -> list[int]:
-        """``idxs`` in the order the last forward's graph calls took them, those it did not take last."""
+        """``idxs`` in the order the last forward's graph calls (or FSDP2's gathers) took them, those it
+        did not take last."""
         wanted = set(idxs)
-        taken = dict.fromkeys(i for call in self.forward_calls for i in call if i in wanted)
+        calls = self.forward_calls
+        if self.gather_order is not None:
+            calls = [*self.gather_order(), *calls]
+        taken = dict.fromkeys(i for call in calls for i in call if i in wanted)
         return list(taken) + [i for i in reversed(idxs) if i not in taken]
 
     def updated_in_backward(self, i: int) -> None:

@@ -14,7 +14,9 @@ Note: [A checkpoint of an FSDP2 job]
     Loading assembles each tensor the loading process holds (its local shard under FSDP2, the whole tensor
     without it) from the pieces that overlap it: a piece that is exactly the local shard is read straight
     into it; any other is read whole into a buffer of its own, checked against its crc32c, and the overlap
-    copied. So the job that saved reads its own files, and a job of another size, one process without
+    copied. Files without checksums (a Hugging Face model directory through ``load_pretrained``) are read
+    only where they overlap, when the overlap is whole rows of both (one byte range: FSDP2's ``Shard(0)``),
+    so each rank reads its share of the file, not all of it. So the job that saved reads its own files, and a job of another size, one process without
     FSDP2 (the trained model exported, evaluated) or an FSDP2 job resuming a checkpoint of one process
     (version 1, every tensor one whole piece) read the same directory. Sharding is ``Shard(dim)`` and
     ``Replicate()`` placements, on any mesh, as ``fully_shard`` makes them (HSDP's replicas write the same
@@ -42,7 +44,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -214,6 +216,12 @@ def _distinct(pieces: list[Piece]) -> list[Piece]:
     return list(seen.values())
 
 
+def _rows_of(part: Box, outer: Box) -> bool:
+    """Whether ``part`` is whole rows of ``outer`` (every dimension but the first complete): one byte range
+    of a row-major tensor holding ``outer``."""
+    return len(outer.shape) > 0 and part.shape[1:] == outer.shape[1:]
+
+
 def _check_covered(name: str, saved: SavedTensor, directory: Path) -> None:
     """Distinct pieces of a Shard/Replicate layout do not overlap, so they cover the tensor exactly when
     their sizes add up to its size."""
@@ -247,6 +255,20 @@ class _PieceReader:
                     "checkpoint"
                 )
 
+    def _read_rows(self, name: str, piece: Piece, part: Box, out: torch.Tensor) -> None:
+        """Read the rows ``part`` of ``piece`` (whole rows: one byte range of it) into ``out``."""
+        entry = piece.header.entries[name]
+        row_bytes = entry.nbytes // entry.shape[0]
+        first = part.offset[0] - piece.box.offset[0]
+        rows = replace(
+            entry,
+            offset_bytes=entry.offset_bytes + first * row_bytes,
+            shape=part.shape,
+            nbytes=part.shape[0] * row_bytes,
+        )
+        read_into(self.files.fd(piece.header.path), rows, out, path=piece.header.path)
+        self.read_bytes += rows.nbytes
+
     def assemble(self, name: str, saved: SavedTensor, box: Box, target: torch.Tensor) -> None:
         """Fill ``target`` (the block ``box`` of tensor ``name``) from the pieces that overlap it."""
         direct = target.device.type == "cpu" and target.is_contiguous()
@@ -256,6 +278,9 @@ class _PieceReader:
                 continue
             if piece.box == box and direct:
                 self._read_piece(name, piece, target)
+                continue
+            if direct and self.checksums is None and _rows_of(part, piece.box) and _rows_of(part, box):
+                self._read_rows(name, piece, part, target[part.within(box)])
                 continue
             buf = torch.empty(piece.box.shape, dtype=saved.dtype)
             self._read_piece(name, piece, buf)
