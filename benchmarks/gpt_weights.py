@@ -16,7 +16,7 @@ real checkpoint has no use for it.
 
 Note: [The weights are written through the safe writer]
     The directory is built by teraio's own checkpoint writer (``write_directory`` in
-    teraio.states.checkpoint): a fresh private directory next to the target, each file created
+    teraio.states.checkpoint_ranks): a fresh private directory next to the target, each file created
     ``O_CREAT|O_EXCL|O_NOFOLLOW`` and fsynced, then the directory renamed into place in one step. A run
     that dies mid-write leaves no directory that ``load_pretrained`` would take for complete.
 
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from teraio.states.checkpoint import write_directory
+from teraio.states.checkpoint_ranks import write_directory
 from teraio.states.safetensors_files import Planned, write_shards
 from teraio.tools.models.gpt import GPT, Block, GPTConfig
 

@@ -41,15 +41,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from teraio.lifecycle.ranks import RankAgreement
 from teraio.planner.private_dir import PrivateDir
 from teraio.runtime.config import parse_nbytes
+from teraio.states.checkpoint_ranks import (
+    RANKS,
+    on_every_rank,
+    rank_and_world,
+    write_directory,
+    write_together,
+)
 from teraio.states.errors import CheckpointError
 from teraio.states.loading import (
     LoadReport,
@@ -92,68 +97,6 @@ FORMAT = "teraio-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "teraio-checkpoint.json"
 TRAIN_STATE = "train_state.json"
-
-
-# -- several ranks ---------------------------------------------------------------------------------------
-#: Note: [A checkpoint of a DDP job]. One per process: its gloo group is made the first time a job needs it.
-_RANKS = RankAgreement()
-
-
-def _rank() -> tuple[int, int]:
-    """This process's rank and the job's world size (0, 1 without a process group)."""
-    if not _RANKS.active():
-        return 0, 1
-    return torch.distributed.get_rank(), torch.distributed.get_world_size()
-
-
-def _on_every_rank(fn: Callable[[], Any], what: str) -> Any:
-    """Run ``fn`` on this rank; when any rank's raised, raise the first one's message on every rank (one
-    rank's error must not leave the others waiting in the job's next collective)."""
-    if not _RANKS.active():
-        return fn()
-    own: Exception | None = None
-    try:
-        result, error = fn(), None
-    except Exception as exc:  # any error (a refused step, a full disk), not only ours: the others must hear
-        own, result = exc, None
-        error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-    errors = _RANKS.gather_objects(error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {message}") from own
-    return result
-
-
-# Note: [A checkpoint of a DDP job]
-#     Under DDP every rank holds the same parameters and optimizer states, so rank 0 alone writes them,
-#     once; the other ranks send it their random generators' states, which differ (dropout), and the
-#     manifest records the job's world size. Every rank calls ``save_checkpoint`` and ``load_checkpoint``
-#     (they are collectives, on teraio's gloo group: Note: [Ranks agree at the start of every step] in
-#     teraio.lifecycle.ranks); every rank loads the same directory (a filesystem all ranks see) into its
-#     own offload directory and restores its own generators. An error on one rank raises on every rank.
-#     DDP broadcasts rank 0's parameters when it wraps a model: after a load that put them on disk, wrap
-#     with ``DDP(model, init_sync=False)`` (every rank loaded the same values; there is nothing to send).
-#     Under FSDP2 each rank writes its own shards instead (Note: [A checkpoint of an FSDP2 job] in
-#     teraio.states.sharded_checkpoint).
-
-
-def write_directory(target: str | os.PathLike, populate: Callable[[PrivateDir], None], *, what: str) -> Path:
-    """Build the new directory ``target`` with ``populate(staged)`` and rename it into place (Note: [A
-    checkpoint is complete or absent]).
-
-    Raises:
-        CheckpointError: ``target`` exists.
-    """
-    path = Path(os.path.abspath(os.fspath(target)))
-    if os.path.lexists(path):
-        raise CheckpointError(
-            f"'{path}' exists: save each {what} to a new directory (say ckpt/step-000100); teraio does not "
-            "replace it"
-        )
-    with PrivateDir.open(path.parent, what=f"the {what}'s parent directory") as parent:
-        parent.create_subdir(path.name, populate)
-    return path
 
 
 def _write_file(d: PrivateDir, name: str, data: bytes) -> None:
@@ -259,20 +202,20 @@ def _save_pretrained(
 ) -> Path:
     """The model's parameters and persistent buffers as a Hugging Face model directory (Note: [The
     checkpoint format]), one tensor in memory at a time."""
-    rank, _ = _rank()
+    rank, _ = rank_and_world()
 
     def write() -> Path:
         if offload.closed:
             raise CheckpointError("save_pretrained: these states are closed")
         offload.settle_step()
         offload.stream.check_usable()
-        if rank != 0:  # Note: [A checkpoint of a DDP job]
+        if rank != 0:  # Note: [A checkpoint of a DDP job] in teraio.states.checkpoint_ranks
             return Path(os.path.abspath(os.fspath(directory)))
         return write_directory(
             directory, lambda d: _save_model(offload, model, d, max_shard_bytes), what="model"
         )
 
-    return _on_every_rank(write, "save_pretrained")
+    return on_every_rank(write, "save_pretrained")
 
 
 def _optimizer_tensors(
@@ -307,11 +250,12 @@ def _save_checkpoint(
     extra: dict[str, Any] | None,
     max_shard_bytes: int,
 ) -> Path:
-    """Note: [The checkpoint format], [A checkpoint is complete or absent], [A checkpoint of a DDP job];
+    """Note: [The checkpoint format], [A checkpoint is complete or absent], [A checkpoint of a DDP job] (in
+    teraio.states.checkpoint_ranks);
     FSDP2's shards: Note: [A checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint."""
     if any(is_sharded(p) for p in model.parameters()):
         return _save_sharded(offload, model, directory, extra=extra, max_shard_bytes=max_shard_bytes)
-    rank, world = _rank()
+    rank, world = rank_and_world()
 
     def prepare() -> tuple[dict[str, Any], list[Planned], dict[str, Any]]:
         _check_between_steps(offload, "save_checkpoint")
@@ -321,8 +265,8 @@ def _save_checkpoint(
         sources = {n: (v if rec is None else rec) for n, v, rec in items}
         return _train_state(offload, fqn, values, extra), planned, sources
 
-    train_state, planned, sources = _on_every_rank(prepare, "save_checkpoint")
-    rngs = _RANKS.gather_objects(train_state.pop("rng"))
+    train_state, planned, sources = on_every_rank(prepare, "save_checkpoint")
+    rngs = RANKS.gather_objects(train_state.pop("rng"))
     train_state["world_size"] = world
     train_state["rng_by_rank"] = rngs
     states = _Sources(offload, sources)
@@ -360,78 +304,7 @@ def _save_checkpoint(
             return Path(os.path.abspath(os.fspath(directory)))
         return write_directory(directory, populate, what="checkpoint")
 
-    return _on_every_rank(write, "save_checkpoint")
-
-
-class _RankFailed(CheckpointError):
-    """A rank's error, already named by rank (Note: [A checkpoint of an FSDP2 job])."""
-
-
-def _failure(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
-
-
-def _attempt(fn: Callable[[], Any]) -> tuple[Any, str | None]:
-    try:
-        return fn(), None
-    except Exception as exc:  # any error: the other ranks must hear of it
-        return None, _failure(exc)
-
-
-def _write_together(
-    directory: str | os.PathLike,
-    own_files: Callable[[PrivateDir], dict[str, Any]],
-    finish: Callable[[PrivateDir, list[dict[str, Any]]], None],
-) -> Path:
-    """Every rank writes ``own_files`` into the staging directory rank 0 made; rank 0 ``finish``es it with
-    every rank's result and renames it (Note: [A checkpoint of an FSDP2 job] in
-    teraio.states.sharded_checkpoint). The same collectives on every rank, whatever fails where."""
-    rank, _ = _rank()
-    path = Path(os.path.abspath(os.fspath(directory)))
-    error: str | None = None
-    failure: BaseException | None = None
-    if rank == 0:
-        announced = False
-
-        def populate(d: PrivateDir) -> None:
-            nonlocal announced
-            _RANKS.gather_objects(str(d.path))
-            announced = True
-            results = _RANKS.gather_objects(_attempt(lambda: own_files(d)))
-            for r, (_, err) in enumerate(results):
-                if err is not None:
-                    raise _RankFailed(f"save_checkpoint failed on rank {r}: {err}")
-            finish(d, [res for res, _ in results])
-
-        try:
-            write_directory(path, populate, what="checkpoint")
-        except Exception as exc:
-            failure = exc
-            error = (
-                str(exc)
-                if isinstance(exc, _RankFailed)
-                else f"save_checkpoint failed on rank 0: {_failure(exc)}"
-            )
-            if not announced:  # the others wait to hear where to write: nowhere
-                _RANKS.gather_objects(None)
-    else:
-        staged = _RANKS.gather_objects(None)[0]
-        if staged is not None:
-
-            def open_and_write() -> dict[str, Any]:
-                if not os.path.isdir(staged):
-                    raise CheckpointError(
-                        f"'{staged}' (rank 0's staging directory) is not on a filesystem this rank sees: every "
-                        "rank must see the checkpoint directory"
-                    )
-                with PrivateDir.open(staged, what="the checkpoint's staging directory") as d:
-                    return own_files(d)
-
-            _RANKS.gather_objects(_attempt(open_and_write))
-    errors = _RANKS.gather_objects(error)
-    if errors[0] is not None:
-        raise CheckpointError(errors[0]) from failure
-    return path
+    return on_every_rank(write, "save_checkpoint")
 
 
 def _save_sharded(
@@ -443,7 +316,7 @@ def _save_sharded(
     max_shard_bytes: int,
 ) -> Path:
     """Note: [A checkpoint of an FSDP2 job] in teraio.states.sharded_checkpoint."""
-    rank, world = _rank()
+    rank, world = rank_and_world()
 
     def prepare() -> tuple[dict[str, Any], Any, Any]:
         _check_between_steps(offload, "save_checkpoint")
@@ -454,9 +327,9 @@ def _save_sharded(
         items, values = _optimizer_tensors(offload, fqn)
         return _train_state(offload, fqn, values, extra), model_items, rank_items(items, rank)
 
-    train_state, model_items, opt_items = _on_every_rank(prepare, "save_checkpoint")
+    train_state, model_items, opt_items = on_every_rank(prepare, "save_checkpoint")
     train_state["world_size"] = world
-    train_state["rng_by_rank"] = _RANKS.gather_objects(train_state.pop("rng"))
+    train_state["rng_by_rank"] = RANKS.gather_objects(train_state.pop("rng"))
 
     def finish(d: PrivateDir, results: list[dict[str, Any]]) -> None:
         merged = merge_rank_results(results, d)
@@ -476,7 +349,7 @@ def _save_sharded(
         }
         _write_file(d, MANIFEST, json.dumps(manifest, indent=1).encode())  # last
 
-    return _write_together(
+    return write_together(
         directory,
         lambda d: write_rank_files(offload, d, rank, model_items, opt_items, max_shard_bytes),
         finish,
@@ -518,7 +391,7 @@ def _load_pretrained(
     offload: StateOffload, model: torch.nn.Module, path: str | os.PathLike, *, device: torch.device
 ) -> LoadReport:
     """Note: [A model is loaded one tensor at a time] in teraio.states.loading; under a process group every
-    rank loads the same files (Note: [A checkpoint of a DDP job])."""
+    rank loads the same files (Note: [A checkpoint of a DDP job] in teraio.states.checkpoint_ranks)."""
 
     def load() -> LoadReport:
         _check_fresh(offload, "load_pretrained")
@@ -540,7 +413,7 @@ def _load_pretrained(
             model.eval()  # as from_pretrained leaves it: the same dropout from the same loop
         return report
 
-    return _on_every_rank(load, "load_pretrained")
+    return on_every_rank(load, "load_pretrained")
 
 
 def _read_manifest(directory: Path) -> dict[str, Any]:
@@ -598,8 +471,8 @@ def _load_checkpoint(
 ) -> dict[str, Any]:
     """Restore what :func:`_save_checkpoint` wrote into a fresh model, optimizer and backend, straight to
     disk (Note: [What a checkpoint needs to resume bit for bit]); under a process group every rank loads
-    the same directory (Note: [A checkpoint of a DDP job])."""
-    return _on_every_rank(
+    the same directory (Note: [A checkpoint of a DDP job] in teraio.states.checkpoint_ranks)."""
+    return on_every_rank(
         lambda: _load_here(offload, model, Path(directory), extra, restore_rng, device), "load_checkpoint"
     )
 
@@ -664,7 +537,7 @@ def _load_here(
                 if tname not in opt_headers:
                     raise CheckpointError(f"'{path}': the optimizer files lack {tname!r}")
                 wanted.append((index[name_fqn], k, tname))
-    rank, world = _rank()
+    rank, world = rank_and_world()
     if restore_rng and train["world_size"] != world:
         raise CheckpointError(
             f"'{path}' was saved by a job of {train['world_size']} ranks, this one has {world}: the random "

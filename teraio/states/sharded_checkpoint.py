@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -324,8 +325,6 @@ def load_model_pieces(
         CheckpointError: one line naming the first missing, unexpected or mismatched tensor, or a shard on
             the meta device, before any byte is read.
     """
-    import time
-
     start = time.perf_counter()
     params, buffers = model_tensors(model)
     used: set[str] = set()

@@ -84,7 +84,7 @@ def _train(
         # and the planned run would differ in the last bits whatever teraio does.
         torch.use_deterministic_algorithms(True)
 
-    # Note: [A checkpoint of a DDP job] in teraio.states.checkpoint: a resumed run builds its model on the
+    # Note: [A checkpoint of a DDP job] in teraio.states.checkpoint_ranks: a resumed run builds its model on the
     # meta device and loads every tensor from the checkpoint the run before it saved.
     resume = options.get("resume")
     ckpt_root = Path(out_dir).parent
