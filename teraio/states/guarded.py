@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -460,6 +460,43 @@ def protect(rec: Record, store: TensorStore) -> None:
         if issubclass(original, torch.nn.Parameter):
             t.__dict__["_is_param"] = True
         t.__class__ = cls
+
+
+def drop_guards(rec: Record) -> None:
+    """The store stops tracking these objects of ``rec`` (``forget``, or ``adopt`` of new ones): their
+    guards keep raising on reads, and no longer hold ``rec`` (Note: [A dropped record's guarded objects
+    are not a reference cycle])."""
+    tombstone: Record | None = None
+    for t in (rec.tensor, rec.holder):
+        guard = guard_of(t)
+        if guard is None or guard.record is not rec:
+            continue
+        if tombstone is None:
+            tombstone = replace(
+                rec,
+                tensor=_DROPPED,
+                holder=None,
+                tracked=False,
+                handle=None,
+                pending=[],
+                norms={},
+                entry_gate=None,
+            )
+        t.__dict__["_teraio_guard"] = replace(guard, record=tombstone, primary=None)  # type: ignore[union-attr]
+
+
+# Note: [A dropped record's guarded objects are not a reference cycle]
+#     A guarded object holds its guard (in its ``__dict__``), the guard its record and itself (as
+#     ``primary``), and the record the object: a reference cycle, harmless while the store tracks the
+#     record (it is alive anyway), but once ``zero_grad`` drops a gradient on disk it is garbage that only
+#     Python's cyclic collector frees, whenever it next runs. Under FSDP2 such a gradient kept FSDP2's
+#     reduce-scatter output of its whole group alive with it, and resident memory grew by about one
+#     rank's share of the weights every step until a collection (measured: +0.88 GB a step at 8 layers
+#     of the 2B GPT). So when the store stops tracking a record, its guarded objects
+#     get a guard over a tombstone: a copy of the record's description (kind, name, index) that holds no
+#     tensor, not tracked, so a kept reference still raises its one-line error on a read, and the record
+#     and its bytes are freed by reference counting as soon as the loop drops the object.
+_DROPPED = torch.empty(0)
 
 
 def release(t: torch.Tensor) -> None:

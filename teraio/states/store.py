@@ -269,6 +269,7 @@ class TensorStore:
     def adopt(self, rec: Record, tensor: torch.Tensor) -> None:
         """The record's object was replaced by ``tensor`` (in memory); its saved bytes stay until replaced."""
         self._set(rec, Residency.DISK)
+        guarded.drop_guards(rec)
         rec.holder = tensor if is_sharded(tensor) else None
         rec.tensor = local(tensor)
         rec.nbytes = tensor_nbytes(rec.tensor)
@@ -281,6 +282,7 @@ class TensorStore:
         guarded object of it raises on reads from now on (its bytes are gone)."""
         self._set(rec, Residency.DISK)
         rec.tracked = False
+        guarded.drop_guards(rec)
 
     # -- moves ------------------------------------------------------------------------------------
     def write(self, rec: Record, key: str) -> None:

@@ -6,6 +6,8 @@ gloo group and mesh; the 2-rank FSDP2 jobs are in test_distributed.py."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,6 +49,33 @@ def _loss(model: torch.nn.Module, step: int, mesh: object) -> torch.Tensor:
         torch.randn(4, 16, generator=torch.Generator().manual_seed(step)), mesh, [Replicate()]
     )
     return model(x).pow(2).mean().full_tensor()
+
+
+def test_dtensor_gradients_dropped_on_disk_are_freed_without_the_cyclic_collector(
+    mesh: object, tmp_path: Path
+) -> None:
+    """Note: [A dropped record's guarded objects are not a reference cycle]: under FSDP2 a gradient's
+    local shard can hold its whole group's reduce-scatter buffer."""
+    model = _model(mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = Engine(RuntimeConfig(dirs=[str(tmp_path / "off")], backend="posix"))
+    states = StateOffload(opt, engine, offload_gradients=True)
+    try:
+        for step in range(2):
+            _loss(model, step, mesh).backward()
+            opt.step()
+            grads = [(weakref.ref(p.grad), weakref.ref(p.grad.to_local())) for p in model.parameters()]
+            assert all(is_guarded(g()) for g, _ in grads)
+            gc.disable()  # freed by reference counting, or not at all
+            try:
+                opt.zero_grad()
+                alive = [i for i, refs in enumerate(grads) for r in refs if r() is not None]
+            finally:
+                gc.enable()
+            assert not alive, f"step {step}: gradients {alive} outlived zero_grad"
+    finally:
+        states.close()
+        engine.close()
 
 
 def test_dtensor_gradients_and_states_on_disk_are_served_and_exact(mesh: object, tmp_path: Path) -> None:
