@@ -119,6 +119,9 @@ class _AnchorIndex:
     allocating: set[fx.Node]  # the ops anchors may be chosen from
     depth: dict[fx.Node, int]
     last_use: dict[fx.Node, int]  # index in ``ops`` of the last op reading the node (len(ops): output)
+    #: The same, counting only readers that run where the graph puts them, through views (Note: [An
+    #: anchor is alive where the compiled code runs it]).
+    last_pinned_use: dict[fx.Node, int]
 
     @classmethod
     def of(
@@ -142,10 +145,18 @@ class _AnchorIndex:
             return list(n.users)
 
         last_use = {n: max((index.get(u, len(ops)) for u in uses(n)), default=-1) for n in ops}
+        pinned_by_storage: dict[StorageWeakRef, int] = {}
+        for pos, reader in [*enumerate(ops), (len(ops), next(iter(reversed(gm.graph.nodes))))]:
+            if reader.op == "output" or is_extern(reader):
+                for x in reader.all_input_nodes:
+                    ref = _storage_of(x)
+                    if ref is not None and not (reader.op == "output" and ref in moved):
+                        pinned_by_storage[ref] = max(pinned_by_storage.get(ref, -1), pos)
+        last_pinned_use = {n: pinned_by_storage.get(_storage_of(n), -1) for n in ops}  # type: ignore[arg-type]
         allocating = _allocating_ops(gm)
         if materialized_only:
             allocating &= _materialized(gm)
-        return cls(ops, allocating, depth, last_use)
+        return cls(ops, allocating, depth, last_use, last_pinned_use)
 
     def ancestors(self, node: fx.Node) -> set[fx.Node]:
         """Every node ``node`` depends on, transitively."""
@@ -169,7 +180,9 @@ class _AnchorIndex:
         and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses an
         op into an earlier kernel when it can, so the nearest op alone may be computed early; the
         deepest op sits on the step's critical chain (the residual stream) and cannot run before
-        everything that chain needs. Note: [Anchors pin positions] in ``teraio.graph.ops``.
+        everything that chain needs. Note: [Anchors pin positions] in ``teraio.graph.ops``. When no such
+        anchor is read where the compiled code runs it at or after the position: Note: [An anchor is
+        alive where the compiled code runs it].
         """
         end = min(pos, len(self.ops))
         cands = [
@@ -177,11 +190,38 @@ class _AnchorIndex:
             for n in self.ops[:end]
             if n in self.allocating and self.last_use[n] >= end and (within is None or n in within)
         ]
+        if cands and all(self.last_pinned_use[n] < end for n in cands):
+            # Note: [An anchor is alive where the compiled code runs it]
+            alive = [n for n in self.ops[:end] if n in self.allocating and self.last_pinned_use[n] >= end]
+            if alive:
+                return alive[-1:]
         if not cands:
             return []
         deepest = max(reversed(cands), key=lambda n: self.depth[n])
         nearest = cands[-1]
         return [nearest] if deepest is nearest else [nearest, deepest]
+
+
+def _storage_of(node: fx.Node) -> StorageWeakRef | None:
+    v = node.meta.get("val")
+    return StorageWeakRef(v.untyped_storage()) if isinstance(v, torch.Tensor) else None
+
+
+# Note: [An anchor is alive where the compiled code runs it]
+#     An anchor must still be alive at the migration op's position, or the op keeps it alive longer
+#     than the plan's memory model counts. Alive in the graph's order is not enough on Inductor: a
+#     pointwise reader later in the graph can be fused into a kernel that runs earlier (its inputs were
+#     ready), and the value dies there. Seen: a prefetch anchored on a matmul's 1 MiB output whose last
+#     reader, a layer-norm backward op in the next segment of the graph, Inductor had fused into a kernel
+#     before the previous matmul; the anchor held the buffer a segment longer than the unplanned kernels
+#     did, and the step measured 2.4% above its prediction (benchmarks/results/
+#     partitioner_offload_peak_2c24g-virtio_202611.md). Readers that run where the graph puts them
+#     (extern calls, custom ops, the graph's output; through views) prove a value alive in the compiled
+#     code too. So when no candidate of the rules above has such a reader at or after the
+#     position, the op is anchored instead on the nearest value before it that has one (there: the
+#     previous matmul's weight gradient, alive to the end of the graph), even outside the consumer's
+#     ancestors: a longer lifetime costs memory the plan never counted, a lost fusion only time. Where
+#     no value has one, the anchors stay (without any, the op could run anywhere earlier).
 
 
 def _rebuild(
