@@ -82,7 +82,10 @@ def test_the_per_call_prediction_is_what_the_step_measures(per_block_eager) -> N
     _, (_, _, _, st, budget_bytes), _ = per_block_eager
     measured, predicted = st["measured_peak_bytes"], st["predicted_peak_bytes"]
     assert measured is not None and predicted is not None, st
-    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted)
+    # Once in a fresh clone (2026-11-29) the measurement was 22% below this same plan's prediction
+    # (289,976 against 370,816; 379,752 in 10 runs since, alone and under load): what it printed then.
+    seen = {k: st.get(k) for k in ("measured_step", "running_steps", "steps", "moved_bytes_per_step")}
+    assert abs(measured - predicted) <= 0.05 * predicted, (measured, predicted, seen)
     assert measured <= 1.05 * budget_bytes, (measured, budget_bytes)
 
 
