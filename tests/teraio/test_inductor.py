@@ -210,6 +210,31 @@ def test_generated_code_keeps_ops_where_the_plan_put_them(runs) -> None:
         assert kernels, f"wait for {d.name} was hoisted next to its offload"
 
 
+def _held_by_the_op(lines: list[str], buf: str, ln: int) -> bool:
+    """Whether the migration op at line ``ln`` is what keeps ``buf`` alive: the code frees or reuses it
+    right after the op, and no kernel reads it after the op."""
+    for text in lines[ln + 1 :]:
+        if not re.search(rf"\b{buf}\b", text) or text.strip().startswith(("#", "assert_")):
+            continue
+        return bool(re.match(rf"\s*(del {buf}\b|buf\d+ = {buf}; del {buf}\b)", text))
+    return False
+
+
+def test_migration_ops_keep_no_anchor_alive_past_its_last_kernel(runs) -> None:
+    """Note: [An anchor is alive where the compiled code runs it] in teraio.graph.rewrite: an op whose
+    anchor no kernel reads after it would hold that buffer longer than the unplanned kernels do."""
+    _ref, _got, codes, _be, _, _ = runs
+    held = []
+    for code in codes:
+        lines = code.splitlines()
+        for op, key, ln in _teraio_calls(code):
+            anchor_list = re.search(r"\[([^\]]*)\]", CALL.search(lines[ln]).group(2))
+            for buf in re.findall(r"\b(buf\d+)\b", anchor_list.group(1) if anchor_list else ""):
+                if _held_by_the_op(lines, buf, ln):
+                    held.append(f"{op} {key}: {buf}")
+    assert not held, held
+
+
 @pytest.fixture
 def compile_caches_on(monkeypatch):
     """Compile caches on for one test. The suite sets TORCHINDUCTOR_FORCE_DISABLE_CACHES (tests/conftest.py,
