@@ -209,20 +209,13 @@ def _storage_of(node: fx.Node) -> StorageWeakRef | None:
 #     An anchor must still be alive at the migration op's position, or the op keeps it alive longer
 #     than the plan's memory model counts. Alive in the graph's order is not enough on Inductor: a
 #     pointwise reader later in the graph can be fused into a kernel that runs earlier (its inputs were
-#     ready), and the value dies there. Seen: a prefetch anchored on a matmul's 1 MiB output whose last
-#     reader, a layer-norm backward op in the next segment of the graph, Inductor had fused into a kernel
-#     before the previous matmul; the anchor held the buffer a segment longer than the unplanned kernels
-#     did, and the step measured 2.4% above its prediction (benchmarks/results/
-#     partitioner_offload_peak_2c24g-virtio_202611.md). Readers that run where the graph puts them
-#     (extern calls, custom ops, the graph's output; through views) prove a value alive in the compiled
-#     code too. So anchors are chosen among the values with such a reader at or after the position;
-#     when the consumer's ancestors hold none, the op is anchored on the nearest value before it that
-#     has one (there: the previous matmul's weight gradient, alive to the end of the graph), even
-#     outside them: a longer lifetime costs memory the plan never counted, a lost fusion only time.
-#     Where no value has one, among values alive in the graph's order, as before (without an anchor
-#     the op could run anywhere earlier). On the demo GPT (0.3 of its peak, partitioner ratio 0.64)
-#     two prefetches anchored on a 50 MiB attention-gradient buffer, alive in the graph's order beside
-#     others that were alive in both, held it across several segments: 15% above the prediction.
+#     ready), and the value dies there (docs/measured_facts.md, hazard 4). Readers that run where the
+#     graph puts them (extern calls, custom ops, the graph's output; through views) prove a value alive
+#     in the compiled code too. So anchors are chosen among the values with such a reader at or after
+#     the position; when the consumer's ancestors hold none, the op is anchored on the nearest value
+#     before it that has one, even outside them: a longer lifetime costs memory the plan never counted,
+#     a lost fusion only time. Where no value has one, among values alive in the graph's order, as
+#     before (without an anchor the op could run anywhere earlier).
 
 
 def _rebuild(

@@ -489,11 +489,10 @@ def drop_guards(rec: Record) -> None:
 #     A guarded object holds its guard (in its ``__dict__``), the guard its record and itself (as
 #     ``primary``), and the record the object: a reference cycle, harmless while the store tracks the
 #     record (it is alive anyway), but once ``zero_grad`` drops a gradient on disk it is garbage that only
-#     Python's cyclic collector frees, whenever it next runs. Under FSDP2 such a gradient kept FSDP2's
-#     reduce-scatter output of its whole group alive with it, and resident memory grew by about one
-#     rank's share of the weights every step until a collection (measured: +0.88 GB a step at 8 layers
-#     of the 2B GPT). So when the store stops tracking a record, its guarded objects
-#     get a guard over a tombstone: a copy of the record's description (kind, name, index) that holds no
+#     Python's cyclic collector frees, whenever it next runs, and with it whatever the gradient keeps
+#     alive (under FSDP2, the reduce-scatter output of its whole group: the evidence is in
+#     docs/measured_facts.md). So when the store stops tracking a record, its guarded objects get a
+#     guard over a tombstone: a copy of the record's description (kind, name, index) that holds no
 #     tensor, not tracked, so a kept reference still raises its one-line error on a read, and the record
 #     and its bytes are freed by reference counting as soon as the loop drops the object.
 _DROPPED = torch.empty(0)

@@ -1,11 +1,13 @@
 """The Inductor path: bit-exact in deterministic mode, ops where the plan put them, no stale caches.
 
 Inductor compiles take 20-60 s on 2 cores, so these tests share compiled runs through module fixtures.
-The three hazards of docs/measured_facts.md each have a test here or in test_ops.py:
+The four hazards of docs/measured_facts.md each have a test here or in test_ops.py:
 - buffer reuse during an asynchronous write (keepalive): exactness under Inductor with slowed writes,
   and ``test_keepalive_that_is_not_the_written_buffer_is_refused`` in test_ops.py;
 - hoisted waits: ``test_generated_code_keeps_ops_where_the_plan_put_them``;
-- stale compile caches: ``test_new_plan_is_not_served_from_a_compile_cache``.
+- stale compile caches: ``test_new_plan_is_not_served_from_a_compile_cache``;
+- anchors that outlive their last kernel: ``test_migration_ops_keep_no_anchor_alive_past_its_last_kernel``
+  (and the unit tests of test_rewrite_anchors.py).
 """
 
 from __future__ import annotations
