@@ -145,14 +145,20 @@ class _AnchorIndex:
             return list(n.users)
 
         last_use = {n: max((index.get(u, len(ops)) for u in uses(n)), default=-1) for n in ops}
+        # Note: [An anchor is alive where the compiled code runs it]: readers that run where the graph
+        # puts them, by storage (a reader of a view counts for its base).
+        output = gm.graph.find_nodes(op="output")[0]
         pinned_by_storage: dict[StorageWeakRef, int] = {}
-        for pos, reader in [*enumerate(ops), (len(ops), next(iter(reversed(gm.graph.nodes))))]:
-            if reader.op == "output" or is_extern(reader):
+        for pos, reader in [*enumerate(ops), (len(ops), output)]:
+            if reader is output or is_extern(reader):
                 for x in reader.all_input_nodes:
                     ref = _storage_of(x)
-                    if ref is not None and not (reader.op == "output" and ref in moved):
+                    if ref is not None and not (reader is output and ref in moved):
                         pinned_by_storage[ref] = max(pinned_by_storage.get(ref, -1), pos)
-        last_pinned_use = {n: pinned_by_storage.get(_storage_of(n), -1) for n in ops}  # type: ignore[arg-type]
+        last_pinned_use = {}
+        for n in ops:
+            ref = _storage_of(n)
+            last_pinned_use[n] = -1 if ref is None else pinned_by_storage.get(ref, -1)
         allocating = _allocating_ops(gm)
         if materialized_only:
             allocating &= _materialized(gm)
@@ -172,17 +178,16 @@ class _AnchorIndex:
     def before(self, pos: int, within: set[fx.Node] | None = None) -> list[fx.Node]:
         """Anchors for a node placed before ``ops[pos]`` (pos == len(ops): after the last op).
 
-        Two anchors, both allocating ops before the position whose values are still alive there (so
-        anchoring never lengthens a lifetime the plan's memory model did not count) and are buffers
-        whatever the compiler fuses (Note: [Anchors must not change fusion]), and, with ``within``,
-        among those nodes only (the ancestors of the op that will consume the result: then the anchor
-        adds no ordering the graph did not have): the nearest one,
-        and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses an
-        op into an earlier kernel when it can, so the nearest op alone may be computed early; the
+        Two anchors, both allocating ops before the position whose values are buffers whatever the
+        compiler fuses (Note: [Anchors must not change fusion]) and are still alive there in the
+        compiled code (so anchoring never lengthens a lifetime the plan's memory model did not count:
+        Note: [An anchor is alive where the compiled code runs it], which also says what is taken when
+        no value qualifies), and, with ``within``, among those nodes only (the ancestors of the op that
+        will consume the result: then the anchor adds no ordering the graph did not have): the nearest
+        one, and the deepest one (longest chain of ops from the inputs, latest on ties). Inductor fuses
+        an op into an earlier kernel when it can, so the nearest op alone may be computed early; the
         deepest op sits on the step's critical chain (the residual stream) and cannot run before
-        everything that chain needs. Note: [Anchors pin positions] in ``teraio.graph.ops``. When no such
-        anchor is read where the compiled code runs it at or after the position: Note: [An anchor is
-        alive where the compiled code runs it].
+        everything that chain needs. Note: [Anchors pin positions] in ``teraio.graph.ops``.
         """
         end = min(pos, len(self.ops))
         made = [n for n in self.ops[:end] if n in self.allocating]

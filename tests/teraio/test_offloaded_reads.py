@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import teraio
 from teraio.states import StatesError
+from teraio.states.guarded import is_guarded
 from teraio.states.store import Residency
 from teraio.tools.models.gpt import GPT
 from teraio.tools.workloads import builtin_workload, compute_loss
@@ -82,10 +83,11 @@ def _loop(enabled: bool, offload_dir: str) -> dict[str, Any]:
                 opt.step()
                 if step == 1:  # Note: [A dropped record's guarded objects are not a reference cycle]
                     grads = [weakref.ref(q.grad) for q in model.parameters() if q.grad is not None]
+                    on_disk = sum(is_guarded(r()) for r in grads)
                     gc.disable()  # freed by reference counting, or not at all
                     try:
                         opt.zero_grad()
-                        out["grads_alive"] = (sum(r() is not None for r in grads), len(grads))
+                        out["grads_alive"] = (sum(r() is not None for r in grads), len(grads), on_disk)
                     finally:
                         gc.enable()
                 else:
@@ -169,8 +171,9 @@ def test_a_reference_kept_past_zero_grad_raises_in_one_line(runs):
 
 def test_gradients_dropped_on_disk_are_freed_without_the_cyclic_collector(runs):
     _, got = runs
-    alive, grads = got["grads_alive"]
-    assert grads > 0 and alive == 0, f"{alive} of {grads} gradients outlived zero_grad"
+    alive, grads, on_disk = got["grads_alive"]
+    assert on_disk == grads > 0, f"{on_disk} of {grads} gradients on disk at zero_grad"  # not vacuous
+    assert alive == 0, f"{alive} of {grads} gradients outlived zero_grad"
 
 
 def test_the_reads_change_nothing_the_step_computes(runs):
