@@ -371,7 +371,7 @@ def fsdp_main(args: Any, *, io_size: int, keep_free: int, config: GPTConfig) -> 
         if args.layers is not None:
             config = replace(config, layers=args.layers)
         directory = Path(args.dir) if args.dir is not None else default_offload_dir()
-        return run_fsdp(
+        report = run_fsdp(
             config,
             args.config,
             directory,
@@ -383,5 +383,9 @@ def fsdp_main(args: Any, *, io_size: int, keep_free: int, config: GPTConfig) -> 
             cpu_malloc=args.cpu_malloc,
             overlap_step=not args.no_overlap,
         )
+        # Rank 0 builds the report after the results' all-gather; the others wait for it here, so that
+        # the last collective of every rank carries no tensor of Python's (docs/guide.md, "Ending a job").
+        dist.barrier()
+        return report
     finally:
         dist.destroy_process_group()

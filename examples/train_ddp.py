@@ -85,6 +85,8 @@ def main() -> None:
         flush=True,
     )
     backend.close()
+    # The last collective carries no tensor of Python's: see docs/guide.md, "Ending a job".
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -18,12 +18,23 @@ Note: [Ranks agree at the start of every step]
     and the smallest wins, as DeepCompile does) and a third on whether every rank met it (MAX of
     failures: when one rank cannot, every rank raises the same one-line error instead of one rank
     raising and the others hanging).
+
+Note: [teraio holds no process group]
+    ``destroy_process_group`` unregisters the job's groups, but a group still referenced elsewhere is not
+    destroyed: its gloo worker threads run on into interpreter exit, and a worker that drops the last
+    reference to a collective's tensors there needs the GIL after Python is gone, which aborts the
+    process ("terminate called without an active exception": docs/measured_facts.md). A reference held
+    across groups would also be a destroyed group once the job makes new ones (``init_process_group``
+    again in the same process). So teraio looks the default group up at each call and refers to a group
+    of its own only weakly: the job's registry owns every group, and when the job destroys them, teraio
+    has none left.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -71,11 +82,13 @@ def rank_info() -> RankInfo:
 
 
 class RankAgreement:
-    """The collectives of Note: [Ranks agree at the start of every step], on a gloo group of teraio's own
-    made the first time they are needed (every rank gets there at the same step)."""
+    """The collectives of Note: [Ranks agree at the start of every step], on a gloo group: the job's
+    default group when it is gloo, else one of teraio's own made the first time it is needed (every rank
+    gets there at the same step). See Note: [teraio holds no process group]."""
 
     def __init__(self) -> None:
-        self._group: Any = None
+        # Weak: a group teraio made lives exactly as long as the job's registry keeps it.
+        self._own: weakref.ref[Any] | None = None
 
     @staticmethod
     def active() -> bool:
@@ -83,12 +96,16 @@ class RankAgreement:
         return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
     def _pg(self) -> Any:
-        if self._group is None:
-            dist = torch.distributed
-            # CPU tensors on gloo: an all-reduce of a few numbers never waits for a GPU's queue. The default
-            # group already is gloo on CPU-only jobs.
-            self._group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        return self._group
+        dist = torch.distributed
+        # CPU tensors on gloo: an all-reduce of a few numbers never waits for a GPU's queue. The default
+        # group already is gloo on CPU-only jobs.
+        if dist.get_backend() == "gloo":
+            return dist.group.WORLD
+        group = self._own() if self._own is not None else None
+        if group is None:  # first use, or the job's groups were destroyed and made again
+            group = dist.new_group(backend="gloo")
+            self._own = weakref.ref(group)
+        return group
 
     def gather_objects(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (small, picklable: these ranks' own data, never a file's), by rank."""
