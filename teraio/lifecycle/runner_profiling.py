@@ -46,6 +46,7 @@ class RunnerProfiling:
         #: memory] in teraio.states.residency).
         self.param_calls: set[tuple[int, ...]] = set()
         self._memory_invocation: Any = None  # the invocation of a kernel-memory step in progress
+        self._told_memory_note = False  # the warning that a measuring step fell back on the census
 
     # ----------------------------------------------------------------------------------- compiling
     def on_partition(self, step: CapturedStep) -> None:
@@ -251,6 +252,7 @@ class RunnerProfiling:
                 ),
             )
         elif prof.kernel_memory_note is not None:
+            self._told_memory_note = True
             log.warning(
                 "%s: planning on the op-by-op census of memory, not the kernels' own timeline: %s",
                 self.runner.name,
@@ -272,6 +274,10 @@ class RunnerProfiling:
             if states is not None:  # states="offload": the step's other tensors, by kind
                 extra["model_states"] = states.model_states()
             runner.profile = runner.profiler.build_profile(extra)
+            note = runner.profiler.kernel_memory_note
+            if note is not None and not self._told_memory_note:
+                # Not a warning: a model compiled piece by piece gets it for every piece but the last.
+                log.info("%s: planned on the op-by-op census of memory: %s", runner.name, note)
             self._count_fetched_parameters()
             runner.backend.save_profile(runner)
 

@@ -39,6 +39,9 @@ class KernelMemoryStep:
     #: Attempts at measuring the kernels' memory (the profiler may be busy with another measurement)
     #: before the census is used instead.
     MEMORY_ATTEMPTS = 3
+    #: Profiled steps that ran the graph with other forwards inside its step, none alone, after which it is
+    #: not measured (Note: [A graph the loop never runs alone is not measured]).
+    NEVER_ALONE_STEPS = 2
 
     def __init__(self, analysis: StepAnalysis, segmentation: Segmentation, device: str) -> None:
         self.analysis = analysis
@@ -52,6 +55,31 @@ class KernelMemoryStep:
         # The process's forward count (teraio.lifecycle.registry) when the step's forward began and when its
         # backward ended: equal when no other forward ran in between.
         self._calls = self._calls_end = -1
+        self._ran_alone = False  # a profiled step ran the graph with no other forward inside its step
+        self._not_alone = 0  # profiled steps that ran other forwards inside the graph's step
+
+    # Note: [A graph the loop never runs alone is not measured]
+    #     A measuring step keeps its timeline only when no other forward ran between the graph's forward
+    #     and its backward, and the profiler records one graph at a time. In a model compiled piece by piece
+    #     (``backend.compile``: each block, the embeddings and the head a graph), every graph but the last
+    #     has the later pieces' forwards inside its step in every step of the loop, and a block called
+    #     twice a step has its other call's: each spent its attempts, one graph after another, and the
+    #     step was planned many steps late (docs/measured_facts.md). The profiling steps before the
+    #     measurement (op by op, then calibrating) already show it: a graph that ran with other forwards
+    #     inside its step in ``NEVER_ALONE_STEPS`` of them, and never alone, gives up at once, and the
+    #     census stands.
+    def observe(self, alone: bool) -> None:
+        """A profiled step of the graph (op by op or calibrating, not a measuring one) ended: whether it
+        ran alone (Note: [A graph the loop never runs alone is not measured])."""
+        if alone:
+            self._ran_alone = True
+            return
+        self._not_alone += 1
+        if not self._ran_alone and self._not_alone >= self.NEVER_ALONE_STEPS and self.wanted:
+            self.note = (
+                f"in its {self._not_alone} profiled steps the graph never ran alone to its backward (other "
+                "forwards ran inside its step)"
+            )
 
     @property
     def settled(self) -> bool:

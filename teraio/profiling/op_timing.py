@@ -27,6 +27,7 @@ from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved, node
 from teraio.graph.kernel_boundaries import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
 from teraio.graph.kernel_memory import KernelMemory
 from teraio.planner.profile import Profile, make_profile
+from teraio.profiling import forward_count
 from teraio.profiling.clock import Clock
 from teraio.profiling.kernel_memory_step import KernelMemoryStep
 from teraio.profiling.transfer_probe import TransferProbe
@@ -48,6 +49,9 @@ class GraphRun:
     #: Ran the compiler's kernels under the torch profiler for their memory timeline (Note: [The budget is
     #: of the graph that runs] in teraio.graph.kernel_memory): neither timed nor censused.
     kernel_memory: bool = False
+    #: The process's forward count (teraio.profiling.forward_count) when the forward began: equal to the
+    #: count when its backward ended iff no other forward ran in between.
+    forwards_at_start: int = -1
 
 
 _OP_MARK = "teraio::op"
@@ -261,6 +265,7 @@ class StepProfiler:
         self._input_refs = {
             StorageWeakRef(a.untyped_storage()) for a in args_list if isinstance(a, torch.Tensor)
         }
+        forwards_at_start = forward_count.forward_calls()
         if self.memory_next and self.fwd_runs and self._kernels:
             self.memory_next = False
             rec = self._memory.start()
@@ -275,10 +280,12 @@ class StepProfiler:
             gm = self._probed_graphs(probed)[0] if probed else self.step.fw_gm
             out, wall_s = _run_uninstrumented(gm, args_list, self.device, self._kernels.get(False))
             self._last_fwd = GraphRun(wall_s=wall_s, uninstrumented=True, probed=probed)
+            self._last_fwd.forwards_at_start = forwards_at_start
             return out
         interp = TimingInterpreter(self.step.fw_gm, self._input_refs, not self.fwd_runs, self.device)
         out = interp.boxed_run(args_list)
         self._last_fwd = interp.record
+        self._last_fwd.forwards_at_start = forwards_at_start
         return out
 
     def bind_last_forward(self, invocation: int, abandoned: bool = False) -> None:
@@ -308,6 +315,7 @@ class StepProfiler:
         if fwd is not None and fwd.uninstrumented:
             gm = self._probed_graphs(fwd.probed)[1] if fwd.probed else self.step.bw_gm
             out, wall_s = _run_uninstrumented(gm, args_list, self.device, self._kernels.get(True))
+            self._observe_alone(fwd)
             self._last_calibration_probed = bool(fwd.probed)
             if self.probe is not None:
                 self.probe.record(fwd.probed, fwd.wall_s + wall_s)
@@ -317,10 +325,18 @@ class StepProfiler:
         census = fwd is not None and not self.bwd_runs
         interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device)
         out = interp.boxed_run(args_list)
+        if fwd is not None:
+            self._observe_alone(fwd)
         if fwd is not None and (self.fwd_runs or fwd.live_bytes):
             self.fwd_runs.append(fwd)
             self.bwd_runs.append(interp.record)
         return out
+
+    def _observe_alone(self, fwd: GraphRun) -> None:
+        """Tell the kernel-memory step whether the step that just ended ran this graph alone (its backward
+        ended now, ``fwd`` is its forward's record)."""
+        if self._kernels and fwd.forwards_at_start >= 0:
+            self._memory.observe(alone=forward_count.forward_calls() == fwd.forwards_at_start)
 
     # ------------------------------------------------------------ Note: [The budget is of the graph that runs]
     # The measurement itself is a KernelMemoryStep's (teraio.profiling.kernel_memory_step); the runner asks
