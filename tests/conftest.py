@@ -84,6 +84,7 @@ HEAVY_MODULES = (
     "tests/teraio/test_recompute.py",
     "tests/teraio/test_offload_e2e.py",
     "tests/teraio/test_lifecycle.py",
+    "tests/teraio/test_backend_compile.py",
 )
 
 
