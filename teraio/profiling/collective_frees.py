@@ -23,25 +23,92 @@ Note: [A collective's buffer freed on its worker thread]
     that block once more (50 KB on 365 KB) in about one run of three, never with the free recorded. So
     the allocations of that span count as the collective's. (Its ``FSDP::all_gather_copy_out`` sibling
     allocates the gathered parameters, which FSDP2 frees itself, on the calling thread.)
+
+Note: [FSDP2 holds its all-gather output past the work]
+    Unlike a buffer made inside the ``c10d::`` op, FSDP2's flat all-gather output is also held by FSDP2
+    itself, past the work: after its own copy-out at the least, and in forward (its synchronous
+    all-gather) until the next group's copy-out or the end of the root's forward (``all_gather_state``).
+    FSDP2 lets go on the calling thread, so the free is normally recorded there. It goes unrecorded only
+    when the worker still holds the work then (it finished its span but had not yet dropped the work: a
+    thread kept off the cores on a loaded machine): the worker frees it later, and never before FSDP2 let
+    go. Freed at the end of the worker's span, the last block's gathered parameters were missing from
+    the measured step at the end of the forward (docs/measured_facts.md, "From teraio/profiling/").
+    So the unseen free of an all-gather output is placed where FSDP2 lets go: the first of the next
+    ``FSDP::all_gather_copy_out`` of another group, the end of the root's ``FSDP::post_forward`` or of an
+    ``FSDP::pre_backward``, after its own copy-out (at the end of the worker's span where none of them is
+    in the record).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Protocol
 
 #: The record functions of the process group's collective ops on the calling thread.
 COLLECTIVE_OP_PREFIX = "c10d::"
 #: FSDP2's span around an all-gather that allocates the work's output (``FSDP::all_gather (fqn)``).
 FSDP_ALL_GATHER_SPAN = "FSDP::all_gather"
+#: FSDP2's spans on the calling thread that bound when it lets go of an all-gather output (Note: [FSDP2
+#: holds its all-gather output past the work]): its copy-outs, the root's end of forward, the pre-backwards.
+FSDP_COPY_OUT_SPAN = "FSDP::all_gather_copy_out"
+FSDP_ROOT_POST_FORWARD_SPAN = "FSDP::post_forward"
+FSDP_PRE_BACKWARD_SPAN = "FSDP::pre_backward"
+FSDP_RELEASE_SPAN_PREFIXES = (FSDP_COPY_OUT_SPAN, FSDP_ROOT_POST_FORWARD_SPAN, FSDP_PRE_BACKWARD_SPAN)
+
+
+def is_fsdp_all_gather_span(name: str) -> bool:
+    return name == FSDP_ALL_GATHER_SPAN or name.startswith(FSDP_ALL_GATHER_SPAN + " (")
 
 
 def is_collective_span(name: str) -> bool:
     """Whether allocations under the record function ``name`` are buffers a collective's work holds."""
-    return name.startswith(COLLECTIVE_OP_PREFIX) or (
-        name == FSDP_ALL_GATHER_SPAN or name.startswith(FSDP_ALL_GATHER_SPAN + " (")
+    return name.startswith(COLLECTIVE_OP_PREFIX) or is_fsdp_all_gather_span(name)
+
+
+def _group(name: str) -> str:
+    """The module an FSDP2 span names (``FSDP::all_gather (gpt.blocks.1)``: ``gpt.blocks.1``; the root's
+    spans name none)."""
+    return name[name.index(" (") + 2 : -1] if name.endswith(")") and " (" in name else ""
+
+
+@dataclass(frozen=True)
+class FsdpSpan:
+    """An FSDP2 span that bounds when FSDP2 lets go of an all-gather output, on the calling thread."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+
+
+def is_fsdp_release_span(name: str) -> bool:
+    return name.startswith(FSDP_RELEASE_SPAN_PREFIXES) and not name.startswith("FSDP::post_forward (")
+
+
+def fsdp_release_ns(alloc_ns: int, gather_span: str, spans: list[FsdpSpan]) -> int | None:
+    """Note: [FSDP2 holds its all-gather output past the work]: when FSDP2 lets go of the output its
+    all-gather ``gather_span`` allocated at ``alloc_ns``. None: not in the record."""
+    group = _group(gather_span)
+    own = min(
+        (
+            sp
+            for sp in spans
+            if sp.name.startswith(FSDP_COPY_OUT_SPAN) and _group(sp.name) == group and sp.start_ns >= alloc_ns
+        ),
+        key=lambda sp: sp.start_ns,
+        default=None,
     )
+    if own is None:
+        return None
+    moments = []
+    for sp in spans:
+        if sp.name.startswith(FSDP_COPY_OUT_SPAN):
+            if sp.start_ns >= own.end_ns:  # another group's: the previous forward output goes before it
+                moments.append(sp.start_ns)
+        elif sp.end_ns >= own.end_ns:  # the root's end of forward; a pre-backward (the own one included)
+            moments.append(sp.end_ns)
+    return min(moments, default=None)
 
 
 #: The spans in which a process group's worker thread runs a work (gloo's; NCCL's buffers are on the
@@ -56,17 +123,26 @@ class Event(Protocol):
 
 
 def unseen_frees(
-    events: list[Event], collective_allocations: list[Event], worker_spans: list[tuple[int, int]]
+    events: list[Event],
+    collective_allocations: list[Event],
+    worker_spans: list[tuple[int, int]],
+    fsdp_outputs: dict[tuple[int, int], str] | None = None,
+    fsdp_spans: list[FsdpSpan] | None = None,
 ) -> list[tuple[int, int, int]]:
     """The frees (time, address, -bytes) of ``collective_allocations`` the record lacks.
 
     ``events`` are every allocation and free of the region in time order (``collective_allocations``
-    among them); ``worker_spans`` the (start, end) times of the worker spans."""
+    among them); ``worker_spans`` the (start, end) times of the worker spans; ``fsdp_outputs`` the
+    allocations (time, address) FSDP2 made as all-gather outputs, with their ``FSDP::all_gather`` span's
+    name, and ``fsdp_spans`` FSDP2's spans that bound when it lets go of them (Note: [FSDP2 holds its
+    all-gather output past the work])."""
     by_ptr: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for e in events:
         by_ptr[e.ptr].append((e.ts_ns, e.nbytes))
     spans = sorted(worker_spans)
     starts = [s for s, _ in spans]
+    held = fsdp_outputs or {}
+    released_by = fsdp_spans or []
     out: list[tuple[int, int, int]] = []
     for a in collective_allocations:
         at_ptr = by_ptr[a.ptr]
@@ -78,6 +154,11 @@ def unseen_frees(
         if j == len(spans):
             continue  # no work ran after it in the region: alive to its end, as recorded
         end_ns = spans[j][1]
+        gather = held.get((a.ts_ns, a.ptr))
+        if gather is not None:
+            let_go = fsdp_release_ns(a.ts_ns, gather, released_by)
+            if let_go is not None:
+                end_ns = max(end_ns, let_go)
         if following is not None and following[0] <= end_ns:
             continue  # its address was reused first: freed by then (Note: [A reused address was freed])
         out.append((end_ns, a.ptr, -a.nbytes))

@@ -27,7 +27,14 @@ from typing import Any, TypeVar
 
 import torch
 
-from teraio.profiling.collective_frees import WORKER_SPAN_PREFIXES, is_collective_span, unseen_frees
+from teraio.profiling.collective_frees import (
+    WORKER_SPAN_PREFIXES,
+    FsdpSpan,
+    is_collective_span,
+    is_fsdp_all_gather_span,
+    is_fsdp_release_span,
+    unseen_frees,
+)
 
 T = TypeVar("T")
 
@@ -80,24 +87,33 @@ def allocations_under(nodes: list[Any], device: str) -> list[AllocationEvent]:
     out: list[AllocationEvent] = []
     in_collectives: list[AllocationEvent] = []
     worker_spans: list[tuple[int, int]] = []
-    stack = [(n, False) for n in nodes]
+    # Note: [FSDP2 holds its all-gather output past the work] in teraio.profiling.collective_frees.
+    fsdp_outputs: dict[tuple[int, int], str] = {}
+    fsdp_spans: list[FsdpSpan] = []
+    stack: list[tuple[Any, str | None]] = [(n, None) for n in nodes]  # the innermost collective span
     while stack:
-        n, in_collective = stack.pop()
+        n, collective = stack.pop()
         if _is_allocation(n):
             ef = n.extra_fields
             if ef.device.type == kind:
                 out.append(AllocationEvent(int(n.start_time_ns), int(ef.ptr), int(ef.alloc_size)))
-                if in_collective and out[-1].nbytes > 0:
+                if collective is not None and out[-1].nbytes > 0:
                     in_collectives.append(out[-1])
+                    if is_fsdp_all_gather_span(collective):
+                        fsdp_outputs[(out[-1].ts_ns, out[-1].ptr)] = collective
         else:
             name = n.name
             if name.startswith(WORKER_SPAN_PREFIXES):
                 worker_spans.append((int(n.start_time_ns), int(n.end_time_ns)))
-            in_collective = in_collective or is_collective_span(name)
-        stack.extend((c, in_collective) for c in n.children)
+            elif is_fsdp_release_span(name):
+                fsdp_spans.append(FsdpSpan(name, int(n.start_time_ns), int(n.end_time_ns)))
+            if is_collective_span(name):
+                collective = name
+        stack.extend((c, collective) for c in n.children)
     out.sort(key=lambda e: e.ts_ns)
     if in_collectives and worker_spans:
-        out += [AllocationEvent(*f) for f in unseen_frees(out, in_collectives, worker_spans)]
+        frees = unseen_frees(out, in_collectives, worker_spans, fsdp_outputs, fsdp_spans)
+        out += [AllocationEvent(*f) for f in frees]
         out.sort(key=lambda e: e.ts_ns)
     return out
 

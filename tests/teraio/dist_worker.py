@@ -357,9 +357,7 @@ def _train_fsdp_states(
             {f"{i}/{k}": _full(v).reshape(-1) for i, e in opt_state.items() for k, v in e.items()}
         ),
         "stats": {k: st[k] for k in STAT_KEYS},
-        "whole_step": {
-            k: whole.get(k) for k in ("budget_bytes", "predicted_peak_bytes", "measured_peak_bytes")
-        },
+        "whole_step": whole,
         "leftover_files": [f for d in options["offload_dirs_resolved"][rank] for f in _files_under(d)],
         "checkpoints": checkpoints,
     }

@@ -209,3 +209,72 @@ def test_fsdp2s_all_gather_output_the_profiler_saw_no_free_of_is_freed_after_its
     frees = [(e.ts_ns, e.ptr, e.nbytes) for e in events if e.nbytes < 0]
     assert frees == [(30, 1, -block), (50, 2, -100_000)]
     assert own_peak_bytes(events) == (block + 100_000, block)
+
+
+def test_fsdp2s_all_gather_output_is_freed_no_earlier_than_fsdp2_lets_go_of_it() -> None:
+    """Note: [FSDP2 holds its all-gather output past the work] in teraio.profiling.collective_frees: the
+    last block's forward output (ptr 1) is kept by FSDP2 to the end of the root's forward, and freed unseen
+    by a worker that dropped the work after that: the loss computed before then (ptr 2) stacks on it. A
+    forward output of an earlier block (ptr 3) goes before the next group's copy-out (a later
+    activation, ptr 4, does not stack on it); a backward output (ptr 5) at the end of its pre-backward."""
+    block = 25_408
+    main = _span(
+        "ProfilerStep",
+        0,
+        500,
+        _span(
+            "FSDP::pre_forward (gpt.blocks.0)",
+            1,
+            9,
+            _span(
+                "FSDP::all_gather (gpt.blocks.0)",
+                2,
+                5,
+                _alloc(3, 3, block),
+                _span("c10d::_allgather_base_", 4, 5),
+            ),
+            _span("FSDP::all_gather_copy_out (gpt.blocks.0)", 6, 8),
+        ),
+        _span(
+            "FSDP::pre_forward (gpt.blocks.1)",
+            10,
+            29,
+            _span(
+                "FSDP::all_gather (gpt.blocks.1)",
+                10,
+                20,
+                _alloc(11, 1, block),
+                _span("c10d::_allgather_base_", 12, 13),
+            ),
+            _span("FSDP::all_gather_copy_out (gpt.blocks.1)", 21, 22),
+        ),
+        _alloc(40, 4, 1_000),
+        _alloc(45, 4, -1_000),
+        _alloc(100, 2, 100_000),
+        _alloc(110, 2, -100_000),
+        _span("FSDP::post_forward (gpt.blocks.1)", 115, 116),
+        _span("FSDP::post_forward", 120, 130),
+        _span(
+            "FSDP::pre_backward (gpt.blocks.1)",
+            200,
+            260,
+            _span(
+                "FSDP::all_gather (gpt.blocks.1)",
+                201,
+                210,
+                _alloc(202, 5, block),
+                _span("c10d::_allgather_base_", 203, 204),
+            ),
+            _span("FSDP::all_gather_copy_out (gpt.blocks.1)", 230, 240),
+        ),
+        _alloc(300, 6, 10),
+    )
+    workers = [
+        _span("gloo:all_gather", 4, 5),
+        _span("gloo:all_gather", 14, 18),
+        _span("gloo:all_gather", 205, 208),
+    ]
+    events = allocations_under([main, *workers], "cpu")
+    frees = [(e.ts_ns, e.ptr, e.nbytes) for e in events if e.nbytes < 0]
+    assert frees == [(21, 3, -block), (45, 4, -1_000), (110, 2, -100_000), (130, 1, -block), (260, 5, -block)]
+    assert own_peak_bytes(events)[0] == block + 100_000
