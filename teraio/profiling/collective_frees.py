@@ -33,10 +33,12 @@ Note: [FSDP2 holds its all-gather output past the work]
     thread kept off the cores on a loaded machine): the worker frees it later, and never before FSDP2 let
     go. Freed at the end of the worker's span, the last block's gathered parameters were missing from
     the measured step at the end of the forward (docs/measured_facts.md, "From teraio/profiling/").
-    So the unseen free of an all-gather output is placed where FSDP2 lets go: the first of the next
-    ``FSDP::all_gather_copy_out`` of another group, the end of the root's ``FSDP::post_forward`` or of an
-    ``FSDP::pre_backward``, after its own copy-out (at the end of the worker's span where none of them is
-    in the record).
+    So the unseen free of an all-gather output is placed where FSDP2 lets go: in backward, at the end of
+    its own copy-out; in forward, at the first of the next ``FSDP::all_gather_copy_out`` of another group
+    and the end of the root's ``FSDP::post_forward`` (at the end of its own copy-out where neither is in
+    the record, and never before the worker's span ends). Holding a backward output to the end of its
+    ``FSDP::pre_backward`` instead counted it beside the next block's prefetched output, one block too
+    many.
 """
 
 from __future__ import annotations
@@ -101,14 +103,19 @@ def fsdp_release_ns(alloc_ns: int, gather_span: str, spans: list[FsdpSpan]) -> i
     )
     if own is None:
         return None
+    if any(
+        sp.name.startswith(FSDP_PRE_BACKWARD_SPAN) and sp.start_ns <= own.start_ns and sp.end_ns >= own.end_ns
+        for sp in spans
+    ):
+        return own.end_ns  # in backward FSDP2 lets go right after the copy-out
     moments = []
     for sp in spans:
         if sp.name.startswith(FSDP_COPY_OUT_SPAN):
             if sp.start_ns >= own.end_ns:  # another group's: the previous forward output goes before it
                 moments.append(sp.start_ns)
-        elif sp.end_ns >= own.end_ns:  # the root's end of forward; a pre-backward (the own one included)
+        elif sp.name == FSDP_ROOT_POST_FORWARD_SPAN and sp.end_ns >= own.end_ns:
             moments.append(sp.end_ns)
-    return min(moments, default=None)
+    return min(moments, default=own.end_ns)  # the own copy-out's end where nothing follows it
 
 
 #: The spans in which a process group's worker thread runs a work (gloo's; NCCL's buffers are on the

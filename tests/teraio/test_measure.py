@@ -20,6 +20,7 @@ from teraio.profiling.measure import (
     measure_memory,
     op_transient_bytes,
     own_peak_bytes,
+    own_running_bytes,
 )
 from teraio.runtime import device as runtime_device
 from teraio.runtime.fake_device import FakeDevice
@@ -216,7 +217,8 @@ def test_fsdp2s_all_gather_output_is_freed_no_earlier_than_fsdp2_lets_go_of_it()
     last block's forward output (ptr 1) is kept by FSDP2 to the end of the root's forward, and freed unseen
     by a worker that dropped the work after that: the loss computed before then (ptr 2) stacks on it. A
     forward output of an earlier block (ptr 3) goes before the next group's copy-out (a later
-    activation, ptr 4, does not stack on it); a backward output (ptr 5) at the end of its pre-backward."""
+    activation, ptr 4, does not stack on it); a backward output (ptr 5) at the end of its copy-out, before
+    the next block's prefetched output (ptr 7) in the same pre-backward."""
     block = 25_408
     main = _span(
         "ProfilerStep",
@@ -266,6 +268,7 @@ def test_fsdp2s_all_gather_output_is_freed_no_earlier_than_fsdp2_lets_go_of_it()
                 _span("c10d::_allgather_base_", 203, 204),
             ),
             _span("FSDP::all_gather_copy_out (gpt.blocks.1)", 230, 240),
+            _span("FSDP::all_gather (gpt.blocks.0)", 245, 250, _alloc(246, 7, block)),
         ),
         _alloc(300, 6, 10),
     )
@@ -276,5 +279,6 @@ def test_fsdp2s_all_gather_output_is_freed_no_earlier_than_fsdp2_lets_go_of_it()
     ]
     events = allocations_under([main, *workers], "cpu")
     frees = [(e.ts_ns, e.ptr, e.nbytes) for e in events if e.nbytes < 0]
-    assert frees == [(21, 3, -block), (45, 4, -1_000), (110, 2, -100_000), (130, 1, -block), (260, 5, -block)]
+    assert frees == [(21, 3, -block), (45, 4, -1_000), (110, 2, -100_000), (130, 1, -block), (240, 5, -block)]
     assert own_peak_bytes(events)[0] == block + 100_000
+    assert max(r for t, r in own_running_bytes(events) if t > 200) == block + 10  # ptr 7 never beside ptr 5
