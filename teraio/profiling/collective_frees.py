@@ -18,10 +18,11 @@ Note: [A collective's buffer freed on its worker thread]
 
     FSDP2's all-gather output is the same race one level up: ``foreach_all_gather`` allocates the flat
     output (the whole block's gathered parameters, this rank's shard its input) inside its
-    ``FSDP::all_gather`` span, just before the ``c10d::`` op that hands it to the work, and FSDP2 drops its
-    own reference after the copy-out; in 2-rank runs of the whole state on disk a measured step carried
-    that block once more (50 KB on 365 KB) in about one run of three, never with the free recorded. So
-    the allocations of that span count as the collective's. (Its ``FSDP::all_gather_copy_out`` sibling
+    ``FSDP::all_gather`` span, just before the ``c10d::`` op that hands it to the work, and FSDP2 holds its
+    own reference through the copy-out at least (Note: [FSDP2 holds its all-gather output past the
+    work]); in 2-rank runs of the whole state on disk a measured step carried that block once more (50 KB
+    on 365 KB) in about one run of three, never with the free recorded. So the allocations of that span
+    count as the collective's. (Its ``FSDP::all_gather_copy_out`` sibling
     allocates the gathered parameters, which FSDP2 frees itself, on the calling thread.)
 
 Note: [FSDP2 holds its all-gather output past the work]
@@ -85,7 +86,10 @@ class FsdpSpan:
 
 
 def is_fsdp_release_span(name: str) -> bool:
-    return name.startswith(FSDP_RELEASE_SPAN_PREFIXES) and not name.startswith("FSDP::post_forward (")
+    # A module's own post-forward lets go of nothing: only the root's (which names no module) does.
+    return name.startswith(FSDP_RELEASE_SPAN_PREFIXES) and not name.startswith(
+        FSDP_ROOT_POST_FORWARD_SPAN + " ("
+    )
 
 
 def fsdp_release_ns(alloc_ns: int, gather_span: str, spans: list[FsdpSpan]) -> int | None:
@@ -111,7 +115,7 @@ def fsdp_release_ns(alloc_ns: int, gather_span: str, spans: list[FsdpSpan]) -> i
     moments = []
     for sp in spans:
         if sp.name.startswith(FSDP_COPY_OUT_SPAN):
-            if sp.start_ns >= own.end_ns:  # another group's: the previous forward output goes before it
+            if sp.start_ns >= own.end_ns:  # the next unshard's: the previous forward output goes before it
                 moments.append(sp.start_ns)
         elif sp.name == FSDP_ROOT_POST_FORWARD_SPAN and sp.end_ns >= own.end_ns:
             moments.append(sp.end_ns)
