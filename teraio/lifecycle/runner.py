@@ -173,9 +173,7 @@ class GraphRunner:
             self.phase = Phase.INFERENCE
 
     def _compile_for_profiling(self) -> Callable[..., Any]:
-        self._retained = None
-        if self.cfg.inner == "eager":
-            self._retained = RetainedTraining(partitioned_at=self.partitioner_budget)
+        self._retained = RetainedTraining(partitioned_at=self.partitioner_budget)
         return compile_graph(
             self.gm,
             self.example_inputs,
@@ -270,16 +268,19 @@ class GraphRunner:
         if (
             len(plan_by_identity) == 1
             and retained is not None
-            and retained.ready
             # The partitioner search may choose a ratio it profiled before the last one.
             and retained.partitioned_at == self.partitioner_budget
             # A forward that ran the profiling code saved what that code saves: its backward must too.
             and self.backend.tracker.in_flight_of(self) == 0
         ):
-            # Note: [One trace per graph on the FX path] in teraio.graph.compilers
             ((identity, plan),) = plan_by_identity.items()
-            retained.apply(self._on_partition_with(plan))
-            compiled[identity] = self._compiled
+            if retained.ready:  # Note: [One trace per graph on the FX path] in teraio.graph.compilers
+                retained.apply(self._on_partition_with(plan))
+                compiled[identity] = self._compiled
+            elif plan is None and retained.kernels_ready:
+                # Note: [A graph that runs without a plan keeps its calibration kernels] (same module)
+                retained.run_kernels()
+                compiled[identity] = self._compiled
         for ordinal, identity in identity_of.items():
             if identity not in compiled:
                 compiled[identity] = self._compile_with(plan_by_identity[identity], identity)

@@ -24,11 +24,11 @@ import torch
 from torch._inductor.graph import GraphLowering
 
 import teraio
-from teraio.lifecycle.backend import TeraioBackend
+from teraio.lifecycle.backend import Phase, TeraioBackend
 from teraio.planner.plan import Plan
 from teraio.tools.workloads import builtin_workload, compute_loss
 
-from .loops import kernels
+from .loops import compiled_twice, kernels
 from .training import Trace, assert_bit_identical
 
 STEPS = 20  # optimizer steps, as for the FX-only path (after the Inductor compiles they take ~1 s)
@@ -135,7 +135,7 @@ def test_migration_ops_leave_inductors_kernels_unchanged(runs) -> None:
     _ref, _got, codes, be, _, ref_codes = runs
     assert be.runners[0].plan.decisions
     assert any("teraio.offload" in c for c in codes) and not any("teraio.offload" in c for c in ref_codes)
-    got, ref = kernels(codes), kernels(ref_codes)
+    got, ref = kernels(codes), compiled_twice(ref_codes)
     assert got and got == ref, f"{len(got)} kernels with the plan, {len(ref)} without; they differ"
 
 
@@ -270,23 +270,61 @@ def test_new_plan_is_not_served_from_a_compile_cache(runs, tmp_path: Path, compi
     assert outs[1] == {f"g0/{d.name}" for d in half.decisions}
 
 
-def test_compiles_log_no_cache_traceback(compile_caches_on) -> None:
+def test_compiles_log_no_cache_traceback(compile_caches_on, tmp_path: Path) -> None:
     """With compile caches on, teraio's compiles (the calibration kernels' and the final one) print no
     "Failed to pickle cache key" traceback. Note: [teraio's compiles bypass the compile caches]"""
     torch._dynamo.reset()
     cache_log = _Records()
     logger = logging.getLogger("torch._inductor.codecache")
     logger.addHandler(cache_log)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    # A plan that moves every saved tensor: without one, the final compile would not happen (Note: [A
+    # graph that runs without a plan keeps its calibration kernels] in teraio.graph.compilers).
     backend = TeraioBackend(
-        inner="inductor", enabled=False, profiling=teraio.Profiling(steps=3, measure_memory=False)
+        inner="inductor",
+        memory_budget="100%",
+        solver="all",
+        offload_dirs=[str(tmp_path)],
+        profiling=teraio.Profiling(steps=3, measure_memory=False),
     )
     try:
         compiled = torch.compile(model, backend=backend)
         for _ in range(5):  # three profiling steps (one calibrating on Inductor's kernels), the final compile
-            compiled(torch.randn(4, 8)).sum().backward()
+            compiled(torch.randn(64, 64)).sum().backward()
         assert backend.runners[0].profile.meta["calibrated_on"] == "kernels"
+        assert backend.runners[0].plan.decisions and backend.runners[0].phase is Phase.RUNNING
     finally:
         backend.close()
         logger.removeHandler(cache_log)
     assert not [m for m in cache_log.messages if "pickle" in m], cache_log.messages
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_a_graph_without_a_plan_runs_its_calibration_kernels_and_compiles_nothing_more(
+    enabled: bool, tmp_path: Path
+) -> None:
+    """Note: [A graph that runs without a plan keeps its calibration kernels]: with ``enabled=False``, or a
+    budget the graph meets as it is, Inductor compiles the forward and the backward once each (while
+    profiling), and the steps after profiling run those kernels."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1))
+    backend = TeraioBackend(
+        inner="inductor",
+        enabled=enabled,
+        memory_budget="100%",
+        offload_dirs=[str(tmp_path)],
+        profiling=teraio.Profiling(steps=3, measure_memory=False),
+    )
+    codes: list[str] = []
+    try:
+        compiled = torch.compile(model, backend=backend)
+        with mock.patch.object(GraphLowering, "save_output_code", codes.append):
+            for _ in range(5):
+                compiled(torch.randn(64, 64)).sum().backward()
+        runner = backend.runners[0]
+        assert runner.phase is Phase.RUNNING and (runner.plan is None or not runner.plan.decisions)
+        assert len(codes) == 2, f"{len(codes)} graphs compiled: the forward and the backward once each"
+        assert kernels(codes) and all("teraio" not in c for c in codes)
+    finally:
+        backend.close()
