@@ -14,7 +14,10 @@ backward, ``teraio.profiling.measure.MemoryRecorder``, and the wall time of whol
 
 Every method first runs until its plan runs (teraio) or its graph is compiled (torch), then the timed
 steps run in interleaved rounds, one step of each method per round, so that the shared machine's slow and
-fast periods fall on all alike; the medians are compared. It reports; the tests assert.
+fast periods fall on all alike; the medians are compared. Freed CPU memory stays in the process for every
+method (``--cpu-malloc retain``, as ``teraio demo`` does), so step times measure compute and I/O rather than
+the kernel handing fresh pages to whichever method frees and allocates large buffers more often. It
+reports; the tests assert.
 """
 
 from __future__ import annotations
@@ -320,8 +323,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--offload-dir", default=None, help="where teraio offloads (default: a temporary directory)"
     )
+    ap.add_argument(
+        "--cpu-malloc",
+        choices=("retain", "release"),
+        default="retain",
+        help="freed CPU memory kept in the process for reuse, for every method alike, as teraio demo does "
+        "(default retain; Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc)",
+    )
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
+    from teraio.platform.cpu_malloc import apply_cpu_malloc
+
+    cpu_malloc = apply_cpu_malloc(args.cpu_malloc)
     ratios = [float(x) for x in args.ratios.split(",") if x.strip()]
     # Every method compiles its own copy of one model class: one Dynamo entry each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -351,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"({row['peak_vs_no_budget']:.2f})  step {row['step_s']:.3f} s{extra}",
                         file=sys.stderr,
                     )
-    out = {"torch_version": torch.__version__, "results": results}
+    out = {"torch_version": torch.__version__, "cpu_malloc": cpu_malloc, "results": results}
     if args.json:
         print(json.dumps(out, indent=2))
     return 0

@@ -15,6 +15,7 @@ from benchmarks import bench_vs_torch_budget
 @pytest.mark.expensive
 def test_run_tiny(capsys) -> None:
     argv = ["--models", "tiny", "--ratios", "0.5", "--low-ratios", "0.2", "--rounds", "1", "--json"]
+    argv += ["--cpu-malloc", "release"]  # the worker process keeps glibc's defaults
     assert bench_vs_torch_budget.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     (res,) = out["results"]

@@ -61,6 +61,7 @@ _REWRITE_MODULES = (
     "teraio.graph.rewrite",
     "teraio.graph.ops",
     "teraio.graph.compilers",
+    "teraio.graph.buffer_reuse",
     "teraio.graph.kernel_boundaries",
     "teraio.graph.recompute",
     "teraio.lifecycle.steps",
@@ -320,6 +321,10 @@ def compile_graph(
 
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    from teraio.graph import buffer_reuse
+
+    buffer_reuse.install()  # Note: [A dead buffer is not kept across a migration op]
 
     def inner_compile(g: fx.GraphModule, ex: Sequence[Any], **kwargs: Any) -> Any:
         if graph_compiler is None or kwargs.get("is_inference"):
