@@ -187,7 +187,14 @@ def _torch(w: Workload, ratio: float | None) -> Method:
     return m
 
 
-def _teraio(w: Workload, label: str, budget_bytes: int, search: bool, offload_dir: str) -> Method:
+def _teraio(
+    w: Workload,
+    label: str,
+    budget_bytes: int,
+    search: bool,
+    offload_dir: str,
+    profile_steps: int | None = None,
+) -> Method:
     import teraio
     from teraio.lifecycle.phases import Phase
 
@@ -197,7 +204,9 @@ def _teraio(w: Workload, label: str, budget_bytes: int, search: bool, offload_di
         inner="inductor",
         offload_dirs=[offload_dir],
         solver=teraio.Solver(partitioner_budget="search" if search else None),
-        profiling=teraio.Profiling(measure_memory=False),
+        profiling=teraio.Profiling(
+            measure_memory=False, **({"steps": profile_steps} if profile_steps is not None else {})
+        ),
     )
     m = Method(label, model, torch.compile(model, backend=be), torch.optim.AdamW(model.parameters(), lr=1e-4))
     m.backend = be
@@ -217,6 +226,7 @@ def run_model(
     rounds: int,
     with_default: bool,
     offload_dir: str,
+    profile_steps: int | None = None,
 ) -> dict[str, Any]:
     w = workload(name)
     methods: list[Method] = []
@@ -237,15 +247,17 @@ def run_model(
             t = _torch(w, r)
             methods.append(t)
             assert t.peak_bytes is not None
-            te = _teraio(w, f"teraio@{r:g}", t.peak_bytes, True, offload_dir)
+            te = _teraio(w, f"teraio@{r:g}", t.peak_bytes, True, offload_dir, profile_steps)
             methods.append(te)
             if with_default:
                 methods.append(
-                    _teraio(w, f"teraio-default-partition@{r:g}", t.peak_bytes, False, offload_dir)
+                    _teraio(
+                        w, f"teraio-default-partition@{r:g}", t.peak_bytes, False, offload_dir, profile_steps
+                    )
                 )
         low = int(0.3 * base.peak_bytes)
         try:
-            methods.append(_teraio(w, "teraio@0.3", low, True, offload_dir))
+            methods.append(_teraio(w, "teraio@0.3", low, True, offload_dir, profile_steps))
         except Exception as exc:  # a budget below what teraio reaches is a result, reported
             rows["teraio@0.3"] = {"budget_bytes": low, "error": f"{type(exc).__name__}: {exc}"}
             smallest = getattr(exc, "smallest_peak_bytes", None)
@@ -330,6 +342,12 @@ def main(argv: list[str] | None = None) -> int:
         help="freed CPU memory kept in the process for reuse, for every method alike, as teraio demo does "
         "(default retain; Note: [Freed CPU memory and step time] in teraio.platform.cpu_malloc)",
     )
+    ap.add_argument(
+        "--profile-steps",
+        type=int,
+        default=None,
+        help="teraio.Profiling(steps=N) for every teraio method (default: teraio's own default)",
+    )
     ap.add_argument("--json", action="store_true", help="print the result as JSON")
     args = ap.parse_args(argv)
     from teraio.platform.cpu_malloc import apply_cpu_malloc
@@ -343,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in [x.strip() for x in args.models.split(",") if x.strip()]:
             t0 = time.perf_counter()
             low = [float(x) for x in args.low_ratios.split(",") if x.strip()]
-            res = run_model(name, ratios, low, args.rounds, args.with_default_partition, tmp)
+            res = run_model(
+                name, ratios, low, args.rounds, args.with_default_partition, tmp, args.profile_steps
+            )
             res["wall_s"] = time.perf_counter() - t0
             results.append(res)
             if not args.json:
@@ -364,7 +384,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"({row['peak_vs_no_budget']:.2f})  step {row['step_s']:.3f} s{extra}",
                         file=sys.stderr,
                     )
-    out = {"torch_version": torch.__version__, "cpu_malloc": cpu_malloc, "results": results}
+    out = {
+        "torch_version": torch.__version__,
+        "cpu_malloc": cpu_malloc,
+        "profile_steps": args.profile_steps,
+        "results": results,
+    }
     if args.json:
         print(json.dumps(out, indent=2))
     return 0
