@@ -83,7 +83,9 @@ class Solver:
     time limit), "greedy", or the baselines "none" and "all"."""
 
     time_limit: float = 30.0
-    """Wall-clock seconds the solver may spend per graph."""
+    """Wall-clock seconds the solver may spend per graph. Without ``deterministic_time_limit`` the ILP ends
+    sooner once it has found no better plan for as long as its last better one took (Note: [A solve that
+    stopped improving ends] in teraio.planner.solvers.ilp_model)."""
 
     deterministic_time_limit: float | None = None
     """CP-SAT's deterministic time limit per graph (its own work units): plans that do not depend on the

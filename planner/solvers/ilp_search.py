@@ -346,13 +346,15 @@ def _whole_step(
         model.add_hint(search.decisions)
     # A hint on every variable when CP-SAT finds nothing from the hint alone.
     phase1_s = left_s() * share * (1 - PHASE2_SHARE)
-    solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+    solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None, patience=True)
     search.cpsat_deterministic_s += solver.deterministic_time
     if search.decisions and status not in (cp_model.OPTIMAL, cp_model.FEASIBLE, cp_model.INFEASIBLE):
         hinted_ok, used_s = _complete_hint(model.m, min(0.1 * phase1_s, left_s()), det * 0.1 if det else None)
         search.cpsat_deterministic_s += used_s
         if hinted_ok:
-            solver, status = _run(model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None)
+            solver, status = _run(
+                model, phase1_s * 0.5, problem.workers, det * 0.25 if det else None, patience=True
+            )
             search.cpsat_deterministic_s += solver.deterministic_time
     extra["phase1_status"] = _STATUS.get(status, str(status))
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
