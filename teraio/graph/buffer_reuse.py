@@ -82,9 +82,10 @@ def _wrap(original: Callable[..., bool]) -> Callable[..., bool]:
     from torch._inductor.virtualized import V
 
     def should_reuse_buffer(self: Any, free_line: Any, size: int) -> bool:
-        if not getattr(self, "comm_buffer", False):
-            nodes = V.graph.scheduler.nodes
-            if migration_op_between(nodes, free_line.scheduler_node_index, self.scheduler_node_index):
+        freed_at = getattr(free_line, "scheduler_node_index", None)
+        allocated_at = getattr(self, "scheduler_node_index", None)
+        if not getattr(self, "comm_buffer", False) and freed_at is not None and allocated_at is not None:
+            if migration_op_between(V.graph.scheduler.nodes, freed_at, allocated_at):
                 return False
         return original(self, free_line, size)
 
