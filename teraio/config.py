@@ -79,8 +79,8 @@ class Solver:
     ``solver="greedy"`` is short for ``teraio.Solver(name="greedy")``."""
 
     name: str = "ilp"
-    """A registered solver (``teraio.planner.solve.solver_names()``): "ilp" (CP-SAT, optimal within the
-    time limit), "greedy", or the baselines "none" and "all"."""
+    """A registered solver (``teraio.planner.solve.solver_names()``): "ilp" (CP-SAT: the best plan it finds
+    within the time limit), "greedy", or the baselines "none" and "all"."""
 
     time_limit: float = 30.0
     """Wall-clock seconds the solver may spend per graph. Without ``deterministic_time_limit`` the ILP ends

@@ -6,7 +6,8 @@ Search, within ``time_limit_s`` (:data:`RESERVE_SHARE` kept in reserve):
 1. Starts: the ``pipeline`` and ``greedy`` plans (greedy only for "auto"); the better one simulated is
    the incumbent.
 2. Whole step: for steps of at most :data:`FULL_MODEL_MAX_CANDIDATES` candidates (and for "auto"), the
-   model hinted with the incumbent, then a second solve for the fewest bytes at that step time.
+   model hinted with the incumbent (ending once it stops improving: Note: [A solve that stopped improving
+   ends] in :mod:`planner.solvers.ilp_model`), then a second solve for the fewest bytes at that step time.
 3. Large-neighbourhood search: layer windows (:mod:`planner.layers`, :data:`LNS_WIDTH` layers each, most
    simulated stall first) re-solved with every tensor outside the window held to the incumbent's choice.
 
