@@ -89,7 +89,6 @@ def _wrap(original: Callable[..., bool]) -> Callable[..., bool]:
                 return False
         return original(self, free_line, size)
 
-    should_reuse_buffer.__teraio_wrapped__ = original  # type: ignore[attr-defined]
     return should_reuse_buffer
 
 
