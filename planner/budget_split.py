@@ -222,7 +222,10 @@ def held_cap_profile(profile: Profile, lifetimes: Lifetimes, budget_bytes: int, 
     nf = lifetimes.num_fwd_ops
     if reduce_bytes <= 0 or nf >= lifetimes.num_ops:
         return profile
-    extra = budget_bytes - (int(lifetimes.baseline_memory_bytes[nf]) - reduce_bytes)
+    # Against the budget the solvers plan within (Note: [An offloaded tensor leaves a token] in
+    # planner.lifetimes), or the tokens' room would be asked of the moved bytes too.
+    solver_budget = budget_bytes - lifetimes.token_reserve_bytes
+    extra = solver_budget - (int(lifetimes.baseline_memory_bytes[nf]) - reduce_bytes)
     if extra <= 0:  # the budget asks for that much already
         return profile
     ops = profile.ops.copy()

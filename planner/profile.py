@@ -191,6 +191,14 @@ class Profile:
             )
         if (self.ops["duration_us"] < 0).any():
             raise ProfileError("profile table 'ops' column 'duration_us' has negative values")
+        if (
+            "offload_token_bytes" in self.meta
+        ):  # Note: [An offloaded tensor leaves a token] in planner.lifetimes
+            token = self.meta["offload_token_bytes"]
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ProfileError(
+                    f"profile meta 'offload_token_bytes' is {token!r}, expected a whole number of bytes >= 0"
+                )
         if "model_states" in self.meta:  # a states="offload" run's (teraio.planner.model_states)
             from teraio.planner.model_states import ModelStateError, check_states_record
 

@@ -10,7 +10,8 @@ The execution model (op boundaries, FIFO channels, queue orders, CPU interferenc
 
 - Memory during op ``i`` = the lifetime analysis' baseline minus every moved tensor absent at ``i``
   (``wait_before_idx <= i < prefetch_before_idx``), plus the lifetimes rebuilds extend and the
-  intermediates of the rebuilds before ``i`` (``Lifetimes.memory_with``). Bytes held by a tier count
+  intermediates of the rebuilds before ``i``, plus the offloads' tokens (``Lifetimes.memory_with``; Note:
+  [An offloaded tensor leaves a token] in planner.lifetimes). Bytes held by a tier count
   against its capacity over ops ``offload_after_idx + 1 .. fetch_before_idx``, never against the budget.
 - Step time = compute + rebuilds + stall + interference.
 - Recompute decisions are checked on their own terms: the tensor can be recomputed, is dropped after its
@@ -427,11 +428,14 @@ def simulate_decisions(
     hardware: HardwareModel,
     *,
     budget_bytes: int | None = None,
+    tokens: bool = True,
 ) -> SimResult:
     """Simulate ``decisions`` on the step described by ``lifetimes``.
 
     Decisions that cannot be placed at all (unknown tensor or tier, index out of range) are reported
     as violations and left out; every other rule break is reported and simulated as written.
+    ``tokens=False``: the solvers' view of memory, without the offloads' tokens (Note: [An offloaded
+    tensor leaves a token] in planner.lifetimes).
     """
     lt = lifetimes
     n = lt.num_ops
@@ -454,7 +458,7 @@ def simulate_decisions(
                 )
             )
 
-    memory = lt.memory_with(valid)
+    memory = lt.memory_with(valid, tokens=tokens)
     peak_idx = int(np.argmax(memory)) if n else 0
     peak = int(memory[peak_idx]) if n else 0
     if budget_bytes is not None and peak > budget_bytes:

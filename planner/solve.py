@@ -86,6 +86,10 @@ class Problem:
     deterministic_time_s: float | None = None
     #: Keep/offload ("off"), keep/recompute ("only") or all three ("joint"); see the module docstring.
     recompute: RecomputeMode = DEFAULT_RECOMPUTE
+    #: Bytes of the budget left to the offloads' tokens: ``budget_bytes`` is what the solvers plan the
+    #: step's memory within, without tokens, and a plan's own budget is the two together (Note: [An
+    #: offloaded tensor leaves a token] in planner.lifetimes).
+    token_reserve_bytes: int = 0
     _bound: StepBound | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -116,9 +120,17 @@ class Problem:
         if self.progress is not None:
             self.progress(min(max(fraction, 0.0), 1.0), message)
 
+    @property
+    def plan_budget_bytes(self) -> int | None:
+        """The budget a plan of this problem keeps, tokens included (None: "auto")."""
+        return None if self.budget_bytes is None else self.budget_bytes + self.token_reserve_bytes
+
     def simulate(self, decisions: list[Decision] | tuple[Decision, ...]) -> SimResult:
-        """Simulate ``decisions`` against this problem (budget check included when one is set)."""
-        return simulate_decisions(self.lifetimes, decisions, self.hardware, budget_bytes=self.budget_bytes)
+        """Simulate ``decisions`` as the solvers see memory: without the offloads' tokens, against
+        ``budget_bytes`` (budget check included when one is set)."""
+        return simulate_decisions(
+            self.lifetimes, decisions, self.hardware, budget_bytes=self.budget_bytes, tokens=False
+        )
 
     def with_budget(self, budget_bytes: int | None) -> Problem:
         return dataclasses.replace(self, budget_bytes=budget_bytes, _bound=None)
@@ -231,7 +243,11 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
     """
     # Every saved plan carries explicit queue orders (ranks) for the runtime to follow.
     decisions = with_ranks(decisions)
-    sim = problem.simulate(decisions)
+    # The plan's figures count the tokens, against the budget they were reserved from (Note: [An
+    # offloaded tensor leaves a token] in planner.lifetimes).
+    sim = simulate_decisions(
+        problem.lifetimes, decisions, problem.hardware, budget_bytes=problem.plan_budget_bytes
+    )
     # Over the budget or a tier's capacity: the plan is valid but infeasible. Anything else is a bug.
     broken = sim.broken_rules()
     if broken:
@@ -260,7 +276,7 @@ def make_plan(problem: Problem, decisions: list[Decision] | tuple[Decision, ...]
     lt = problem.lifetimes
     return Plan(
         fingerprint=problem.profile.fingerprint,
-        budget_bytes=int(problem.budget_bytes if problem.budget_bytes is not None else sim.peak_bytes),
+        budget_bytes=int(problem.plan_budget_bytes if problem.budget_bytes is not None else sim.peak_bytes),
         budget_spec=problem.budget_spec,
         hardware=problem.hardware,
         stats=stats,
@@ -363,14 +379,19 @@ def solve(
     lt = lifetimes if lifetimes is not None else analyse(profile)
     hw = hardware if hardware is not None else HardwareModel()
     budget_bytes = resolve_budget(budget, lt.baseline_peak_bytes)
-    floor = floor_bytes(lt, hw, recompute)
+    # Note: [An offloaded tensor leaves a token] in planner.lifetimes: no tokens without offloads, and
+    # none needed where the unplanned step fits.
+    needs_moves = budget_bytes is None or budget_bytes < lt.baseline_peak_bytes
+    reserve = lt.token_reserve_bytes if recompute != "only" and hw.available_tiers() and needs_moves else 0
+    floor = min(lt.baseline_peak_bytes, floor_bytes(lt, hw, recompute) + reserve)
     if budget_bytes is not None and budget_bytes < floor and not info.baseline:
         raise infeasible(budget_bytes, floor, what=f"budget {budget!r} =")
     problem = Problem(
         profile=profile,
         lifetimes=lt,
         hardware=hw,
-        budget_bytes=budget_bytes,
+        budget_bytes=None if budget_bytes is None else max(0, budget_bytes - reserve),
+        token_reserve_bytes=reserve,
         budget_spec=str(budget),
         time_limit_s=float(time_limit_s),
         workers=int(workers),

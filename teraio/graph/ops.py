@@ -96,6 +96,17 @@ def get_engine(
 _INVOCATIONS = itertools.count(1)
 
 
+#: The bytes of one handle or token: one int64 element, always in host memory, so they count against a
+#: budget only when the graph computes on the CPU (Note: [An offloaded tensor leaves a token] in
+#: planner.lifetimes).
+TOKEN_BYTES = 8
+
+
+def offload_token_bytes(device: str) -> int:
+    """What each offloaded tensor's tokens hold in ``device``'s memory (the profile's ``offload_token_bytes``)."""
+    return TOKEN_BYTES if device.split(":")[0] == "cpu" else 0
+
+
 def _token(number: int) -> torch.Tensor:
     return torch.tensor([number], dtype=torch.int64)
 

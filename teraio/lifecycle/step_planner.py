@@ -77,7 +77,11 @@ Call = tuple[Any, str, int]  # (graph or node, "fwd" | "bwd", invocation id)
 def held_bytes(r: GraphRunner, plan: Plan | None) -> int:
     """What a call of ``r`` holds between its forward and its backward under ``plan`` (None: none)."""
     after = int(r.profile.meta.get("census_after_fwd_bytes", 0))
-    return max(0, after - (plan.moved_bytes if plan is not None else 0))
+    if plan is None:
+        return after
+    # Note: [An offloaded tensor leaves a token] in planner.lifetimes
+    tokens = int(r.profile.meta.get("offload_token_bytes", 0)) * len(plan.offloads)
+    return max(0, after - plan.moved_bytes + tokens)
 
 
 class StepPlanner:
@@ -297,8 +301,9 @@ class _StepComposition:
         if r not in self.ready:
             return self.memory[n].held_bytes
         t = r.profile.tensors
-        movable = int(t.loc[t["offloadable"] & (t["first_bwd_use_idx"] >= 0), "nbytes"].sum())
-        return max(0, held_bytes(r, None) - movable)
+        movable = t.loc[t["offloadable"] & (t["first_bwd_use_idx"] >= 0), "nbytes"]
+        tokens = int(r.profile.meta.get("offload_token_bytes", 0)) * len(movable)  # Note in held_bytes
+        return max(0, held_bytes(r, None) - int(movable.sum()) + tokens)
 
     def peak_with(self, plan_of: Callable[[Node], Plan | None], nodes: list[Node]) -> int:
         """The composed step peak with ``nodes`` under ``plan_of``'s plans, the others as planned before."""
@@ -362,7 +367,7 @@ class _StepComposition:
                 graphs_budget,
                 self.memory,
                 self.plan_graph,
-                {n: self.lifetimes[n[0]].min_feasible_peak_bytes for n in nodes},
+                {n: self.lifetimes[n[0]].smallest_peak_bytes for n in nodes},
                 {n: self.min_held(n) for n in nodes},
                 lambda n: (
                     n[0].name + (f" (call {self.first_ordinal[n]} of the step)" if n in several else "")

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from teraio.graph.capture import CapturedStep, StepAnalysis, analyse_saved, node_module
 from teraio.graph.kernel_boundaries import Granularity, Segmentation, offload_ready_idx, plan_fingerprint
 from teraio.graph.kernel_memory import KernelMemory
+from teraio.graph.ops import offload_token_bytes
 from teraio.planner.profile import Profile, make_profile
 from teraio.profiling import forward_count
 from teraio.profiling.clock import Clock
@@ -575,6 +576,8 @@ class StepProfiler:
             "profile_steps": self.steps_recorded,
             "measured_steps": len(fwd),
             "census_peak_bytes": int(max(seg_live)) if seg_live else 0,
+            # Note: [An offloaded tensor leaves a token] in planner.lifetimes
+            "offload_token_bytes": offload_token_bytes(self.device),
             # Where the memory timeline came from: the compiler's kernels run under the profiler, or the
             # census of the graph run op by op (and why not the kernels, when they ran).
             "memory_from": "kernels" if kmem is not None else "census",

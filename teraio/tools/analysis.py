@@ -78,7 +78,7 @@ def profile_summary(profile: Profile, lifetimes: Lifetimes) -> pd.DataFrame:
         # Rebuild recipes in the profile (its recompute columns): what recompute could take away.
         ("recomputable candidates", len(lt.recomputable)),
         ("unplanned peak", f"{format_size(lt.baseline_peak_bytes)} at op {lt.op_name(lt.baseline_peak_idx)}"),
-        ("smallest achievable peak", format_size(lt.min_feasible_peak_bytes)),
+        ("smallest achievable peak", format_size(lt.smallest_peak_bytes)),
         ("compute per step", f"{lt.compute_s:.3f} s"),
     ]
     return pd.DataFrame(rows, columns=["figure", "value"])

@@ -97,7 +97,7 @@ class EstimateResult:
                     "saved_tensors": len(p.tensors),
                     "activation_bytes": p.activation_bytes(),
                     "unplanned_peak_bytes": int(lt.baseline_peak_bytes),
-                    "smallest_peak_bytes": int(lt.min_feasible_peak_bytes),
+                    "smallest_peak_bytes": int(lt.smallest_peak_bytes),
                     "flops": g.flops,
                     "compute_s": float(p.ops["duration_us"].sum()) / 1e6,
                     "plans": rows,

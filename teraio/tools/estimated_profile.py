@@ -44,6 +44,7 @@ from teraio.errors import CaptureError
 from teraio.graph.capture import CapturedStep, StepAnalysis
 from teraio.graph.compilers import InnerCompiler, capture_step
 from teraio.graph.kernel_boundaries import granularity_for
+from teraio.graph.ops import offload_token_bytes
 from teraio.planner.costmodel import ComputeModel
 from teraio.planner.profile import Profile
 from teraio.profiling.op_timing import GraphRun, StepProfiler, classify_inputs
@@ -323,6 +324,8 @@ def estimated_profile(
     meta = {
         "inner": inner,
         "device": device,
+        # Note: [An offloaded tensor leaves a token] in planner.lifetimes: of the target device.
+        "offload_token_bytes": offload_token_bytes(device),
         "memory_from": "census",
         "memory_note": "estimated: the static census of the captured graphs, without in-op temporaries",
         "estimate": {

@@ -12,6 +12,7 @@ import torch
 
 import teraio
 from teraio.errors import TeraioError
+from teraio.graph.ops import TOKEN_BYTES
 from teraio.lifecycle.backend import TeraioBackend
 from teraio.planner.budget import BudgetError
 from teraio.planner.plan import Plan
@@ -87,8 +88,12 @@ def test_stats_and_run_dir(tmp_path: Path) -> None:
     ):
         assert key in stats, key
     assert stats["steps"] == 8 and stats["offloaded_bytes"] > 0 and stats["step_s"] > 0
-    # Measured by the torch profiler: the planned peak holds within 10%.
-    assert stats["measured_peak_bytes"] == pytest.approx(stats["predicted_peak_bytes"], rel=0.10)
+    # Measured by the torch profiler, to the byte: the prediction counts every offload's token where it
+    # lives (Note: [An offloaded tensor leaves a token] in planner.lifetimes: without them it was 104-144
+    # bytes short). What it may still miss are the loss's two 4-byte scalars made outside the census
+    # (the backward's incoming gradient, nll_loss's total weight).
+    assert 0 <= stats["measured_peak_bytes"] - stats["predicted_peak_bytes"] <= 8
+    assert be.runners[0].plan.offloads and be.runners[0].profile.meta["offload_token_bytes"] == TOKEN_BYTES
     assert (run_dir / "config.json").exists()
     assert (run_dir / "graph0" / "profile" / "meta.json").exists()
     plan = Plan.load(run_dir / "graph0" / "plan.json")

@@ -139,3 +139,16 @@ def test_key_is_dropped_when_its_last_token_dies(engine_id: int) -> None:
     tok = torch.ops.teraio.wait_write(h, x, [], "g0/y", engine_id)
     del h, tok  # never prefetched: the graph was freed without a backward
     assert eng.keys() == []
+
+
+def test_every_handle_and_token_is_the_size_the_planner_counts(engine_id: int) -> None:
+    # Note: [An offloaded tensor leaves a token] in planner.lifetimes: the profile's offload_token_bytes.
+    x = torch.randn(64)
+    handle = ops.offload(x, [], "size", engine_id, list(x.stride()))
+    token = ops.wait_write(handle, x, [], "size", engine_id)
+    again = ops.prefetch(token, [], "size", engine_id)
+    for t in (handle, token, again):
+        assert t.device.type == "cpu" and t.untyped_storage().nbytes() == ops.TOKEN_BYTES
+    assert torch.equal(ops.fetch(again, [], "size", engine_id, 64, x.dtype, x.device), x)
+    assert ops.offload_token_bytes("cpu") == ops.TOKEN_BYTES
+    assert ops.offload_token_bytes("cuda:0") == ops.offload_token_bytes("estimate:h100-sxm-1ssd") == 0
