@@ -28,7 +28,11 @@ Note: [The partitioner's budget is part of the plan]
     Each candidate is profiled from scratch: its own census, timing and calibration steps on the kernels
     Inductor generates for that partition (Note: [Calibrating on the compiler's own code] in
     teraio.graph.compilers), so the fused recompute is priced as it runs, and its memory is measured on its
-    own kernels. Only the choice of ratios is estimated. torch defines the ratio over the saved bytes
+    own kernels. Only the choice of ratios is estimated. The candidates are compared on their calibrated
+    times, so each is timed on at least SEARCH_CALIBRATION_STEPS calibration steps whatever
+    ``Profiling.steps`` says (:func:`profile_steps`): with the default one, the comparison was of single
+    steps, each the first run of its kernels, and a slow one made the search pick a plan 13% slower than
+    the partitioner alone (the demo GPT at torch's 0.5 peak; with four, it picked one as fast). torch defines the ratio over the saved bytes
     between its two ends, which measured linear on the built-in GPT (0.5 kept 519 MiB of 989 MiB, 0.2 kept
     239, 0 kept 53), so one capture at ratio 0 (the partitioner run on the joint graph, no code
     generated) per graph gives each ratio's saved bytes; the first ``fit`` takes the step's unplanned peak
@@ -54,10 +58,12 @@ import torch
 from teraio.graph.capture import analyse_saved
 from teraio.graph.compilers import capture_step
 from teraio.planner.budget import BudgetError
+from teraio.profiling.op_timing import INSTRUMENTED_STEPS
 from teraio.sizes import format_size
 from teraio.states.guarded import unguarded
 
 if TYPE_CHECKING:
+    from teraio.config import BackendConfig
     from teraio.lifecycle.runner import GraphRunner
     from teraio.lifecycle.step_planner import StepPlanner
     from teraio.planner.plan import Plan
@@ -71,6 +77,17 @@ RATIO_STEP = 0.01
 #: Rounds of profiling and planning at most, the default partition's included: ``fit``, one lower
 #: ``fit`` when the first still peaks over the budget, ``between``.
 MAX_ROUNDS = 4
+#: The calibration steps each candidate is timed on at least (the median of them is its time).
+SEARCH_CALIBRATION_STEPS = 3
+
+
+def profile_steps(cfg: BackendConfig) -> int:
+    """The steps each graph is profiled for: ``Profiling.steps``, and with the search at least enough for
+    SEARCH_CALIBRATION_STEPS calibration steps (Note: [The partitioner's budget is part of the plan])."""
+    steps = cfg.profiling.steps
+    if cfg.enabled and cfg.solver.partitioner_budget == "search" and cfg.states is None:
+        return max(steps, INSTRUMENTED_STEPS + SEARCH_CALIBRATION_STEPS)
+    return steps
 
 
 @dataclass

@@ -28,6 +28,7 @@ from teraio.graph.kernel_boundaries import Segmentation, coarsen, granularity_fo
 from teraio.graph.recompute import recipes
 from teraio.graph.rewrite import RewriteResult, apply_plan, check_plan
 from teraio.lifecycle.discarded_forwards import SiteMemory, call_site
+from teraio.lifecycle.partitioner_search import profile_steps
 from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.runner_profiling import RunnerProfiling
 from teraio.lifecycle.shapes import frame_of, placeholder_sources, shape_key
@@ -187,7 +188,7 @@ class GraphRunner:
             # kernels also give the memory timeline: Note: [The budget is of the graph that runs] in
             # teraio.graph.kernel_memory.
             calibration_kernels=(
-                profiling_split(self.cfg.profiling.steps)[1] > 0 or self.cfg.inner == "inductor"
+                profiling_split(profile_steps(self.cfg))[1] > 0 or self.cfg.inner == "inductor"
             )
             and not self.backend.plans_from_file,
             partitioner_budget=self.partitioner_budget,
@@ -473,6 +474,6 @@ class GraphRunner:
             self.pending_error = UserInputError(
                 f"{self.name}: compiled autograd ran its backward while teraio was profiling it, which teraio "
                 "cannot time; run the training steps without compiled autograd until teraio logs 'running "
-                f"{self.name}' (the first {self.cfg.profiling.steps} or a few more; plans survive compiled "
+                f"{self.name}' (the first {profile_steps(self.cfg)} or a few more; plans survive compiled "
                 "autograd after that), or pass plan= a plan made without it"
             )

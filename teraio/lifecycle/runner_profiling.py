@@ -20,6 +20,7 @@ from torch import fx
 from teraio.graph.capture import CapturedStep, computation_fingerprint
 from teraio.graph.kernel_boundaries import granularity_for, plan_fingerprint
 from teraio.graph.rewrite import PlanMismatchError
+from teraio.lifecycle.partitioner_search import profile_steps
 from teraio.lifecycle.phases import Phase
 from teraio.lifecycle.steps import Invocation, InvocationEnd
 from teraio.profiling.op_timing import StepProfiler, profiling_split
@@ -132,7 +133,7 @@ class RunnerProfiling:
         teraio.profiling.op_timing)."""
         prof = self.runner.profiler
         assert prof is not None
-        instrumented, calibration = profiling_split(self.cfg.profiling.steps)
+        instrumented, calibration = profiling_split(profile_steps(self.cfg))
         return (
             prof.steps_recorded >= instrumented
             and prof.kernel_memory_settled
@@ -176,7 +177,7 @@ class RunnerProfiling:
         if prof is None:
             return
         self.finish_kernel_memory()
-        instrumented, calibration = profiling_split(self.cfg.profiling.steps)
+        instrumented, calibration = profiling_split(profile_steps(self.cfg))
         step = runner.backend.tracker.current_step
         # Note: [A graph that is never the step's first measures inside the step]
         #     A graph measures its kernels' memory from its forward to its backward, and keeps the timeline

@@ -12,10 +12,18 @@ import pytest
 import torch
 
 import teraio
+from teraio.config import BackendConfig
 from teraio.errors import UserInputError
 from teraio.lifecycle.backend import TeraioBackend
-from teraio.lifecycle.partitioner_search import RATIO_STEP, Candidate, PartitionerSearch, ratio_to_fit
+from teraio.lifecycle.partitioner_search import (
+    RATIO_STEP,
+    Candidate,
+    PartitionerSearch,
+    profile_steps,
+    ratio_to_fit,
+)
 from teraio.planner.budget import BudgetError
+from teraio.profiling.op_timing import profiling_split
 from teraio.tools.workloads import builtin_workload
 
 from .models import HF_MODELS
@@ -50,6 +58,24 @@ def test_ratios_fit_the_need_linearly_and_stop_at_zero() -> None:
         abs(ratio_to_fit(1000, 333, 1.0) / RATIO_STEP - round(ratio_to_fit(1000, 333, 1.0) / RATIO_STEP))
         < 1e-6
     )
+
+
+def test_each_candidate_is_timed_on_three_calibration_steps_at_least() -> None:
+    """Note: [The partitioner's budget is part of the plan]: candidates are compared on their calibrated
+    times, never on one step each."""
+    search = teraio.Solver(partitioner_budget="search")
+    for solver, steps, states, expected in [
+        (search, 3, None, 5),
+        (search, 6, None, 6),  # more when asked
+        (teraio.Solver(), 3, None, 3),  # no search: as asked
+        (teraio.Solver(partitioner_budget=0.5), 3, None, 3),
+        (search, 3, teraio.States(optimizer=torch.optim.SGD([torch.zeros(1)])), 3),  # no search with states
+    ]:
+        cfg = BackendConfig(
+            memory_budget="50%", solver=solver, profiling=teraio.Profiling(steps=steps), states=states
+        )
+        assert profile_steps(cfg) == expected, (solver, steps, states)
+    assert profiling_split(profile_steps(BackendConfig(memory_budget="50%", solver=search))) == (2, 3)
 
 
 def test_a_fit_still_over_the_budget_is_followed_by_a_lower_ratio_then_between() -> None:
@@ -122,6 +148,7 @@ def test_the_search_plans_several_ratios_for_one_budget_and_runs_the_fastest_pre
     assert tried[0]["ratio"] == 1.0 and all(t["ratio"] < 1.0 for t in tried[1:])
     fitting = [t for t in tried if t["fits"]]
     best = min(fitting, key=lambda t: t["predicted_step_s"])
+    assert be.runners[0].profile.meta["calibration_steps"] >= 3  # the winner's, from its own round
     assert be.runners[0].partitioner_budget == best["ratio"]
     budget = be.runners[0].step_budget_bytes
     assert all(t["predicted_peak_bytes"] <= budget for t in fitting), (budget, fitting)
