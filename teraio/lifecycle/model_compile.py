@@ -34,11 +34,13 @@ Note: [A torch.nn module needs a frame Dynamo traces]
     ``Module.compile`` on it compiled nothing: the module ran eagerly and its weights stayed resident
     (measured: no graph at all for an ``nn.Linear`` or an ``nn.Sequential`` of torch layers). Such a
     module is compiled through a one-line function of this module that calls its ``_call_impl``, the
-    frame ``torch.compile(module)`` adds for the same reason (``OptimizedModule._initialize``). Those
-    wrappers share one code object, so their graphs count against one recompile limit
-    (``torch._dynamo.config.recompile_limit``, 8): one entry per class and shape (a model's token and
-    position embeddings are two); past it Dynamo runs the module eagerly, and its parameters stay
-    resident (Note: [A parameter eager code uses stays resident] in teraio.states.params).
+    frame ``torch.compile(module)`` adds for the same reason (``OptimizedModule._initialize``). Each
+    module gets a wrapper with a code object of its own: Dynamo keeps its cache and counts its recompile
+    limit (``torch._dynamo.config.recompile_limit``, 8) per code object, and wrappers that shared one
+    counted every module's class and shape in the process against those 8 (a model's token and position
+    embeddings are two; a second model, or a test suite, adds more). Past it Dynamo ran the module
+    eagerly: with its parameters on disk, a read of a released weight ("setStorage: ... storage of size
+    0"; seen in a test worker that had compiled other models first).
 
 Note: [A wrapped entry opens the gate itself]
     Parameters on disk are guarded while no module of the model runs (Note: [Parameters are guarded while
@@ -132,11 +134,13 @@ def plan_compile(model: nn.Module) -> CompilePlan:
 
 
 def _traced_entry(call: Any) -> Any:
-    """Note: [A torch.nn module needs a frame Dynamo traces]."""
+    """Note: [A torch.nn module needs a frame Dynamo traces]: a frame of its own for ``call``, with a code
+    object of its own."""
 
     def traced_entry(*args: Any, **kwargs: Any) -> Any:
         return call(*args, **kwargs)
 
+    traced_entry.__code__ = traced_entry.__code__.replace()  # a new code object: its own Dynamo cache
     return traced_entry
 
 

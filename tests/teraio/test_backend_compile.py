@@ -204,6 +204,24 @@ def test_block_list_and_the_other_modules():
     assert plan_compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())).why_whole is not None
 
 
+def test_every_torch_nn_module_has_its_own_recompile_limit():
+    """Note: [A torch.nn module needs a frame Dynamo traces]: ten torch.nn modules of other shapes, compiled
+    in place in one process, each get their own graph. With one shared wrapper the ninth and tenth ran
+    eagerly (Dynamo's recompile limit of 8 per code object), reading weights released to disk."""
+    from torch._dynamo.testing import CompileCounter
+
+    from teraio.lifecycle.model_compile import compile_in_place
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    modules = [torch.nn.Linear(4 + i, 3) for i in range(10)]
+    for m in modules:
+        compile_in_place(m, counter, {})
+    for i, m in enumerate(modules):
+        m(torch.randn(2, 4 + i))
+    assert counter.frame_count == 10
+
+
 def test_a_model_without_a_block_list_is_compiled_whole(tmp_path, caplog):
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
