@@ -191,9 +191,8 @@ class Profile:
             )
         if (self.ops["duration_us"] < 0).any():
             raise ProfileError("profile table 'ops' column 'duration_us' has negative values")
-        if (
-            "offload_token_bytes" in self.meta
-        ):  # Note: [An offloaded tensor leaves a token] in planner.lifetimes
+        # Note: [An offloaded tensor leaves a token] in planner.lifetimes
+        if "offload_token_bytes" in self.meta:
             token = self.meta["offload_token_bytes"]
             if not isinstance(token, int) or isinstance(token, bool) or token < 0:
                 raise ProfileError(

@@ -34,11 +34,12 @@ Note: [The partitioner's budget is part of the plan]
     steps, each the first run of its kernels, and a slow one made the search pick a plan 13% slower than
     the partitioner alone (the demo GPT at torch's 0.5 peak). More steps narrow each candidate's spread,
     not the drift of a shared machine between candidates calibrated minutes apart, which still misorders
-    candidates within 5-10% of each other (benchmarks/results/vs_torch_budget_2c24g-virtio_202611.md). torch defines the ratio over the saved bytes
-    between its two ends, which measured linear on the built-in GPT (0.5 kept 519 MiB of 989 MiB, 0.2 kept
-    239, 0 kept 53), so one capture at ratio 0 (the partitioner run on the joint graph, no code
-    generated) per graph gives each ratio's saved bytes; the first ``fit`` takes the step's unplanned peak
-    at a ratio as the default's less the saved bytes it removes from each forward call of the step.
+    candidates within 5-10% of each other (benchmarks/results/vs_torch_budget_2c24g-virtio_202611.md).
+    torch defines the ratio over the saved bytes between its two ends, which measured linear on the
+    built-in GPT (0.5 kept 519 MiB of 989 MiB, 0.2 kept 239, 0 kept 53), so one capture at ratio 0 (the
+    partitioner run on the joint graph, no code generated) per graph gives each ratio's saved bytes; the
+    first ``fit`` takes the step's unplanned peak at a ratio as the default's less the saved bytes it
+    removes from each forward call of the step.
 
     The budget is resolved once, on the default partition: a fraction is of the step as it runs without
     teraio, and every candidate is planned for the same bytes. A candidate whose plan cannot meet the

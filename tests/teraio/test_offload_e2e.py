@@ -90,8 +90,8 @@ def test_stats_and_run_dir(tmp_path: Path) -> None:
     assert stats["steps"] == 8 and stats["offloaded_bytes"] > 0 and stats["step_s"] > 0
     # Measured by the torch profiler, to the byte: the prediction counts every offload's token where it
     # lives (Note: [An offloaded tensor leaves a token] in planner.lifetimes: without them it was 104-144
-    # bytes short). What it may still miss are the loss's two 4-byte scalars made outside the census
-    # (the backward's incoming gradient, nll_loss's total weight).
+    # bytes short). What it may still miss are two 4-byte scalars of the loss alive at the peak that the
+    # census does not count (the backward's incoming gradient, one made by nll_loss_forward).
     assert 0 <= stats["measured_peak_bytes"] - stats["predicted_peak_bytes"] <= 8
     assert be.runners[0].plan.offloads and be.runners[0].profile.meta["offload_token_bytes"] == TOKEN_BYTES
     assert (run_dir / "config.json").exists()
