@@ -17,9 +17,25 @@ Note: [Memory outside the graphs is measured and planned for]
     is taken as memory outside the graphs, held throughout the step (one step's excess can be a
     one-off, such as a collective's transient buffer on a loaded machine, and planning on it would
     over-predict every later step), and the graphs are planned once more: a fraction budget is then of
-    the step's peak with that memory, and the graphs get the budget less it. Once: a later excess is
-    reported, not chased. Under torchrun every rank plans again at the start of the same step (any rank
-    that wants it decides: Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks).
+    the step's peak with that memory, and the graphs get the budget less it. A later excess over the
+    prediction is reported, not chased, unless the step is over its budget.
+
+    The memory outside the graphs is planned for as one figure held throughout the step, but what it
+    is depends on where in the step the peak falls: a loss computed eagerly over the logits holds more
+    at the start of the backward than in the blocks' forwards. Planned again, the graphs free memory
+    everywhere, and the step's peak can move to where more is held outside than was measured at the
+    old peak (benchmarks/results/outside_memory_2c24g-virtio_202611.md: the built-in demo GPT compiled
+    block by block). A measured step over its budget is a promise broken, so it is chased: in
+    OUTSIDE_CONFIRMING_STEPS measured steps in a row over the budget, the smallest excess over the
+    prediction is added to the memory outside and the graphs are planned again, up to
+    MAX_OUTSIDE_ROUNDS plannings in all. Each round adds to the one figure held throughout the step, so
+    a round can only lower the graphs' share; the cost is moving more than a plan that knew where in
+    the step its outside memory sits would. When a planning cannot fit the memory found (the graphs
+    keep their plans, with a warning), nothing more is chased. Under torchrun every rank plans again
+    at the start of the same step (any rank that wants it decides: Note: [Ranks agree at the start of
+    every step] in teraio.lifecycle.ranks). A whole-step plan of states (``states="offload"``) keeps
+    its own measure of the step (teraio.states.residency) and is planned again only for an excess
+    over its prediction.
 
 Note: [Step times are read outside backward]
     On CUDA a step's end mark is an event recorded in the backward hook that ends the step, and it
@@ -62,6 +78,9 @@ PREDICTION_SLACK = 1.05
 #: Measured steps whose peaks must all exceed the prediction before the excess is taken as memory outside
 #: the graphs (Note: [Memory outside the graphs is measured and planned for]); the smallest excess counts.
 OUTSIDE_CONFIRMING_STEPS = 2
+#: Plannings for memory outside the graphs at most: one for an excess over the prediction, further ones
+#: only for a step measured over its budget (Note: [Memory outside the graphs is measured and planned for]).
+MAX_OUTSIDE_ROUNDS = 3
 
 
 class MeasureState(Enum):
@@ -103,7 +122,7 @@ class OutsideMemory:
     def __init__(self, cfg: BackendConfig) -> None:
         self.cfg = cfg
         self.bytes = 0  # planned for: held throughout the step beside the graphs
-        self.rounds = 0  # plannings for it so far (at most one)
+        self.rounds = 0  # plannings for it so far (at most MAX_OUTSIDE_ROUNDS)
         self._excess_bytes: list[int] = []  # measured excesses not yet planned for
         self.confirming = False  # an excess awaits a second measured step
         self.replan_wanted = False
@@ -113,24 +132,42 @@ class OutsideMemory:
         wanted, self.replan_wanted = self.replan_wanted, False
         return wanted
 
-    def measured(self, peak_bytes: int, predicted: int | None, graphs: int) -> None:
-        """A measured step of ``graphs`` graphs peaked at ``peak_bytes`` against the ``predicted`` peak."""
-        if (
+    def stop(self) -> None:
+        """Chase no further excess: a planning could not fit the memory found (the graphs kept their plans)."""
+        self.rounds = MAX_OUTSIDE_ROUNDS
+        self._excess_bytes.clear()
+        self.confirming = False
+
+    def measured(
+        self, peak_bytes: int, predicted: int | None, graphs: int, budget_bytes: int | None = None
+    ) -> None:
+        """A measured step of ``graphs`` graphs peaked at ``peak_bytes`` against the ``predicted`` peak and,
+        when given, the step's ``budget_bytes`` (Note: [Memory outside the graphs is measured and planned
+        for]: over the budget, the excess is chased in later rounds too)."""
+        over_prediction = predicted is not None and peak_bytes > PREDICTION_SLACK * predicted
+        over_budget = (
             predicted is not None
-            and peak_bytes > PREDICTION_SLACK * predicted
+            and budget_bytes is not None
+            and peak_bytes > budget_bytes
+            and peak_bytes > predicted
+        )
+        if (
+            ((over_prediction and self.rounds < 1) or (over_budget and self.rounds < MAX_OUTSIDE_ROUNDS))
             and self.cfg.enabled
             and self.cfg.memory_budget is not None
             # "auto" plans each graph for its own floor: memory beside the graphs changes no plan.
             and parse_budget(self.cfg.memory_budget, "memory_budget").kind != "auto"
-            and self.rounds < 1
         ):
+            assert predicted is not None
             self._excess_bytes.append(peak_bytes - predicted)
             if len(self._excess_bytes) < OUTSIDE_CONFIRMING_STEPS:
                 self.confirming = True  # measure the next clean step too before planning on it
                 log.info(
-                    "measured step peak %s above the predicted %s; measuring another step before planning for it",
+                    "measured step peak %s above the predicted %s%s; measuring another step before planning "
+                    "for it",
                     format_size(peak_bytes),
                     format_size(predicted),
+                    f" and the budget {format_size(budget_bytes)}" if over_budget and budget_bytes else "",
                 )
                 return
             excess = min(self._excess_bytes)
@@ -140,10 +177,11 @@ class OutsideMemory:
             self.rounds += 1
             self.replan_wanted = True
             log.info(
-                "the step holds %s outside teraio's graphs (%s measured, %s predicted): memory its graphs do not "
-                "allocate, such as FSDP's all-gathered parameters or tensors the loop creates; planning again "
-                "with it counted against the budget",
+                "the step holds %s%s outside teraio's graphs (%s measured, %s predicted): memory its graphs do "
+                "not allocate, such as FSDP's all-gathered parameters or tensors the loop creates; planning "
+                "again with it counted against the budget",
                 format_size(excess),
+                f" more (in all {format_size(self.bytes)})" if self.rounds > 1 else "",
                 format_size(peak_bytes),
                 format_size(predicted),
             )
@@ -329,7 +367,10 @@ class StepMeasurement:
             ", ".join(str(g) for g in sorted(kind)),
             format_size(predicted),
         )
-        self.outside_memory.measured(result.peak_bytes, predicted, len(kind))
+        # A whole-step plan of states keeps its own measure of the step (module Note).
+        budgets = [g.step_budget_bytes for g, _, _ in self._measured_calls if g.step_budget_bytes is not None]
+        budget = min(budgets) if budgets and self.whole_step is None else None
+        self.outside_memory.measured(result.peak_bytes, predicted, len(kind), budget)
 
     def close(self) -> None:
         """Stop a recorder still running; nothing is measured after this."""

@@ -411,6 +411,7 @@ class _StepComposition:
         training already runs within the graphs' share; stopping it for memory the loop holds would lose a
         job that works. Every rank takes this branch together (the failure was gathered before)."""
         planner = self.planner
+        planner.outside.stop()
         for r in self.ready:
             r.plan, r.plans, r.phase = r.plan_before_outside, r.plans_before_outside, Phase.RUNNING
         log.warning(
