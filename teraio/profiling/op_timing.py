@@ -9,6 +9,15 @@ storages are saved and where they are used; together they make the Profile the p
 
 The interpreter computes with the same aten ops in the same order as a plain GraphModule call, so loss
 and gradients while profiling are bit-identical to the FX-only compile.
+
+Note: [A backward's incoming gradients live until it returns]
+    The interpreter drops a value from its environment after its last use, as compiled code frees it,
+    but a backward graph's incoming gradients (its ``tangents_*`` placeholders) are also held by the
+    caller: AOTAutograd's ``CompiledFunction.backward(ctx, *flat_args)`` keeps the tuple it was called
+    with until the compiled backward returns, and so does the autograd engine's call into it. So the
+    census counts them to the end of the backward, as a measured step sees them. For a model compiled as
+    one graph that is the loss's 4-byte gradient; for blocks compiled on their own, each block's
+    backward holds the gradient of its output, an activation's size, through its whole backward.
 """
 
 from __future__ import annotations
@@ -62,10 +71,18 @@ class TimingInterpreter(fx.Interpreter):
     """Runs a GraphModule op by op, recording each op's duration and the bytes live while it ran."""
 
     def __init__(
-        self, gm: fx.GraphModule, excluded: set[StorageWeakRef], census: bool = True, device: str = "cpu"
+        self,
+        gm: fx.GraphModule,
+        excluded: set[StorageWeakRef],
+        census: bool = True,
+        device: str = "cpu",
+        held: list[torch.Tensor] | None = None,
     ) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.excluded = excluded
+        #: Inputs the caller keeps alive for the whole run, counted by the census after their last use
+        #: (Note: [A backward's incoming gradients live until it returns]).
+        self.held = list(held or [])
         self.census = census
         self.device = device
         self.record = GraphRun()
@@ -75,7 +92,7 @@ class TimingInterpreter(fx.Interpreter):
     def _live_bytes(self, extra: Any) -> int:
         seen: set[StorageWeakRef] = set()
         total = 0
-        for v in [*self.env.values(), extra]:
+        for v in [*self.env.values(), extra, self.held]:
             for t in tree_leaves(v):
                 if isinstance(t, torch.Tensor) and not isinstance(t, torch._subclasses.FakeTensor):
                     st = t.untyped_storage()
@@ -140,6 +157,17 @@ class TimingInterpreter(fx.Interpreter):
         if self.census:
             self.record.live_bytes.append(self._live_bytes(out))
         return out
+
+
+def incoming_gradients(bw_gm: fx.GraphModule, args_list: list[Any]) -> list[torch.Tensor]:
+    """The tensors of ``args_list`` a backward graph takes as its incoming gradients (its ``tangents_*``
+    placeholders): Note: [A backward's incoming gradients live until it returns]."""
+    placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
+    return [
+        a
+        for n, a in zip(placeholders, args_list)
+        if n.name.startswith("tangents") and isinstance(a, torch.Tensor)
+    ]
 
 
 def classify_inputs(args: list[Any]) -> list[str]:
@@ -324,7 +352,8 @@ class StepProfiler:
                 self.calibrations.append((fwd, GraphRun(wall_s=wall_s, uninstrumented=True)))
             return out
         census = fwd is not None and not self.bwd_runs
-        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device)
+        held = incoming_gradients(self.step.bw_gm, args_list) if census else []
+        interp = TimingInterpreter(self.step.bw_gm, self._input_refs, census, self.device, held)
         out = interp.boxed_run(args_list)
         if fwd is not None:
             self._observe_alone(fwd)

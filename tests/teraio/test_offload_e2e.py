@@ -90,9 +90,10 @@ def test_stats_and_run_dir(tmp_path: Path) -> None:
     assert stats["steps"] == 8 and stats["offloaded_bytes"] > 0 and stats["step_s"] > 0
     # Measured by the torch profiler, to the byte: the prediction counts every offload's token where it
     # lives (Note: [An offloaded tensor leaves a token] in planner.lifetimes: without them it was 104-144
-    # bytes short). What it may still miss are two 4-byte scalars of the loss alive at the peak that the
-    # census does not count (the backward's incoming gradient, one made by nll_loss_forward).
-    assert 0 <= stats["measured_peak_bytes"] - stats["predicted_peak_bytes"] <= 8
+    # bytes short) and the backward's incoming gradient until the backward returns (Note: [A backward's
+    # incoming gradients live until it returns] in teraio.profiling.op_timing: without it, 8 bytes short).
+    # What it may still miss is one 4-byte scalar of nll_loss_forward's, alive at some plans' peaks.
+    assert 0 <= stats["measured_peak_bytes"] - stats["predicted_peak_bytes"] <= 4
     assert be.runners[0].plan.offloads and be.runners[0].profile.meta["offload_token_bytes"] == TOKEN_BYTES
     assert (run_dir / "config.json").exists()
     assert (run_dir / "graph0" / "profile" / "meta.json").exists()

@@ -229,3 +229,33 @@ def test_cuda_calibration_run_is_timed_from_an_idle_device_to_its_last_kernel() 
     assert seen_at_start == [["earlier"]], "the clock started while earlier work was still queued"
     assert ran_at_return == ["earlier", "graph"], "the clock stopped before the graph's kernel ran"
     assert not fake.errors
+
+
+def test_the_census_counts_a_backwards_incoming_gradient_until_it_returns() -> None:
+    """Note: [A backward's incoming gradients live until it returns] in teraio.profiling.op_timing: the
+    caller holds the gradient after the graph's last use of it, so the census counts it to the end."""
+    from teraio.profiling.op_timing import TimingInterpreter, incoming_gradients
+
+    graph = fx.Graph()
+    saved = graph.placeholder("mul")
+    tangent = graph.placeholder("tangents_1")
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (saved, tangent))  # the tangent's last use
+    grad = graph.call_function(torch.ops.aten.cos.default, (scaled,))
+    bigger = graph.call_function(torch.ops.aten.cat.default, ([grad, grad],))
+    graph.output((bigger,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    n = 1 << 14  # 64 KiB of float32 per tensor
+
+    def census(held: bool) -> list[int]:
+        args = [torch.ones(n), torch.ones(n)]
+        kept = incoming_gradients(gm, args)
+        assert len(kept) == 1 and kept[0] is args[1]
+        interp = TimingInterpreter(gm, set(), census=True, held=kept if held else None)
+        del kept
+        interp.boxed_run(args)
+        return interp.record.live_bytes
+
+    without, with_held = census(False), census(True)
+    tensor_bytes = 4 * n
+    # After the multiply, the interpreter drops the tangent; the caller's reference keeps it alive.
+    assert [b - a for a, b in zip(without, with_held)] == [0, tensor_bytes, tensor_bytes]
