@@ -37,17 +37,16 @@ def run(model_name: str, budget: str, steps: int, inner: str) -> dict[str, Any]:
             opt.step()
             opt.zero_grad()
         stats = backend.stats()
-        budgets = {r.step_budget_bytes for r in backend.runners if r.is_training}
         out = {
             "model": model_name,
             "memory_budget": budget,
             "inner": inner,
             "steps": steps,
-            "budget_bytes": max((b for b in budgets if b is not None), default=None),
+            "budget_bytes": stats["step_budget_bytes"],
             "predicted_peak_bytes": stats["predicted_peak_bytes"],
             "measured_peak_bytes": stats["measured_peak_bytes"],
-            "outside_plannings": backend.outside_memory.rounds,
-            "outside_bytes": backend.outside_memory.bytes,
+            "outside_plannings": stats["outside_memory_plannings"],
+            "outside_bytes": stats["outside_memory_bytes"],
             "moved_bytes_per_step": stats["moved_bytes_per_step"],
             "step_s": stats["step_s"],
             "running_steps": stats["running_steps"],

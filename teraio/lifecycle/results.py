@@ -101,6 +101,14 @@ def backend_stats(backend: TeraioBackend) -> dict[str, Any]:
         **io_bytes_by_kind(io, backend.states),
         # Note: [The whole-step budget keeps some states in memory] in teraio.states.residency
         "whole_step": backend.whole_step.stats() if backend.whole_step is not None else None,
+        # Note: [Memory outside the graphs is measured and planned for] in teraio.lifecycle.measurement:
+        # the step budget the graphs were last planned under, the memory outside them planned for, and
+        # how many plannings that memory took.
+        "step_budget_bytes": next(
+            (r.step_budget_bytes for r in backend.runners if r.step_budget_bytes is not None), None
+        ),
+        "outside_memory_bytes": backend.outside_memory.bytes,
+        "outside_memory_plannings": backend.outside_memory.rounds,
         # Each ratio the partitioner search planned (None: no search ran).
         "partitioner_search": (
             backend.partitioner_search.summary() if backend.partitioner_search is not None else None

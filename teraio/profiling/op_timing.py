@@ -159,14 +159,17 @@ class TimingInterpreter(fx.Interpreter):
         return out
 
 
+def is_incoming_gradient(node: fx.Node) -> bool:
+    """Whether ``node`` is a backward graph's incoming gradient (AOTAutograd names them ``tangents_*``):
+    Note: [A backward's incoming gradients live until it returns]."""
+    return node.op == "placeholder" and node.name.startswith("tangents")
+
+
 def incoming_gradients(bw_gm: fx.GraphModule, args_list: list[Any]) -> list[torch.Tensor]:
-    """The tensors of ``args_list`` a backward graph takes as its incoming gradients (its ``tangents_*``
-    placeholders): Note: [A backward's incoming gradients live until it returns]."""
+    """The tensors of ``args_list`` a backward graph takes as its incoming gradients."""
     placeholders = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
     return [
-        a
-        for n, a in zip(placeholders, args_list)
-        if n.name.startswith("tangents") and isinstance(a, torch.Tensor)
+        a for n, a in zip(placeholders, args_list) if is_incoming_gradient(n) and isinstance(a, torch.Tensor)
     ]
 
 

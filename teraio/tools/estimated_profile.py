@@ -47,7 +47,7 @@ from teraio.graph.kernel_boundaries import granularity_for
 from teraio.graph.ops import offload_token_bytes
 from teraio.planner.costmodel import ComputeModel
 from teraio.planner.profile import Profile
-from teraio.profiling.op_timing import GraphRun, StepProfiler, classify_inputs
+from teraio.profiling.op_timing import GraphRun, StepProfiler, classify_inputs, is_incoming_gradient
 from teraio.tools.estimate_target import EstimateTarget
 
 #: The columns of a Profile's ``tensors`` table that an estimate has exactly as a real profile of the same
@@ -208,13 +208,16 @@ def static_census(
     bookkeeping on the graph's fake values; a value nothing uses stays to the end, as there.
 
     ``passing`` storages are counted only at the ops whose values hold them and leave right after:
-    gradients that stream off the device as backward produces them.
+    gradients that stream off the device as backward produces them. A backward's incoming gradients stay
+    to its end (Note: [A backward's incoming gradients live until it returns] in
+    teraio.profiling.op_timing).
     """
     nodes = list(gm.graph.nodes)
     last_user: dict[fx.Node, fx.Node] = {}
     for node in reversed(nodes):
         for inp in node.all_input_nodes:
-            last_user.setdefault(inp, node)
+            if not is_incoming_gradient(inp):
+                last_user.setdefault(inp, node)
     freed_after: dict[fx.Node, list[fx.Node]] = defaultdict(list)
     for value, user in last_user.items():
         freed_after[user].append(value)

@@ -449,7 +449,7 @@ BUDGETS = {
     "hf-bert": "60%",
     "hf-bert-graph-break": "60%",
     "convnet": "70%",
-    "convnet-graph-break": "75%",
+    "convnet-graph-break": "85%",
     "convnet-checkpoint": "95%",
 }
 # Checkpointed HF models save little besides each layer's input, which backward reads at once: their
