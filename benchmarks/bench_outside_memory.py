@@ -75,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, not {args.steps}")
+    from teraio.planner.budget import BudgetError, parse_budget
+
+    try:
+        parse_budget(args.budget, "--budget")
+    except BudgetError as e:
+        parser.error(str(e))
     if args.cpu_malloc == "retain":
         from teraio.platform import cpu_malloc
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import bench_outside_memory
 
 
@@ -17,11 +19,11 @@ def test_run_tiny(capsys) -> None:
     assert out["measured_peak_bytes"] > 0 and out["running_steps"] >= 1
 
 
-def test_bad_steps_exit_non_zero(capsys) -> None:
-    try:
-        bench_outside_memory.main(["--steps", "0"])
-    except SystemExit as e:
-        assert e.code == 2
-    else:
-        raise AssertionError("--steps 0 was accepted")
-    assert "--steps must be at least 1" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("argv", "words"), [(["--steps", "0"], "--steps must be at least 1"), (["--budget", "abc"], "--budget")]
+)
+def test_bad_input_exits_non_zero_before_any_work(argv, words, capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        bench_outside_memory.main(argv)
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err
