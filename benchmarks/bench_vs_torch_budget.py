@@ -38,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
-#: Steps a teraio method may take to reach its plan (three candidates of profiling, each a few steps).
-MAX_WARM_STEPS = 40
+#: Steps a teraio method may take to reach its plan (four candidates of profiling, each a few steps, and
+#: the trial of the finalists: three rounds of up to three, each finalist's compile step too).
+MAX_WARM_STEPS = 60
 
 
 @dataclass
@@ -196,7 +197,6 @@ def _teraio(
     profile_steps: int | None = None,
 ) -> Method:
     import teraio
-    from teraio.lifecycle.phases import Phase
 
     model = copy.deepcopy(w.model)
     be = teraio.backend(
@@ -210,7 +210,7 @@ def _teraio(
     )
     m = Method(label, model, torch.compile(model, backend=be), torch.optim.AdamW(model.parameters(), lr=1e-4))
     m.backend = be
-    while any(r.phase in (Phase.PROFILING, Phase.PLANNING) for r in be.runners) or not be.runners:
+    while not be.settled or not be.runners:
         if m.steps_run >= MAX_WARM_STEPS:
             raise RuntimeError(f"{label}: no plan after {MAX_WARM_STEPS} steps")
         m.step(w)

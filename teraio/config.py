@@ -73,6 +73,10 @@ def _check_solver_name(name: object, option: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- solver
+#: Rounds of the partitioner search's trial at most: each round runs one step per finalist.
+MAX_RUNOFF_ROUNDS = 50
+
+
 @dataclass(frozen=True)
 class Solver:
     """How each graph's plan is made: ``solver=teraio.Solver(name="ilp", time_limit=10)``.
@@ -105,9 +109,16 @@ class Solver:
     share of the saved activations it keeps, recomputing the rest in backward, fused into Inductor's
     kernels), under teraio's plan: a ratio from 0 to 1; "search": the plan chooses it (with a memory
     budget, a step whose plan at the default partition moves or rebuilds tensors is profiled again at
-    the ratio estimated to fit by the partitioner alone and one between, and runs the fastest predicted;
+    the ratio estimated to fit by the partitioner alone and one between, and runs the fastest predicted,
+    or the fastest timed of those predicted close to it (``runoff_rounds``);
     Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search); None:
     the process's ``activation_memory_budget`` (1.0 unless set)."""
+
+    runoff_rounds: int = 3
+    """With ``partitioner_budget="search"``: the candidates predicted within 15% of the fastest (at most
+    three) run the training steps in turns, one step each per round, for this many rounds, and the one
+    with the smallest median step runs from then on (Note: [The search's finalists are timed against each
+    other] in teraio.lifecycle.partitioner_runoff); 0: the fastest predicted runs at once."""
 
     def __post_init__(self) -> None:
         from teraio.planner.limits import MAX_WORKERS
@@ -139,6 +150,11 @@ class Solver:
             )
         if self.recompute is not None:
             _check_choice("Solver.recompute", self.recompute, RecomputeOption)
+        rounds = self.runoff_rounds
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 0 <= rounds <= MAX_RUNOFF_ROUNDS:
+            raise UserInputError(
+                f"Solver.runoff_rounds must be a whole number from 0 to {MAX_RUNOFF_ROUNDS}, not {rounds!r}"
+            )
 
 
 # ---------------------------------------------------------------------------------------- profiling

@@ -118,7 +118,11 @@ class TeraioBackend:
         )
         #: Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search
         self.partitioner_search = (
-            PartitionerSearch(self.planner) if self.cfg.solver.partitioner_budget == "search" else None
+            PartitionerSearch(
+                self.planner, self.cfg.solver.runoff_rounds, step_index=lambda: self.tracker.step_index_now()
+            )
+            if self.cfg.solver.partitioner_budget == "search"
+            else None
         )
         self.tracker = StepTracker(on_step_end=self._on_step_end, on_invocation_end=self._on_invocation_end)
         #: The time each calibration step spends outside its graphs (teraio.lifecycle.outside_time).
@@ -236,6 +240,12 @@ class TeraioBackend:
         process.finish_measurements_everywhere()
         self.measurement.read_step_times(wait=False)
         step = self.tracker.current_step
+        search = self.partitioner_search
+        if search is not None and search.on_trial and (step is None or step.complete):
+            # Note: [The search's finalists are timed against each other] in teraio.lifecycle.partitioner_runoff
+            with self._lock:
+                search.at_step_boundary(self.tracker.next_step_index)
+            self.measurement.on_trial = search.on_trial
         if step is None or step.complete:
             replan = self.outside_memory.replan_wanted
             # Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks
@@ -288,6 +298,7 @@ class TeraioBackend:
                     if search.plan(unplanned):
                         self.measurement.compiled_during(self.tracker.current_step)
                         return  # profiling again at another partitioner budget
+                    self.measurement.on_trial = search.on_trial
                 elif self.cfg.enabled:
                     self.planner.plan(unplanned)
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:
@@ -398,6 +409,9 @@ class TeraioBackend:
         return [r.profile for r in self.runners if r.profile is not None]
 
     def _append_stats(self, step: StepRecord, step_s: float) -> None:
+        if self.partitioner_search is not None:
+            self.partitioner_search.step_timed(step.index, step_s)
+
         # In a backward hook: a failure is warned once, never raised (Note: [Run-directory files are
         # by-products] in teraio.lifecycle.run_dir).
         def line() -> dict[str, Any]:
@@ -412,6 +426,16 @@ class TeraioBackend:
             }
 
         self.record.append_stats(line)
+
+    @property
+    def settled(self) -> bool:
+        """Whether the steps from now on run the plans: no graph is profiling or waiting for its plan,
+        and the partitioner search is not timing its finalists (Note: [The search's finalists are timed
+        against each other] in teraio.lifecycle.partitioner_runoff). A graph compiled later (a new shape,
+        a graph break not reached yet) profiles again."""
+        if any(r.phase in (Phase.PROFILING, Phase.PLANNING) for r in self.runners):
+            return False
+        return self.partitioner_search is None or not self.partitioner_search.on_trial
 
     def stats(self) -> dict[str, Any]:
         """What the backend did, for the model it trained last, per model, and per graph

@@ -232,10 +232,14 @@ class StepMeasurement:
         self._measured_step: int | None = None
         self.measured_peak_bytes: int | None = None
         self._step_t0: dict[int, tuple[Clock, Any]] = {}  # step index -> its clock and start mark
-        self._step_ends: deque[tuple[StepRecord, Clock, Any, Any]] = deque()  # not yet read
+        self._step_ends: deque[tuple[StepRecord, Clock, Any, Any, bool]] = deque()  # not yet read
         self._times_lock = threading.Lock()
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
+        #: The running compilations are on trial (Note: [The search's finalists are timed against each
+        #: other] in teraio.lifecycle.partitioner_runoff): steps are timed, not measured, and their times
+        #: stay out of the step statistics.
+        self.on_trial = False
 
     def note_forward(self) -> None:
         self.forward_calls += 1
@@ -259,7 +263,7 @@ class StepMeasurement:
         final = self._step_final(step)
         if started is not None and clean and final:
             clock, t0 = started
-            self._step_ends.append((step, clock, t0, clock.mark()))
+            self._step_ends.append((step, clock, t0, clock.mark(), self.on_trial))
             self.read_step_times(wait=False)
         if step.abandoned == 0:
             self.step_stats.step_ended(step.calls, None)
@@ -275,6 +279,7 @@ class StepMeasurement:
             self._measure is MeasureState.WAITING
             and clean
             and final
+            and not self.on_trial
             and self.cfg.profiling.measure_memory
             and (self.outside_memory.confirming or self.step_stats.needs_measurement(self.kind_generation))
         ):
@@ -285,14 +290,15 @@ class StepMeasurement:
         times are read outside backward])."""
         with self._times_lock:
             while self._step_ends:
-                step, clock, t0, end = self._step_ends[0]
+                step, clock, t0, end, trial = self._step_ends[0]
                 if not clock.done(end):
                     if not wait:
                         return
                     clock.settle(end)
                 self._step_ends.popleft()
                 self.step_times_s.append(clock.elapsed_ns(t0, end) / 1e9)
-                self.step_stats.add_time(StepStats.kind_of(step.calls), self.step_times_s[-1])
+                if not trial:
+                    self.step_stats.add_time(StepStats.kind_of(step.calls), self.step_times_s[-1])
                 self.on_step_time(step, self.step_times_s[-1])
 
     @staticmethod

@@ -12,7 +12,9 @@ Note: [The partitioner's budget is part of the plan]
     at the default partition (the process's ratio, 1.0 unless set). When that plan moves or rebuilds
     nothing, it stands. Otherwise the step's graphs are profiled and planned again at up to three more
     ratios (MAX_ROUNDS in all), and the step runs the candidate whose plans predict the fastest step (the
-    sum of the predicted times of the step's forward calls) within the budget:
+    sum of the predicted times of the step's forward calls) within the budget, or, when others are predicted
+    close to it, the fastest of them timed in turns (Note: [The search's finalists are timed against each
+    other] in teraio.lifecycle.partitioner_runoff):
 
     - ``fit``: the largest ratio at which the partitioner alone is estimated to bring the step's peak
       within the budget (teraio's plan then has little or nothing left to do), or 0 when none is;
@@ -33,8 +35,9 @@ Note: [The partitioner's budget is part of the plan]
     ``Profiling.steps`` says (:func:`profile_steps`): with the default one, the comparison was of single
     steps, each the first run of its kernels, and a slow one made the search pick a plan 13% slower than
     the partitioner alone (the demo GPT at torch's 0.5 peak). More steps narrow each candidate's spread,
-    not the drift of a shared machine between candidates calibrated minutes apart, which still misorders
-    candidates within 5-10% of each other (benchmarks/results/vs_torch_budget_2c24g-virtio_202611.md).
+    not the drift of a shared machine between candidates calibrated minutes apart, which still misordered
+    candidates within 5-10% of each other (benchmarks/results/vs_torch_budget_2c24g-virtio_202611.md): the
+    trial of the finalists settles those.
     torch defines the ratio over the saved bytes between its two ends, which measured linear on the
     built-in GPT (0.5 kept 519 MiB of 989 MiB, 0.2 kept 239, 0 kept 53), so one capture at ratio 0 (the
     partitioner run on the joint graph, no code generated) per graph gives each ratio's saved bytes; the
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -60,6 +64,7 @@ import torch
 
 from teraio.graph.capture import analyse_saved
 from teraio.graph.compilers import capture_step
+from teraio.lifecycle.partitioner_runoff import Finalist, RunOff, finalists
 from teraio.planner.budget import BudgetError
 from teraio.profiling.op_timing import INSTRUMENTED_STEPS
 from teraio.sizes import format_size
@@ -117,6 +122,10 @@ class Candidate:
     unplanned_bytes: int | None = None
     failure: BudgetError | None = None
     graphs: dict[GraphRunner, _GraphState] = field(default_factory=dict)
+    #: Its median timed step and how many steps were timed, when it was a finalist (Note: [The search's
+    #: finalists are timed against each other] in teraio.lifecycle.partitioner_runoff).
+    measured_step_s: float | None = None
+    timed_steps: int = 0
 
     def describe(self) -> str:
         if self.failure is not None:
@@ -124,7 +133,8 @@ class Candidate:
             return f"ratio {self.ratio:g}: cannot meet the budget" + (
                 f" (smallest step peak {format_size(smallest)})" if smallest else ""
             )
-        return f"ratio {self.ratio:g}: predicted step {self.predicted_step_s:.3f} s"
+        measured = f", measured {self.measured_step_s:.3f} s" if self.measured_step_s is not None else ""
+        return f"ratio {self.ratio:g}: predicted step {self.predicted_step_s:.3f} s{measured}"
 
 
 def saved_bytes(runner: GraphRunner, ratio: float | None) -> int:
@@ -177,8 +187,14 @@ def predicted_step_s(runners: list[GraphRunner], calls: list[tuple[Any, str, int
 class PartitionerSearch:
     """Note: [The partitioner's budget is part of the plan]: the rounds of one step's planning."""
 
-    def __init__(self, planner: StepPlanner) -> None:
+    def __init__(
+        self, planner: StepPlanner, runoff_rounds: int = 0, step_index: Callable[[], int] = lambda: 0
+    ) -> None:
         self.planner = planner
+        self.runoff_rounds = runoff_rounds
+        self._step_index = step_index  # the step in progress, or the next one between steps
+        #: Note: [The search's finalists are timed against each other] (None: no trial, or over).
+        self.runoff: RunOff | None = None
         self.candidates: list[Candidate] = []
         self._stage: Literal["fit", "between", "done"] = "fit"
         self._fit = 1.0
@@ -321,33 +337,102 @@ class PartitionerSearch:
         )
 
     def _end(self, ready: list[GraphRunner]) -> bool:
-        """Put the best candidate back in the runners (or raise when none fits); False: compile now."""
-        planner = self.planner
+        """Put the best candidate back in the runners (or raise when none fits), or the first finalist of
+        a trial; False: compile now."""
         # The override stays: a later plan of the step (memory outside the graphs grew) is for the same
         # bytes, not a fraction of the chosen partition's smaller peak.
         fitting = [c for c in self.candidates if c.failure is None]
         if not fitting:
             failures = [c.failure for c in self.candidates if c.failure is not None]
             raise min(failures, key=lambda e: e.smallest_peak_bytes or 1 << 62)
-        best = min(fitting, key=lambda c: c.predicted_step_s or 0.0)
+        chosen = finalists(fitting) if self.runoff_rounds > 0 else []
+        if len(chosen) < 2:
+            best = min(fitting, key=lambda c: c.predicted_step_s or 0.0)
+            self._restore(best)
+            self._chosen(best, "the fastest predicted")
+            return False
+        self.runoff = RunOff(chosen, self.runoff_rounds)
         log.info(
-            "partitioner search: running at activation_memory_budget %g (%s)",
-            best.ratio,
-            "; ".join(c.describe() for c in self.candidates),
+            "partitioner search: timing ratios %s against each other, one step each in turns, %d rounds",
+            ", ".join(f"{c.ratio:g}" for c in chosen),
+            self.runoff_rounds,
         )
-        for r, st in best.graphs.items():
-            r.partitioner_budget = best.ratio
+        for c in self.candidates:  # the candidates out of the trial: let their profilers go
+            if c not in chosen:
+                c.graphs = {}
+        first = self.runoff.next_finalist(self._step_index())
+        assert first is not None
+        self._restore(first.candidate)
+        return False
+
+    def _restore(self, c: Candidate) -> None:
+        """Put ``c``'s profiles and plans back in its runners (they compile next)."""
+        for r, st in c.graphs.items():
+            r.partitioner_budget = c.ratio
             r.profile, r.profiler, r.profiling = st.profile, st.profiler, st.profiling
             r.plan, r.plans, r.step_budget_bytes = st.plan, st.plans, st.step_budget_bytes
             r.computation_fingerprint = st.computation_fingerprint
-        planner.predicted_step_peak_bytes = best.predicted_peak_bytes
+        self.planner.predicted_step_peak_bytes = c.predicted_peak_bytes
+
+    def _chosen(self, best: Candidate, why: str) -> None:
+        """``best`` runs from now on: log the choice, save its profiles and plans, drop the others'."""
+        log.info(
+            "partitioner search: running at activation_memory_budget %g, %s (%s)",
+            best.ratio,
+            why,
+            "; ".join(c.describe() for c in self.candidates),
+        )
         for r in best.graphs:
             if r.profile is not None:
                 r.backend.save_profile(r)
-                planner.save_plan(r)
+                self.planner.save_plan(r)
         for c in self.candidates:  # the losers' profilers hold their runs: let them go
             c.graphs = {}
-        return False
+
+    # ---------------------------------------------------------------------------------- the trial
+    @property
+    def on_trial(self) -> bool:
+        """Whether the finalists are being timed (Note: [The search's finalists are timed against each
+        other] in teraio.lifecycle.partitioner_runoff)."""
+        return self.runoff is not None
+
+    def at_step_boundary(self, step_index: int) -> bool:
+        """Between steps, before step ``step_index`` starts: switch to the finalist whose turn it is, or
+        to the winner when the trial ends. True when a graph was compiled."""
+        runoff = self.runoff
+        assert runoff is not None
+        before = runoff.active
+        nxt = runoff.next_finalist(step_index)
+        if nxt is None:
+            for f in runoff.finalists:
+                f.candidate.measured_step_s, f.candidate.timed_steps = f.median_s, len(f.times_s)
+            winner = runoff.winner()
+            compiled = self._switch(before, winner)
+            self.runoff = None
+            self._chosen(winner.candidate, f"the fastest timed ({runoff.steps} steps in turns)")
+            return compiled
+        return self._switch(before, nxt)
+
+    def step_timed(self, step_index: int, seconds: float) -> None:
+        """A step's time (the measurement's), for the finalist that ran it."""
+        if self.runoff is not None:
+            self.runoff.timed(step_index, seconds)
+
+    def _switch(self, current: Finalist | None, nxt: Finalist) -> bool:
+        """Keep ``current``'s compilations and run ``nxt``'s (compiled now when it never ran)."""
+        if nxt is current:
+            return False
+        if current is not None:
+            current.compilations = {r: r.compilation() for r in current.candidate.graphs}
+        if nxt.compilations is not None:
+            for r, c in nxt.compilations.items():
+                r.use_compilation(c)
+            self.planner.predicted_step_peak_bytes = nxt.candidate.predicted_peak_bytes
+            return False
+        self._restore(nxt.candidate)
+        for r in nxt.candidate.graphs:
+            r.compile_final()
+        return True
 
     def summary(self) -> list[dict[str, Any]]:
         """The candidates, for the run's stats."""
@@ -358,6 +443,8 @@ class PartitionerSearch:
                 "predicted_peak_bytes": c.predicted_peak_bytes,
                 "unplanned_peak_bytes": c.unplanned_bytes,
                 "fits": c.failure is None,
+                "measured_step_s": c.measured_step_s,
+                "timed_steps": c.timed_steps,
             }
             for c in self.candidates
         ]

@@ -95,6 +95,7 @@ def backend_stats(backend: TeraioBackend) -> dict[str, Any]:
         **top,
         "predicted_step_s": sum(p.predicted_step_s for p in planned) if planned else None,
         "phase": [r.phase.value for r in backend.runners],
+        "settled": backend.settled,
         "models": summaries,
         "per_graph": graphs,
         **io,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -110,6 +111,24 @@ def describe_plan(plan: Plan) -> str:
     return ", ".join(parts) + " per step"
 
 
+@dataclass
+class Compilation:
+    """What a running graph runs, with the profile and plans it was compiled from: kept per finalist by
+    the partitioner search's run-off (Note: [The search's finalists are timed against each other] in
+    teraio.lifecycle.partitioner_runoff) and put back without compiling again."""
+
+    partitioner_budget: float | None
+    profile: Profile | None
+    plan: Plan | None
+    plans: dict[int, Plan]
+    step_budget_bytes: int | None
+    computation_fingerprint: str | None
+    compiled: Callable[..., Any]
+    compiled_for: dict[int, Callable[..., Any]]
+    rewrite: RewriteResult | None
+    plain: Callable[..., Any] | None
+
+
 class GraphRunner:
     """The lifecycle of one captured graph at one set of input shapes (see the module docstring)."""
 
@@ -156,6 +175,7 @@ class GraphRunner:
         # Note: [Forwards never backpropagated move nothing] in teraio.lifecycle.discarded_forwards
         self.sites = SiteMemory()
         self._plain: Callable[..., Any] | None = None
+        self._plain_partition: float | None = None  # the partitioner budget _plain was compiled at
         self.unplanned_calls = 0
         # The unplanned peak and the profile it was computed from (a graph profiled again has another).
         self._unplanned_peak: tuple[Profile, int] | None = None
@@ -266,6 +286,10 @@ class GraphRunner:
             identity = "final:" + (hashlib.sha256(plan.to_json().encode()).hexdigest() if plan else "no-plan")
             plan_by_identity[identity], identity_of[ordinal] = plan, identity
         retained, self._retained = self._retained, None
+        if self._plain is not None and self._plain_partition != self.partitioner_budget:
+            self._plain = (
+                None  # compiled for another partition (the search's run-off): its saved tensors differ
+            )
         if (
             len(plan_by_identity) == 1
             and retained is not None
@@ -303,6 +327,33 @@ class GraphRunner:
         else:
             plan = self.plan if self.cfg.enabled and self.plan is not None and self.plan.decisions else None
             log.info("running %s with %s", self.name, describe_plan(plan) if plan else "no migration")
+
+    def compilation(self) -> Compilation:
+        """The running compilation, to be put back later with :meth:`use_compilation`."""
+        assert self.phase is Phase.RUNNING, f"{self.name} is not running ({self.phase})"
+        return Compilation(
+            partitioner_budget=self.partitioner_budget,
+            profile=self.profile,
+            plan=self.plan,
+            plans=dict(self.plans),
+            step_budget_bytes=self.step_budget_bytes,
+            computation_fingerprint=self.computation_fingerprint,
+            compiled=self._compiled,
+            compiled_for=dict(self._compiled_for),
+            rewrite=self.rewrite,
+            plain=self._plain,
+        )
+
+    def use_compilation(self, c: Compilation) -> None:
+        """Run ``c`` from the next forward on (between steps: a forward waiting for its backward keeps the
+        compilation it ran with). A new generation of plans for the step's measurements."""
+        self.partitioner_budget, self.profile = c.partitioner_budget, c.profile
+        self.plan, self.plans, self.step_budget_bytes = c.plan, dict(c.plans), c.step_budget_bytes
+        self.computation_fingerprint = c.computation_fingerprint
+        self._compiled, self._compiled_for = c.compiled, dict(c.compiled_for)
+        self.rewrite, self._plain, self._plain_partition = c.rewrite, c.plain, c.partitioner_budget
+        self.phase = Phase.RUNNING
+        self.compiles += 1
 
     def _compile_with(self, plan: Plan | None, identity: str) -> Callable[..., Any]:
         """The graph compiled with ``plan``'s migration ops (None: without any)."""
@@ -352,6 +403,7 @@ class GraphRunner:
                 "migration (their saved tensors are freed with their autograd graph)",
                 self.name,
             )
+            self._plain_partition = self.partitioner_budget
             with unguarded(self.example_inputs):  # Note in teraio.states.guarded.unguarded
                 self._plain = compile_graph(
                     self.gm,

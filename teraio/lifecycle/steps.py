@@ -108,7 +108,7 @@ class StepTracker:
         self._in_flight: dict[int, Invocation] = {}
         self._by_node: dict[int, Invocation] = {}
         self._current: StepRecord | None = None
-        self._steps = itertools.count(0)
+        self._next_index = 0
         self.last_complete: StepRecord | None = None
         self.completed_steps = 0
         self._on_step_end = on_step_end
@@ -133,12 +133,24 @@ class StepTracker:
     def current_step(self) -> StepRecord | None:
         return self._current
 
+    @property
+    def next_step_index(self) -> int:
+        """The index the next step opened will have."""
+        return self._next_index
+
+    def step_index_now(self) -> int:
+        """The index of the step in progress, or of the next one between steps."""
+        with self._lock:
+            current = self._current
+            return current.index if current is not None and not current.complete else self._next_index
+
     def begin_forward(self, graph: Any) -> StepRecord:
         """A training forward is about to run: opens a step when none is in flight."""
         self.settle()
         with self._lock:
             if self._current is None or self._current.complete:
-                self._current = StepRecord(next(self._steps))
+                self._current = StepRecord(self._next_index)
+                self._next_index += 1
             return self._current
 
     def end_forward(self, graph: Any, outputs: Any, site: Any = None) -> Invocation | None:

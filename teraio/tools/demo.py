@@ -204,10 +204,11 @@ def _warm_up(
     # in teraio.profiling.transfer_probe). Bounded, in case a graph never finishes profiling.
     # The partitioner search profiles the step again at up to two more ratios (Note: [The partitioner's
     # budget is part of the plan] in teraio.lifecycle.partitioner_search).
+    # Then it times the finalists in turns (Note: [The search's finalists are timed against each other] in
+    # teraio.lifecycle.partitioner_runoff).
     rounds = 3 if m.backend.partitioner_search is not None else 1
-    while m.steps_run < rounds * (warmup + 2) + PROBE_STEPS and any(
-        r.phase in (Phase.PROFILING, Phase.PLANNING) for r in m.backend.runners
-    ):
+    trial = 0 if m.backend.partitioner_search is None else 4 * m.backend.cfg.solver.runoff_rounds + 3
+    while m.steps_run < rounds * (warmup + 2) + PROBE_STEPS + trial and not m.backend.settled:
         m.warm_up_times.append(m.step(m.steps_run, cfg)[0])
     m.step(m.steps_run, cfg, measure=True)
     return m

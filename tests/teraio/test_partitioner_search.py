@@ -14,7 +14,9 @@ import torch
 import teraio
 from teraio.config import BackendConfig
 from teraio.errors import UserInputError
+from teraio.lifecycle import partitioner_runoff
 from teraio.lifecycle.backend import TeraioBackend
+from teraio.lifecycle.partitioner_runoff import MAX_FINALISTS, RunOff
 from teraio.lifecycle.partitioner_search import (
     RATIO_STEP,
     Candidate,
@@ -30,6 +32,9 @@ from .models import HF_MODELS
 from .training import assert_bit_identical, train
 
 STEPS = 16
+#: The search's rounds (about 15 steps), its trial (about 12) and steps after it.
+TRIAL_STEPS = 34
+RUNOFF_ROUNDS = 3
 DETERMINISTIC = {"deterministic_time_limit": 2.0, "workers": 1}
 UNMEASURED = teraio.Profiling(measure_memory=False)
 
@@ -103,6 +108,69 @@ def test_below_a_fit_that_cannot_meet_the_budget_the_search_goes_back_up() -> No
     assert search._next_ratio([]) is None
 
 
+@pytest.mark.parametrize("rounds", [-1, 1.5, True, "3", 51])
+def test_runoff_rounds_that_are_not_a_whole_number_in_range_are_refused(rounds) -> None:
+    with pytest.raises(UserInputError, match="Solver.runoff_rounds must be a whole number from 0 to 50"):
+        teraio.Solver(runoff_rounds=rounds)
+
+
+# ------------------------------------------------------------------------------------------ the trial
+def test_the_finalists_are_the_candidates_predicted_near_the_fastest() -> None:
+    """Note: [The search's finalists are timed against each other]: within RUNOFF_MARGIN, fastest first,
+    at most MAX_FINALISTS."""
+    c = [
+        Candidate(r, predicted_step_s=t)
+        for r, t in [(1.0, 2.0), (0.5, 1.0), (0.7, 1.1), (0.3, 1.15), (0.6, 1.12)]
+    ]
+    assert [f.ratio for f in partitioner_runoff.finalists(c)] == [0.5, 0.7, 0.6]
+    assert [f.ratio for f in partitioner_runoff.finalists(c[:2])] == [0.5]  # 2.0 is far from 1.0: no trial
+
+
+def _finalists(n: int) -> list[Candidate]:
+    return [Candidate(1.0 - i / 10, predicted_step_s=1.0 + i / 100) for i in range(n)]
+
+
+def test_the_trial_runs_one_timed_step_per_turn_after_each_finalists_compile() -> None:
+    runoff = RunOff(_finalists(2), rounds=2)
+    a, b = runoff.finalists
+    order = []
+    for step in range(100):
+        f = runoff.next_finalist(step)
+        if f is None:
+            break
+        order.append(f)
+        runoff.timed(step, {id(a): 3.0, id(b): 2.0}[id(f)] + step / 1000)
+    # a: its compile's step, then a timed one; b the same; then one each.
+    assert order == [a, a, b, b, a, b]
+    assert a.times_s == [3.001, 3.004] and b.times_s == [2.003, 2.005]
+    assert runoff.done and runoff.winner() is b and runoff.next_finalist(7) is None
+
+
+def test_a_time_that_arrives_late_counts_for_the_finalist_that_ran_the_step() -> None:
+    """On a GPU a step's time is read from CUDA events, possibly after the next step started."""
+    runoff = RunOff(_finalists(2), rounds=1)
+    a, b = runoff.finalists
+    assert [runoff.next_finalist(s) for s in (0, 1, 2)] == [a, a, a]  # step 1's time not read yet
+    runoff.timed(1, 5.0)
+    assert runoff.next_finalist(3) is b and a.times_s == [5.0]
+    runoff.timed(0, 9.0)  # the compile's step: never counted
+    assert a.times_s == [5.0]
+
+
+def test_a_turn_whose_steps_are_never_timed_ends_and_an_untimed_finalist_cannot_win() -> None:
+    runoff = RunOff(_finalists(2), rounds=1)
+    a, b = runoff.finalists
+    steps = [runoff.next_finalist(s) for s in range(partitioner_runoff.MAX_TURN_STEPS + 1)]
+    assert steps == [a] * partitioner_runoff.MAX_TURN_STEPS + [b]  # none of a's steps was timed
+    runoff.next_finalist(5)
+    runoff.timed(5, 7.0)
+    assert runoff.next_finalist(6) is None and runoff.winner() is b
+    nobody = RunOff(_finalists(3), rounds=1)
+    while nobody.next_finalist(nobody.steps) is not None:
+        pass
+    assert nobody.winner() is nobody.finalists[0]  # nothing timed: the fastest predicted
+
+
 # ------------------------------------------------------------------------------------- end to end
 def searching_backend(offload_dir) -> TeraioBackend:
     """The FX path at 60% of the step with the partitioner search, on CP-SAT's deterministic clock."""
@@ -110,23 +178,46 @@ def searching_backend(offload_dir) -> TeraioBackend:
         inner="eager",
         memory_budget="60%",
         offload_dirs=[str(offload_dir)],
-        solver=teraio.Solver(partitioner_budget="search", **DETERMINISTIC),
+        solver=teraio.Solver(partitioner_budget="search", runoff_rounds=RUNOFF_ROUNDS, **DETERMINISTIC),
         profiling=UNMEASURED,
     )
 
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
-    """The tiny GPT on the FX path at 60% with the search, and the same steps without migration at the
-    ratio it chose."""
+    """The tiny GPT on the FX path at 60% with the search, every fitting candidate a finalist of the trial
+    (Note: [The search's finalists are timed against each other] in teraio.lifecycle.partitioner_runoff),
+    its step times replaced by fixed ones in which the slowest predicted finalist is the fastest; and the
+    same steps without migration at the ratio it chose."""
     tmp = tmp_path_factory.mktemp("search")
     workload = builtin_workload("tiny")
-    be = searching_backend(tmp)
-    try:
-        got = train(workload, be, STEPS)
-        stats = be.stats()
-    finally:
-        be.close()
+    ran: list[tuple[int, float]] = []  # (step, ratio of the finalist that ran it)
+    fake: dict[float, float] = {}
+    next_finalist, timed = RunOff.next_finalist, RunOff.timed
+
+    def recording_next(self, step_index):
+        f = next_finalist(self, step_index)
+        if f is not None:
+            ran.append((step_index, f.candidate.ratio))
+            if not fake:  # the slowest predicted takes 1 s a step, the others 2 s
+                slowest = max(self.finalists, key=lambda g: g.candidate.predicted_step_s)
+                fake.update({g.candidate.ratio: 1.0 if g is slowest else 2.0 for g in self.finalists})
+        return f
+
+    def fixed_times(self, step_index, seconds):
+        f = self._step_of.get(step_index)
+        return timed(self, step_index, fake[f.candidate.ratio] if f is not None else seconds)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(partitioner_runoff, "RUNOFF_MARGIN", float("inf"))
+        mp.setattr(RunOff, "next_finalist", recording_next)
+        mp.setattr(RunOff, "timed", fixed_times)
+        be = searching_backend(tmp)
+        try:
+            got = train(workload, be, TRIAL_STEPS)
+            stats = be.stats()
+        finally:
+            be.close()
     chosen = be.runners[0].partitioner_budget
     reference = train(
         workload,
@@ -136,29 +227,45 @@ def searched(tmp_path_factory):
             profiling=UNMEASURED,
             solver=teraio.Solver(partitioner_budget=chosen),
         ),
-        STEPS,
+        TRIAL_STEPS,
     )
-    return be, stats, got, reference
+    return be, stats, got, reference, ran, fake
 
 
-def test_the_search_plans_several_ratios_for_one_budget_and_runs_the_fastest_predicted(searched) -> None:
-    be, stats, _, _ = searched
+def test_the_search_plans_several_ratios_and_times_its_finalists_in_turns(searched) -> None:
+    be, stats, _, _, ran, fake = searched
     tried = stats["partitioner_search"]
     assert len(tried) >= 2, f"the default partition's plan moved nothing: no search ({tried})"
     assert tried[0]["ratio"] == 1.0 and all(t["ratio"] < 1.0 for t in tried[1:])
     fitting = [t for t in tried if t["fits"]]
-    best = min(fitting, key=lambda t: t["predicted_step_s"])
+    assert len(fitting) >= 2, f"one candidate fits: no trial ({tried})"
+    finalists = sorted(fitting, key=lambda t: t["predicted_step_s"])[:MAX_FINALISTS]
+    assert set(fake) == {t["ratio"] for t in finalists}
+    # Turns: one timed step each, round after round; a finalist's first turn has its compile's step too.
+    turns = [r for i, (_, r) in enumerate(ran) if i == 0 or ran[i - 1][1] != r]
+    order = [t["ratio"] for t in finalists]
+    assert turns == order * RUNOFF_ROUNDS, ran
+    assert [s for s, _ in ran] == list(range(ran[0][0], ran[0][0] + len(ran))), "a step ran outside the turns"
+    for t in fitting:
+        timed = t["ratio"] in fake
+        assert t["timed_steps"] == (RUNOFF_ROUNDS if timed else 0)
+        assert t["measured_step_s"] == (fake[t["ratio"]] if timed else None)
+    winner = min(finalists, key=lambda t: fake[t["ratio"]])
+    assert winner is max(finalists, key=lambda t: t["predicted_step_s"]), "the trial decided nothing"
+    assert be.runners[0].partitioner_budget == winner["ratio"]
+    assert [g["partitioner_budget"] for g in stats["per_graph"]] == [winner["ratio"]]
     assert be.runners[0].profile.meta["calibration_steps"] >= 3  # the winner's, from its own round
-    assert be.runners[0].partitioner_budget == best["ratio"]
     budget = be.runners[0].step_budget_bytes
     assert all(t["predicted_peak_bytes"] <= budget for t in fitting), (budget, fitting)
-    assert stats["predicted_step_s"] == pytest.approx(best["predicted_step_s"])
-    assert [g["partitioner_budget"] for g in stats["per_graph"]] == [best["ratio"]]
+    assert stats["predicted_step_s"] == pytest.approx(winner["predicted_step_s"])
+    # The trial's steps stay out of the step statistics: only the steps after it were counted.
+    after_trial = TRIAL_STEPS - (ran[-1][0] + 1)
+    assert after_trial > 0 and stats["running_steps"] == after_trial
 
 
 def test_every_candidate_is_planned_for_the_budget_of_the_default_partition(searched) -> None:
     """A fraction is of the step without teraio: the smaller peak of a lower ratio does not shrink it."""
-    be, _, _, _ = searched
+    be, *_ = searched
     assert be.planner.budget_bytes_override == be.runners[0].step_budget_bytes
     assert be.runners[0].plan.budget_bytes <= be.runners[0].step_budget_bytes
 
@@ -166,7 +273,7 @@ def test_every_candidate_is_planned_for_the_budget_of_the_default_partition(sear
 def test_the_searched_run_is_bit_identical_to_no_migration_at_the_chosen_ratio(searched) -> None:
     """On the FX path the partitioner's recompute runs the same aten ops: every step, the search's rounds
     included, computes the bits of the compile without migration at the ratio the search chose."""
-    be, _, got, reference = searched
+    be, _, got, reference, _, _ = searched
     assert (
         any(r.plan is not None and r.plan.decisions for r in be.runners)
         or be.runners[0].partitioner_budget < 1
@@ -241,6 +348,7 @@ def test_a_ratio_profiled_before_the_last_runs_its_own_plan(monkeypatch, tmp_pat
     finally:
         be.close()
     assert len(tried) >= 2 and be.runners[0].partitioner_budget == tried[0]["ratio"] == 1.0
+    assert not any(t["timed_steps"] for t in tried), "one finalist: no trial"
     reference = train(
         workload,
         TeraioBackend(
