@@ -24,6 +24,10 @@ def test_run_tiny(capsys) -> None:
     torch_row, teraio_row = rows["torch@0.5"], rows["teraio@0.5"]
     assert teraio_row["budget_bytes"] == torch_row["peak_bytes"]
     assert teraio_row["step_vs_torch"] > 0 and teraio_row["peak_vs_torch"] > 0
+    # One round: the per-round ratio is that round's.
+    assert teraio_row["step_vs_torch_paired"] == pytest.approx(
+        teraio_row["steps_s"][0] / torch_row["steps_s"][0]
+    )
     assert teraio_row["partitioner_search"][0]["ratio"] == 1.0
     assert len(teraio_row["steps_s"]) == 1
     assert res["torch_lowest_peak"]["ratio"] == 0.2

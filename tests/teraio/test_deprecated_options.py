@@ -184,6 +184,7 @@ def test_config_json_records_one_object_per_concern() -> None:
         "workers": 2,
         "recompute": None,
         "partitioner_budget": None,
+        "runoff_rounds": 3,
     }
     assert recorded["profiling"] == {"steps": 1, "measure_memory": True, "max_shapes": 8}
     assert "runtime_options" not in recorded and recorded["memory_budget"] == "50%"
