@@ -213,11 +213,20 @@ def searched(tmp_path_factory):
         mp.setattr(RunOff, "next_finalist", recording_next)
         mp.setattr(RunOff, "timed", fixed_times)
         be = searching_backend(tmp)
+        settled: list[bool] = []  # at each step boundary of the trial
+        boundary = be.partitioner_search.at_step_boundary
+
+        def recording_boundary(step_index):
+            settled.append(be.settled)
+            return boundary(step_index)
+
+        be.partitioner_search.at_step_boundary = recording_boundary
         try:
             got = train(workload, be, TRIAL_STEPS)
             stats = be.stats()
         finally:
             be.close()
+    stats["settled_in_trial"] = settled
     chosen = be.runners[0].partitioner_budget
     reference = train(
         workload,
@@ -258,6 +267,8 @@ def test_the_search_plans_several_ratios_and_times_its_finalists_in_turns(search
     budget = be.runners[0].step_budget_bytes
     assert all(t["predicted_peak_bytes"] <= budget for t in fitting), (budget, fitting)
     assert stats["predicted_step_s"] == pytest.approx(winner["predicted_step_s"])
+    # Not settled while the finalists were timed; settled since.
+    assert stats["settled_in_trial"] and not any(stats["settled_in_trial"]) and stats["settled"]
     # The trial's steps stay out of the step statistics: only the steps after it were counted.
     after_trial = TRIAL_STEPS - (ran[-1][0] + 1)
     assert after_trial > 0 and stats["running_steps"] == after_trial
