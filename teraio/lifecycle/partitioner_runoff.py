@@ -13,7 +13,9 @@ Note: [The search's finalists are timed against each other]
     per turn, round after round, ``Solver.runoff_rounds`` rounds; the first step of each finalist is its
     compile's and is not timed. Turns interleave, so a drift of the machine falls on every finalist alike.
     The finalist with the smallest median timed step runs from then on; a finalist that was never timed
-    (steps that compiled, abandoned a forward or were not the graphs' final code) cannot win. Each finalist
+    (steps that compiled, abandoned a forward or were not the graphs' final code) cannot win, and a round
+    without any timed step ends the trial (a loop that abandons a forward every step, such as a metric
+    computed with gradients enabled, is never timed: its fastest predicted runs). Each finalist
     is compiled once: a later turn puts its compilation back (teraio.lifecycle.runner.Compilation), between
     steps, so a forward waiting for its backward keeps the code it ran with.
 
@@ -43,7 +45,8 @@ RUNOFF_MARGIN = 0.15
 #: At most this many finalists: each one costs a compile and its turns.
 MAX_FINALISTS = 3
 #: A turn ends after this many steps even when none of them was timed (a loop whose steps abandon a
-#: forward or compile a new graph): the trial never holds the run forever.
+#: forward or compile a new graph), and the trial ends after a round in which no step was timed: it never
+#: holds the run for long.
 MAX_TURN_STEPS = 4
 
 
@@ -80,6 +83,7 @@ class RunOff:
         self._turn = 0
         self._turn_steps = 0
         self._timed_in_turn = False
+        self._timed_in_round = False
         self._step_of: dict[int, Finalist] = {}  # step index -> the finalist that ran it (until timed)
         self._warmup: set[int] = set()  # the first step of each finalist: its compile's
         self._started: set[int] = set()  # id() of finalists that ran a step
@@ -101,6 +105,10 @@ class RunOff:
         if self.active is not None and (self._timed_in_turn or self._turn_steps >= MAX_TURN_STEPS):
             self._turn += 1
             self._turn_steps, self._timed_in_turn = 0, False
+            if self._turn % len(self.finalists) == 0:  # a round ended
+                if not self._timed_in_round:  # a loop whose steps are never timed: stop trying
+                    self._turn = len(self._schedule)
+                self._timed_in_round = False
             if self._turn >= len(self._schedule):
                 self.done = True
                 return None
@@ -122,6 +130,7 @@ class RunOff:
             if f is None or step_index in self._warmup:
                 return
             f.times_s.append(seconds)
+            self._timed_in_round = True
             if not self.done and f is self._schedule[self._turn] and f is self.active:
                 self._timed_in_turn = True
 

@@ -165,10 +165,12 @@ def test_a_turn_whose_steps_are_never_timed_ends_and_an_untimed_finalist_cannot_
     runoff.next_finalist(5)
     runoff.timed(5, 7.0)
     assert runoff.next_finalist(6) is None and runoff.winner() is b
-    nobody = RunOff(_finalists(3), rounds=1)
+    nobody = RunOff(_finalists(3), rounds=3)
     while nobody.next_finalist(nobody.steps) is not None:
         pass
     assert nobody.winner() is nobody.finalists[0]  # nothing timed: the fastest predicted
+    # A round without any timed step ends the trial: one round of untimed turns, not three.
+    assert nobody.steps == 3 * partitioner_runoff.MAX_TURN_STEPS
 
 
 # ------------------------------------------------------------------------------------- end to end
