@@ -137,6 +137,7 @@ class TeraioBackend:
             self.whole_step,
             predicted_peak=self.planner.predicted_peak,
             on_step_time=self._append_stats,
+            on_trial=lambda: self.partitioner_search is not None and self.partitioner_search.on_trial,
         )
         process.register(self)
 
@@ -245,7 +246,6 @@ class TeraioBackend:
             # Note: [The search's finalists are timed against each other] in teraio.lifecycle.partitioner_runoff
             with self._lock:
                 search.at_step_boundary(self.tracker.next_step_index)
-            self.measurement.on_trial = search.on_trial
         if step is None or step.complete:
             replan = self.outside_memory.replan_wanted
             # Note: [Ranks agree at the start of every step] in teraio.lifecycle.ranks
@@ -298,7 +298,6 @@ class TeraioBackend:
                     if search.plan(unplanned):
                         self.measurement.compiled_during(self.tracker.current_step)
                         return  # profiling again at another partitioner budget
-                    self.measurement.on_trial = search.on_trial
                 elif self.cfg.enabled:
                     self.planner.plan(unplanned)
             elif unplanned and self.cfg.enabled and self.cfg.memory_budget is None:

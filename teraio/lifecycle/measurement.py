@@ -213,6 +213,7 @@ class StepMeasurement:
         whole_step: WholeStepStates | None,
         predicted_peak: Callable[[list[tuple[Any, str, int]]], int | None],
         on_step_time: Callable[[StepRecord, float], None],
+        on_trial: Callable[[], bool] = lambda: False,
     ) -> None:
         self.cfg = cfg
         self.runners = runners  # the backend's, as they come
@@ -236,10 +237,10 @@ class StepMeasurement:
         self._times_lock = threading.Lock()
         self._compiles_at: dict[int, int] = {}  # step index -> compiles that happened during it
         self.step_times_s: list[float] = []  # complete running steps, every graph in its final phase
-        #: The running compilations are on trial (Note: [The search's finalists are timed against each
-        #: other] in teraio.lifecycle.partitioner_runoff): steps are timed, not measured, and their times
-        #: stay out of the step statistics.
-        self.on_trial = False
+        #: Whether the running compilations are on trial (Note: [The search's finalists are timed against
+        #: each other] in teraio.lifecycle.partitioner_runoff): steps are timed, not measured, and their
+        #: times stay out of the step statistics.
+        self.on_trial = on_trial
 
     def note_forward(self) -> None:
         self.forward_calls += 1
@@ -263,7 +264,7 @@ class StepMeasurement:
         final = self._step_final(step)
         if started is not None and clean and final:
             clock, t0 = started
-            self._step_ends.append((step, clock, t0, clock.mark(), self.on_trial))
+            self._step_ends.append((step, clock, t0, clock.mark(), self.on_trial()))
             self.read_step_times(wait=False)
         if step.abandoned == 0:
             self.step_stats.step_ended(step.calls, None)
@@ -279,7 +280,7 @@ class StepMeasurement:
             self._measure is MeasureState.WAITING
             and clean
             and final
-            and not self.on_trial
+            and not self.on_trial()
             and self.cfg.profiling.measure_memory
             and (self.outside_memory.confirming or self.step_stats.needs_measurement(self.kind_generation))
         ):

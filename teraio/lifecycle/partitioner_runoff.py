@@ -50,6 +50,11 @@ MAX_FINALISTS = 3
 MAX_TURN_STEPS = 4
 
 
+def trial_steps_at_most(rounds: int) -> int:
+    """The steps a trial of ``rounds`` rounds can take at most (every turn untimed to its end)."""
+    return rounds * MAX_FINALISTS * MAX_TURN_STEPS
+
+
 def finalists(fitting: list[Candidate]) -> list[Candidate]:
     """The candidates to time: the fitting ones predicted within RUNOFF_MARGIN of the fastest, fastest
     predicted first, at most MAX_FINALISTS."""
@@ -66,6 +71,7 @@ class Finalist:
     #: Its graphs' compilations, once it has run (None: never compiled yet).
     compilations: dict[GraphRunner, Compilation] | None = None
     times_s: list[float] = field(default_factory=list)
+    started: bool = False  # ran a step (its first is its compile's)
 
     @property
     def median_s(self) -> float | None:
@@ -86,7 +92,6 @@ class RunOff:
         self._timed_in_round = False
         self._step_of: dict[int, Finalist] = {}  # step index -> the finalist that ran it (until timed)
         self._warmup: set[int] = set()  # the first step of each finalist: its compile's
-        self._started: set[int] = set()  # id() of finalists that ran a step
         self.active: Finalist | None = None
         self.done = False
         self.steps = 0
@@ -113,8 +118,8 @@ class RunOff:
                 self.done = True
                 return None
         f = self._schedule[self._turn]
-        if id(f) not in self._started:
-            self._started.add(id(f))
+        if not f.started:
+            f.started = True
             self._warmup.add(step_index)
         self._step_of[step_index] = f
         self._turn_steps += 1
@@ -131,7 +136,7 @@ class RunOff:
                 return
             f.times_s.append(seconds)
             self._timed_in_round = True
-            if not self.done and f is self._schedule[self._turn] and f is self.active:
+            if not self.done and f is self.active:
                 self._timed_in_turn = True
 
     def winner(self) -> Finalist:
@@ -142,4 +147,12 @@ class RunOff:
         return min(timed, key=lambda f: f.median_s or 0.0)
 
 
-__all__ = ["MAX_FINALISTS", "MAX_TURN_STEPS", "RUNOFF_MARGIN", "Finalist", "RunOff", "finalists"]
+__all__ = [
+    "MAX_FINALISTS",
+    "MAX_TURN_STEPS",
+    "RUNOFF_MARGIN",
+    "Finalist",
+    "RunOff",
+    "finalists",
+    "trial_steps_at_most",
+]

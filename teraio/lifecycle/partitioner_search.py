@@ -396,9 +396,9 @@ class PartitionerSearch:
         other] in teraio.lifecycle.partitioner_runoff)."""
         return self.runoff is not None
 
-    def at_step_boundary(self, step_index: int) -> bool:
+    def at_step_boundary(self, step_index: int) -> None:
         """Between steps, before step ``step_index`` starts: switch to the finalist whose turn it is, or
-        to the winner when the trial ends. True when a graph was compiled."""
+        to the winner when the trial ends."""
         runoff = self.runoff
         assert runoff is not None
         before = runoff.active
@@ -407,32 +407,32 @@ class PartitionerSearch:
             for f in runoff.finalists:
                 f.candidate.measured_step_s, f.candidate.timed_steps = f.median_s, len(f.times_s)
             winner = runoff.winner()
-            compiled = self._switch(before, winner)
+            self._switch(before, winner)
             self.runoff = None
             self._chosen(winner.candidate, f"the fastest timed ({runoff.steps} steps in turns)")
-            return compiled
-        return self._switch(before, nxt)
+            return
+        self._switch(before, nxt)
 
     def step_timed(self, step_index: int, seconds: float) -> None:
         """A step's time (the measurement's), for the finalist that ran it."""
         if self.runoff is not None:
             self.runoff.timed(step_index, seconds)
 
-    def _switch(self, current: Finalist | None, nxt: Finalist) -> bool:
-        """Keep ``current``'s compilations and run ``nxt``'s (compiled now when it never ran)."""
+    def _switch(self, current: Finalist | None, nxt: Finalist) -> None:
+        """Keep ``current``'s compilations and run ``nxt``'s (compiled now when it never ran: its first
+        step, the trial's warm-up for it, is not timed)."""
         if nxt is current:
-            return False
+            return
         if current is not None:
             current.compilations = {r: r.compilation() for r in current.candidate.graphs}
         if nxt.compilations is not None:
             for r, c in nxt.compilations.items():
                 r.use_compilation(c)
             self.planner.predicted_step_peak_bytes = nxt.candidate.predicted_peak_bytes
-            return False
+            return
         self._restore(nxt.candidate)
         for r in nxt.candidate.graphs:
             r.compile_final()
-        return True
 
     def summary(self) -> list[dict[str, Any]]:
         """The candidates, for the run's stats."""

@@ -287,9 +287,8 @@ class GraphRunner:
             plan_by_identity[identity], identity_of[ordinal] = plan, identity
         retained, self._retained = self._retained, None
         if self._plain is not None and self._plain_partition != self.partitioner_budget:
-            self._plain = (
-                None  # compiled for another partition (the search's run-off): its saved tensors differ
-            )
+            # Compiled at another partition (the search's trial switched it): it saves other tensors.
+            self._plain = None
         if (
             len(plan_by_identity) == 1
             and retained is not None

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from teraio.config import BackendConfig, Profiling, Solver
 from teraio.lifecycle.backend import Phase, TeraioBackend
+from teraio.lifecycle.partitioner_runoff import trial_steps_at_most
 from teraio.planner.budget import BudgetError, format_size
 from teraio.platform.cpu_malloc import CpuMalloc, apply_cpu_malloc
 from teraio.profiling.measure import MemoryRecorder
@@ -207,7 +208,9 @@ def _warm_up(
     # Then it times the finalists in turns (Note: [The search's finalists are timed against each other] in
     # teraio.lifecycle.partitioner_runoff).
     rounds = 3 if m.backend.partitioner_search is not None else 1
-    trial = 0 if m.backend.partitioner_search is None else 4 * m.backend.cfg.solver.runoff_rounds + 3
+    trial = (
+        0 if m.backend.partitioner_search is None else trial_steps_at_most(m.backend.cfg.solver.runoff_rounds)
+    )
     while m.steps_run < rounds * (warmup + 2) + PROBE_STEPS + trial and not m.backend.settled:
         m.warm_up_times.append(m.step(m.steps_run, cfg)[0])
     m.step(m.steps_run, cfg, measure=True)
