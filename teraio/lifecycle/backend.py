@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from teraio.config import BackendConfig, make_config
+from teraio.config import BackendConfig, make_config, partitioner_budget_option
 from teraio.errors import UserInputError
 from teraio.lifecycle import registry as process
 from teraio.lifecycle.engines import round_up, runtime_config
@@ -171,7 +171,12 @@ class TeraioBackend:
     def new_runner(self, gm: fx.GraphModule, examples: list[Any]) -> GraphRunner:
         """A runner for one graph at one set of shapes (also called by ShapeDispatch per shape)."""
         with self._lock:
-            runner = GraphRunner(self, len(self.runners), gm, examples)
+            search = self.partitioner_search
+            # Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search
+            partition = (
+                search.ratio_for_new_graph() if search is not None else partitioner_budget_option(self.cfg)
+            )
+            runner = GraphRunner(self, len(self.runners), gm, examples, partitioner_budget=partition)
             self.runners.append(runner)
             self.measurement.compiled_during(self.tracker.current_step)
             return runner

@@ -50,6 +50,15 @@ Note: [The partitioner's budget is part of the plan]
     runs on one process and without ``states="offload"`` (elsewhere the default partition is kept, and
     the log says so): ranks would have to agree on each candidate, and the whole-step plan of states holds
     decisions across rounds that this search does not yet restore.
+
+    The step's graphs may change during the search: a batch of another size makes Dynamo compile the frame
+    again with dynamic shapes, a new graph serves a shape never seen. A graph first seen starts at the
+    partition of the round under way (of the finalist whose turn it is during a trial, of the chosen
+    candidate after), and a graph's state is restored with the partition it was profiled at, never a
+    candidate's ratio over another partition's profile (the compile would refuse the plan). At the end,
+    only the graphs about to be compiled are restored (one still profiling for a later round keeps that
+    round's partition and is planned by itself), and a candidate that did not plan every one of them
+    (planned on a graph the step no longer calls) is left out of the choice, and the log says so.
 """
 
 from __future__ import annotations
@@ -102,6 +111,7 @@ def profile_steps(cfg: BackendConfig) -> int:
 class _GraphState:
     """What one graph's round produced, restored when its candidate wins."""
 
+    partitioner_budget: float | None  # the partition the profile and plans are of
     profile: Profile | None
     profiler: Any
     profiling: Any
@@ -199,6 +209,7 @@ class PartitionerSearch:
         self._stage: Literal["fit", "between", "done"] = "fit"
         self._fit = 1.0
         self._ratio: float | None = None  # the ratio the current round profiles at
+        self._chosen_ratio: float | None = None  # the candidate running since the search ended
         self._done = False
         self._told_skip = False
 
@@ -217,6 +228,16 @@ class PartitionerSearch:
             self._done = True
             return False
         return any(r.is_training for r in runners)
+
+    def ratio_for_new_graph(self) -> float | None:
+        """The partition a graph first seen now starts at (None: the process's setting): the round's, the
+        finalist's whose turn it is, or the chosen candidate's (Note: [The partitioner's budget is part of
+        the plan])."""
+        if self.runoff is not None and self.runoff.active is not None:
+            return self.runoff.active.candidate.ratio
+        if self._done:
+            return self._chosen_ratio
+        return self._ratio
 
     def plan(self, ready: list[GraphRunner]) -> bool:
         """Plan ``ready`` at the current ratio and record the candidate; True when another round of
@@ -327,6 +348,10 @@ class PartitionerSearch:
     @staticmethod
     def _state_of(r: GraphRunner) -> _GraphState:
         return _GraphState(
+            # None is the process's setting: its ratio now, which a restored graph then states.
+            partitioner_budget=r.partitioner_budget
+            if r.partitioner_budget is not None
+            else float(torch._functorch.config.activation_memory_budget),
             profile=r.profile,
             profiler=r.profiler,
             profiling=r.profiling,
@@ -341,9 +366,20 @@ class PartitionerSearch:
         a trial; False: compile now."""
         # The override stays: a later plan of the step (memory outside the graphs grew) is for the same
         # bytes, not a fraction of the chosen partition's smaller peak.
-        fitting = [c for c in self.candidates if c.failure is None]
+        # Only the graphs compiled next are restored: one profiling for a later round keeps its partition.
+        for c in self.candidates:
+            c.graphs = {r: st for r, st in c.graphs.items() if r in ready}
+        step_graphs = {r for r in ready if r.is_training}
+        comparable = [c for c in self.candidates if step_graphs <= set(c.graphs)]
+        if len(comparable) < len(self.candidates):
+            log.info(
+                "partitioner search: ratio(s) %s were planned on graphs the step no longer calls (Dynamo "
+                "compiled it again); left out of the choice",
+                ", ".join(f"{c.ratio:g}" for c in self.candidates if c not in comparable),
+            )
+        fitting = [c for c in comparable if c.failure is None]
         if not fitting:
-            failures = [c.failure for c in self.candidates if c.failure is not None]
+            failures = [c.failure for c in comparable if c.failure is not None]
             raise min(failures, key=lambda e: e.smallest_peak_bytes or 1 << 62)
         chosen = finalists(fitting) if self.runoff_rounds > 0 else []
         if len(chosen) < 2:
@@ -368,7 +404,7 @@ class PartitionerSearch:
     def _restore(self, c: Candidate) -> None:
         """Put ``c``'s profiles and plans back in its runners (they compile next)."""
         for r, st in c.graphs.items():
-            r.partitioner_budget = c.ratio
+            r.partitioner_budget = st.partitioner_budget
             r.profile, r.profiler, r.profiling = st.profile, st.profiler, st.profiling
             r.plan, r.plans, r.step_budget_bytes = st.plan, st.plans, st.step_budget_bytes
             r.computation_fingerprint = st.computation_fingerprint
@@ -376,6 +412,7 @@ class PartitionerSearch:
 
     def _chosen(self, best: Candidate, why: str) -> None:
         """``best`` runs from now on: log the choice, save its profiles and plans, drop the others'."""
+        self._chosen_ratio = best.ratio
         log.info(
             "partitioner search: running at activation_memory_budget %g, %s (%s)",
             best.ratio,

@@ -21,7 +21,6 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from teraio.config import partitioner_budget_option
 from teraio.errors import UserInputError
 from teraio.graph.capture import CapturedStep, analyse_saved
 from teraio.graph.compilers import RetainedTraining, compile_graph
@@ -138,6 +137,7 @@ class GraphRunner:
         graph_id: int,
         gm: fx.GraphModule,
         example_inputs: list[Any],
+        partitioner_budget: float | None = None,
     ) -> None:
         self.backend = backend
         self.cfg = backend.cfg
@@ -181,9 +181,9 @@ class GraphRunner:
         self._unplanned_peak: tuple[Profile, int] | None = None
         self.training = False  # set by the partitioner's hook: the graph has a backward
         #: The min-cut partitioner's activation_memory_budget this graph is partitioned at (None: the
-        #: process's setting). Note: [The partitioner's budget is part of the plan] in
+        #: process's setting; the backend passes ``Solver.partitioner_budget`` or the search's ratio). Note: [The partitioner's budget is part of the plan] in
         #: teraio.lifecycle.partitioner_search.
-        self.partitioner_budget: float | None = partitioner_budget_option(self.cfg)
+        self.partitioner_budget: float | None = partitioner_budget
         self.phase = Phase.PROFILING
         self.profiling = RunnerProfiling(self, _device_of(example_inputs))
         #: The profiling compile's graphs and code, for the plan (Note: [One trace per graph on the FX

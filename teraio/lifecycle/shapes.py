@@ -234,6 +234,9 @@ class ShapeDispatch:
                 static_examples(tuple(args[i] for i in kept)),
                 runner.cfg.inner,
                 inductor_options=self.backend.inductor_options,
+                # The runner's fingerprint is of its partition, which the partitioner search may have
+                # changed: captured at another, the same computation saves other tensors and never matched.
+                partitioner_budget=runner.partitioner_budget,
             )
             if step is not None and computation_fingerprint(step) == runner.computation_fingerprint:
                 log.info(

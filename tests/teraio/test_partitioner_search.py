@@ -6,6 +6,7 @@ inner compilers."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -21,9 +22,11 @@ from teraio.lifecycle.partitioner_search import (
     RATIO_STEP,
     Candidate,
     PartitionerSearch,
+    _GraphState,
     profile_steps,
     ratio_to_fit,
 )
+from teraio.lifecycle.phases import Phase
 from teraio.planner.budget import BudgetError
 from teraio.profiling.op_timing import profiling_split
 from teraio.tools.workloads import builtin_workload
@@ -171,6 +174,48 @@ def test_a_turn_whose_steps_are_never_timed_ends_and_an_untimed_finalist_cannot_
     assert nobody.winner() is nobody.finalists[0]  # nothing timed: the fastest predicted
     # A round without any timed step ends the trial: one round of untimed turns, not three.
     assert nobody.steps == 3 * partitioner_runoff.MAX_TURN_STEPS
+
+
+class _Graph:
+    """A runner as the search's end sees it."""
+
+    def __init__(self, partition: float) -> None:
+        self.is_training, self.partitioner_budget, self.profile = True, partition, None
+
+
+def _state(partition: float, tag: str) -> _GraphState:
+    return _GraphState(
+        partitioner_budget=partition,
+        profile=None,
+        profiler=None,
+        profiling=None,
+        plan=tag,  # type: ignore[arg-type]
+        plans={},
+        step_budget_bytes=None,
+        computation_fingerprint=tag,
+    )
+
+
+def test_a_candidate_planned_on_a_graph_the_step_no_longer_calls_is_left_out() -> None:
+    """Dynamo compiled the step again during the search: the first candidate planned a graph no longer
+    called, so it cannot be compared, however fast predicted; only the graphs compiled next are restored,
+    each with the partition of its own state (one profiling for a later round keeps its own)."""
+    gone, step_graph, profiling = _Graph(0.5), _Graph(0.7), _Graph(0.7)
+    planner = SimpleNamespace(predicted_step_peak_bytes=None)
+    search = PartitionerSearch(planner)  # type: ignore[arg-type]
+    search.candidates = [
+        Candidate(1.0, predicted_step_s=0.1, graphs={gone: _state(1.0, "a")}),
+        Candidate(
+            0.5, predicted_step_s=0.2, graphs={step_graph: _state(0.5, "b"), profiling: _state(0.5, "b")}
+        ),
+        Candidate(0.7, predicted_step_s=0.3, graphs={step_graph: _state(0.7, "c")}),
+    ]
+    search._done = True  # as plan() sets it before the end
+    assert search._end([step_graph]) is False  # type: ignore[list-item]
+    assert (step_graph.partitioner_budget, step_graph.plan) == (0.5, "b")
+    assert (profiling.partitioner_budget, getattr(profiling, "plan", None)) == (0.7, None)
+    assert (gone.partitioner_budget, getattr(gone, "plan", None)) == (0.5, None)
+    assert search.ratio_for_new_graph() == 0.5
 
 
 # ------------------------------------------------------------------------------------- end to end
@@ -368,5 +413,56 @@ def test_a_ratio_profiled_before_the_last_runs_its_own_plan(monkeypatch, tmp_pat
             inner="eager", enabled=False, profiling=UNMEASURED, solver=teraio.Solver(partitioner_budget=1.0)
         ),
         STEPS,
+    )
+    assert_bit_identical(reference, got)
+
+
+def test_a_batch_of_another_size_during_the_search_keeps_every_graph_on_its_own_partition(tmp_path) -> None:
+    """A smaller batch arrives once the search profiles its second ratio, then every fourth step: Dynamo
+    compiles the frame again with dynamic shapes. The full batch's shape stays with the graph the search
+    re-partitioned (no second profile of it, which planned the default partition's profile under another
+    ratio and failed to compile), the small batch's graph starts at the round's ratio, and the run is
+    bit-identical to the same batches without migration (the partition changes no bit on the FX path)."""
+    base = builtin_workload("tiny")
+    full = base.batch_at(0)
+    small_steps: list[int] = []
+    joined_at: list[float | None] = []  # the search's ratio when the small batch first ran
+    be = searching_backend(tmp_path)
+    search = be.partitioner_search
+
+    def batch(step: int):
+        if small_steps or search.candidates:  # from the second round on
+            if not small_steps or step - small_steps[-1] == 4:
+                if not small_steps:
+                    joined_at.append(search.ratio_for_new_graph())
+                small_steps.append(step)
+        return tuple(t[:2] for t in full) if step in small_steps else full
+
+    steps = 40
+    try:
+        got = train(dataclasses.replace(base, batch_for_step=batch), be, steps)
+        stats = be.stats()
+    finally:
+        be.close()
+    tried = stats["partitioner_search"]
+    assert len(tried) >= 2 and small_steps and joined_at[0] == tried[1]["ratio"] < 1.0, (tried, joined_at)
+    training = [r for r in be.runners if r.is_training]
+    assert len(training) == 2, "the full batch's shape was profiled a second time"
+    big, little = training
+    assert big.phase is Phase.RUNNING and big.partitioner_budget in {t["ratio"] for t in tried}
+    # Planned by itself at the partition it was profiled at (it was never ready in a round).
+    assert little.phase is Phase.RUNNING and little.partitioner_budget == joined_at[0]
+    assert little.plan is not None and little.profile is not None
+    reference = train(
+        dataclasses.replace(
+            base, batch_for_step=lambda step: tuple(t[:2] for t in full) if step in small_steps else full
+        ),
+        TeraioBackend(
+            inner="eager",
+            enabled=False,
+            profiling=UNMEASURED,
+            solver=teraio.Solver(partitioner_budget=big.partitioner_budget),
+        ),
+        steps,
     )
     assert_bit_identical(reference, got)
