@@ -349,6 +349,9 @@ class TeraioBackend:
         memory first or are dropped (teraio.states.offload.StateOffload.close)."""
         if getattr(self, "states", None) is not None:  # first: it may refuse, before anything is closed
             self.states.close(restore=restore_states)
+        search = getattr(self, "partitioner_search", None)
+        if search is not None:  # a loop that ended during the search's trial
+            search.at_close()
         self.pricing.close()
         for r in self.runners:  # a kernel-memory step that ended and was never read, or never ended
             if r.profiler is not None:

@@ -411,7 +411,8 @@ class PartitionerSearch:
         self.planner.predicted_step_peak_bytes = c.predicted_peak_bytes
 
     def _chosen(self, best: Candidate, why: str) -> None:
-        """``best`` runs from now on: log the choice, save its profiles and plans, drop the others'."""
+        """``best`` runs from now on (or ran last, at close): log the choice, save its profiles and plans,
+        drop the others'."""
         self._chosen_ratio = best.ratio
         log.info(
             "partitioner search: running at activation_memory_budget %g, %s (%s)",
@@ -449,6 +450,22 @@ class PartitionerSearch:
             self._chosen(winner.candidate, f"the fastest timed ({runoff.steps} steps in turns)")
             return
         self._switch(before, nxt)
+
+    def at_close(self) -> None:
+        """The backend closes: when the loop ended during the trial, keep the times so far and save the
+        plans of the finalist that ran last (the graphs hold its state and code) to the run directory,
+        which otherwise had no plan of these graphs."""
+        runoff = self.runoff
+        if runoff is None:
+            return
+        self.runoff = None
+        for f in runoff.finalists:
+            f.candidate.measured_step_s, f.candidate.timed_steps = f.median_s, len(f.times_s)
+        if runoff.active is not None:
+            self._chosen(
+                runoff.active.candidate,
+                f"the last to run: the loop ended during the trial, after {runoff.steps} steps in turns",
+            )
 
     def step_timed(self, step_index: int, seconds: float) -> None:
         """A step's time (the measurement's), for the finalist that ran it."""

@@ -218,6 +218,32 @@ def test_a_candidate_planned_on_a_graph_the_step_no_longer_calls_is_left_out() -
     assert search.ratio_for_new_graph() == 0.5
 
 
+def test_a_loop_that_ends_during_the_trial_saves_the_plans_that_ran_last() -> None:
+    """close() during the trial: the run directory gets the profiles and plans of the finalist whose code
+    the graphs ran last (without it, no plan of the searched graphs was written), with the times so far."""
+    saved: list[tuple[str, object]] = []
+    first, second = _Graph(0.5), _Graph(0.7)
+    for g in (first, second):
+        g.profile = object()  # type: ignore[assignment]
+        g.backend = SimpleNamespace(save_profile=lambda r: saved.append(("profile", r)))  # type: ignore[attr-defined]
+    planner = SimpleNamespace(save_plan=lambda r: saved.append(("plan", r)), predicted_step_peak_bytes=None)
+    search = PartitionerSearch(planner)  # type: ignore[arg-type]
+    a = Candidate(0.5, predicted_step_s=0.1, graphs={first: _state(0.5, "a")})
+    b = Candidate(0.7, predicted_step_s=0.1, graphs={second: _state(0.7, "b")})
+    search.candidates, search._done = [a, b], True
+    search.runoff = RunOff([a, b], rounds=3)
+    for step in range(3):  # a's compile step, a's timed step, then b's compile step
+        search.runoff.next_finalist(step)
+        search.runoff.timed(step, 1.0)
+    assert search.on_trial and search.runoff.active.candidate is b
+    search.at_close()
+    assert saved == [("profile", second), ("plan", second)]
+    assert not search.on_trial and search.ratio_for_new_graph() == 0.7
+    assert (a.measured_step_s, a.timed_steps, b.measured_step_s, b.timed_steps) == (1.0, 1, None, 0)
+    search.at_close()  # at interpreter exit again: nothing more
+    assert len(saved) == 2
+
+
 # ------------------------------------------------------------------------------------- end to end
 def searching_backend(offload_dir) -> TeraioBackend:
     """The FX path at 60% of the step with the partitioner search, on CP-SAT's deterministic clock."""
