@@ -181,8 +181,8 @@ class GraphRunner:
         self._unplanned_peak: tuple[Profile, int] | None = None
         self.training = False  # set by the partitioner's hook: the graph has a backward
         #: The min-cut partitioner's activation_memory_budget this graph is partitioned at (None: the
-        #: process's setting; the backend passes ``Solver.partitioner_budget`` or the search's ratio). Note: [The partitioner's budget is part of the plan] in
-        #: teraio.lifecycle.partitioner_search.
+        #: process's setting; the backend passes ``Solver.partitioner_budget`` or the search's ratio).
+        #: Note: [The partitioner's budget is part of the plan] in teraio.lifecycle.partitioner_search.
         self.partitioner_budget: float | None = partitioner_budget
         self.phase = Phase.PROFILING
         self.profiling = RunnerProfiling(self, _device_of(example_inputs))
