@@ -105,7 +105,7 @@ from benchmarks.states_reference import (  # noqa: E402
     sizes,
 )
 from benchmarks.states_tables import print_fsdp_table, print_table  # noqa: E402
-from benchmarks.step_overlap import EngineMark, overlap_summary, step_figures  # noqa: E402
+from benchmarks.step_overlap import EngineMark, overlap_summary, phase_bound, phase_figures, step_figures  # noqa: E402
 from teraio.planner.model_states import io_lower_bound_s, offload_step_traffic  # noqa: E402
 from teraio.planner.safe_io import OutputError, check_output_file, write_json  # noqa: E402
 from teraio.tools.models.gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
@@ -211,6 +211,7 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         loss = compiled(idx, targets)
         t1 = time.perf_counter()
+        mark_backward = EngineMark.now(be.states.engine)
         rss_before_backward = proc_status_bytes("VmRSS")
         first_grad_rss.clear()
         loss.backward()
@@ -218,13 +219,20 @@ def train_child(spec: dict[str, Any]) -> dict[str, Any]:
         if spec.get("clip") is not None:  # between backward and step, as every LLM recipe clips
             clip_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec["clip"]))
         t2 = time.perf_counter()
+        mark_step = EngineMark.now(be.states.engine)
         opt.step()
         t3 = time.perf_counter()
+        mark_step_end = EngineMark.now(be.states.engine)
         opt.zero_grad(set_to_none=True)  # drops the gradients' disk copies: no I/O
         t4 = time.perf_counter()
         cpu_s = time.process_time() - cpu0
         engine_after = EngineMark.now(be.states.engine)
         waits = step_figures(engine_before, engine_after, t4 - t0)
+        waits.update(
+            phase_figures(
+                [engine_before, mark_backward, mark_step, mark_step_end], [t1 - t0, t2 - t1, t3 - t2]
+            )
+        )
         engine_before = engine_after
         hwm = proc_status_bytes("VmHWM")
         after = io_by_kind(be)
@@ -475,6 +483,28 @@ def run(
     measured_written = statistics.median(sum(r["written_bytes"].values()) for r in running)
     measured_read = statistics.median(sum(r["read_bytes"].values()) for r in running)
     bound = max(compute["compute_s"], io_lower_bound)
+    overlap = overlap_summary(running)
+    # benchmarks.step_overlap.phase_bound: the share of the blocks' update the next forward runs is the
+    # offloaded weights' (the kept ones are updated in opt.step()).
+    overlapped = bool(
+        (child.get("whole_step") or {}).get("overlap_step", overlap_step and offload_parameters)
+    )
+    in_forward = 0.0
+    if overlapped and not optimizer_in_backward and size["block_weight_bytes"]:
+        in_forward = 1.0 - kept.get("parameter", 0) / size["block_weight_bytes"]
+    phases_bound = (
+        phase_bound(
+            compute,
+            cfg.layers,
+            overlap,
+            disk["raw_read_gb_per_s"],
+            disk["raw_write_gb_per_s"],
+            in_forward,
+            optimizer_in_backward,
+        )
+        if "forward_read_gb" in overlap
+        else None
+    )
     phases = child["peak_rss_by_phase"]
     running_peak = max((phases[f"step{r['step']}"] for r in running), default=0)
     checkpoint = (
@@ -506,7 +536,11 @@ def run(
         "measured_read_bytes_per_step": measured_read,
         "step_vs_io_lower_bound": median_step / io_lower_bound,
         # benchmarks.step_overlap: the split of the step, what it waited on, the disk's idle time.
-        "overlap": overlap_summary(running),
+        "overlap": overlap,
+        # benchmarks.step_overlap.phase_bound: the bound the step's phases allow (forward, backward with
+        # the clip, opt.step() one after the other), and the median step against it.
+        "phase_bound": phases_bound,
+        "step_vs_phase_bound": median_step / phases_bound["phase_bound_s"] if phases_bound else None,
         # teraio's stats()["whole_step"] at the end: the kept items, whether the step overlapped.
         "whole_step": child.get("whole_step"),
         "read_bytes_vs_must_read": measured_read / must_read if must_read else None,

@@ -140,8 +140,9 @@ def reference_first_loss(cfg: GPTConfig, seed: int = 0) -> torch.Tensor:
         torch.random.set_rng_state(gen_state)
 
 
-def _layer_s(cfg: GPTConfig, reps: int) -> tuple[float, float]:
-    """Forward and backward, and the AdamW update, of one resident block (medians of ``reps``)."""
+def _layer_s(cfg: GPTConfig, reps: int) -> tuple[float, float, float]:
+    """Forward and backward, the AdamW update, and the forward alone (building the graph backward
+    needs) of one resident block (medians of ``reps``)."""
     block = Block(cfg)
     opt = torch.optim.AdamW(block.parameters(), lr=LR)
     x = torch.randn(cfg.batch, cfg.seq, cfg.hidden, requires_grad=True)
@@ -152,8 +153,12 @@ def _layer_s(cfg: GPTConfig, reps: int) -> tuple[float, float]:
         x.grad = None
         block(x).backward(grad_out)
 
+    def forward() -> None:
+        block(x)  # with autograd recording, as in training; the graph is dropped unused
+
     fwd_bwd_s = _median_s(forward_backward, reps, warm=1)
-    return fwd_bwd_s, _median_s(opt.step, reps, warm=1)  # the gradients of the last backward
+    update_s = _median_s(opt.step, reps, warm=1)  # the gradients of the last backward
+    return fwd_bwd_s, update_s, _median_s(forward, reps, warm=1)
 
 
 def _embedding_and_head_s(cfg: GPTConfig, reps: int) -> float:
@@ -187,10 +192,11 @@ def compute_alone(cfg: GPTConfig, reps: int = 3, seed: int = 0) -> dict[str, flo
     """The step's compute without I/O: forward, backward and AdamW update of one resident block (median
     of ``reps``), times the layer count, plus the same for the embeddings and the final norm and head."""
     torch.manual_seed(seed)
-    fwd_bwd_s, update_s = _layer_s(cfg, reps)
+    fwd_bwd_s, update_s, forward_s = _layer_s(cfg, reps)
     ends_s = _embedding_and_head_s(cfg, reps)
     return {
         "layer_forward_backward_s": fwd_bwd_s,
+        "layer_forward_s": forward_s,
         "layer_update_s": update_s,
         "layer_s": fwd_bwd_s + update_s,
         "embedding_and_head_s": ends_s,

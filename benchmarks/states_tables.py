@@ -53,6 +53,25 @@ def print_table(r: dict[str, Any]) -> None:
         f"{ov['disk_idle_s']:.1f} s of the step; I/O threads' CPU {ov['io_threads_user_s_per_gb']:.3f} s user + "
         f"{ov['io_threads_system_s_per_gb']:.3f} s system per GB moved"
     )
+    if "forward_compute_wait_s" in ov:
+        print(
+            "by phase, waited / disk idle (and bytes moved): "
+            + ", ".join(
+                f"{ph} {ov[f'{ph}_compute_wait_s']:.1f} / {ov[f'{ph}_disk_idle_s']:.1f} s "
+                f"(read {ov[f'{ph}_read_gb']:.1f} GB, wrote {ov[f'{ph}_written_gb']:.1f} GB)"
+                for ph in ("forward", "backward", "optimizer_step")
+            )
+        )
+    pb = r.get("phase_bound")
+    if pb:
+        print(
+            f"phase bound {pb['phase_bound_s']:.1f} s (compute alone / I/O at raw rates: "
+            + ", ".join(
+                f"{ph} {pb[f'{ph}_compute_alone_s']:.1f} / {pb[f'{ph}_io_at_raw_rates_s']:.1f} s"
+                for ph in ("forward", "backward", "optimizer_step")
+            )
+            + f"); step / phase bound {r['step_vs_phase_bound']:.2f}"
+        )
     ck = r.get("from_checkpoint")
     if ck:
         for name in ("write_initial_weights", "load", "save"):

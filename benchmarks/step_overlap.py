@@ -47,12 +47,24 @@ class EngineMark:
     io_busy_s: float
     io_user_s: float
     io_system_s: float
+    #: Bytes the disk tier finished reading and writing (a transfer counts when it completes).
+    read_bytes: int = 0
+    written_bytes: int = 0
 
     @classmethod
     def now(cls, engine: Any) -> EngineMark:
         st = engine.stats()
         user, system = io_threads_cpu_s()
-        return cls(st.stall_s, st.io_busy_s, user, system)
+        read = st.transfers.get("ssd.read")
+        written = st.transfers.get("ssd.write")
+        return cls(
+            st.stall_s,
+            st.io_busy_s,
+            user,
+            system,
+            read.nbytes if read is not None else 0,
+            written.nbytes if written is not None else 0,
+        )
 
 
 def step_figures(before: EngineMark, after: EngineMark, step_s: float) -> dict[str, float]:
@@ -67,6 +79,60 @@ def step_figures(before: EngineMark, after: EngineMark, step_s: float) -> dict[s
     }
 
 
+PHASES = ("forward", "backward", "optimizer_step")
+
+
+def phase_figures(marks: list[EngineMark], times_s: list[float]) -> dict[str, float]:
+    """Each phase's wait and disk-idle seconds (``marks`` at the phases' boundaries: forward, backward
+    with the clip, ``opt.step()``), so the overlap is seen phase by phase: ``forward_compute_wait_s``,
+    ``forward_disk_idle_s``, ``forward_read_gb``, ``forward_written_gb`` and the same for ``backward``
+    and ``optimizer_step`` (bytes of the transfers that completed in the phase)."""
+    out: dict[str, float] = {}
+    for name, a, b, dt in zip(PHASES, marks, marks[1:], times_s):
+        out[f"{name}_compute_wait_s"] = b.stall_s - a.stall_s
+        out[f"{name}_disk_idle_s"] = max(0.0, dt - (b.io_busy_s - a.io_busy_s))
+        out[f"{name}_read_gb"] = (b.read_bytes - a.read_bytes) / 1e9
+        out[f"{name}_written_gb"] = (b.written_bytes - a.written_bytes) / 1e9
+    return out
+
+
+def phase_bound(
+    compute: dict[str, float],
+    layers: int,
+    overlap: dict[str, float],
+    raw_read_gb_per_s: float,
+    raw_write_gb_per_s: float,
+    update_in_forward: float,
+    update_in_backward: bool = False,
+) -> dict[str, float]:
+    """The fastest step with the phases this step has, on this CPU and disk: each phase at the larger of
+    its compute alone and its bytes (as moved, medians) at the raw disk rates, the phases one after the
+    other. max(compute, I/O bound) assumes any byte can move while anything computes; a step that clips
+    over all gradients cannot move its update's bytes before the backward has ended (and, under a
+    budget, has no memory to read them ahead), so this is the bound its phases allow.
+    ``update_in_forward``: the fraction of the blocks' update the next forward runs (the offloaded
+    parameters' share; the rest runs in ``opt.step()``)."""
+    n = layers
+    update_s = n * compute["layer_update_s"]
+    forward_s = n * compute["layer_forward_s"]
+    backward_s = n * (compute["layer_forward_backward_s"] - compute["layer_forward_s"])
+    backward_s += compute["embedding_and_head_s"]
+    computes = {
+        "forward": forward_s + (0.0 if update_in_backward else update_in_forward * update_s),
+        "backward": backward_s + (update_s if update_in_backward else 0.0),
+        "optimizer_step": 0.0 if update_in_backward else (1.0 - update_in_forward) * update_s,
+    }
+    out: dict[str, float] = {}
+    total = 0.0
+    for ph in PHASES:
+        io_s = overlap[f"{ph}_read_gb"] / raw_read_gb_per_s + overlap[f"{ph}_written_gb"] / raw_write_gb_per_s
+        out[f"{ph}_compute_alone_s"] = computes[ph]
+        out[f"{ph}_io_at_raw_rates_s"] = io_s
+        total += max(computes[ph], io_s)
+    out["phase_bound_s"] = total
+    return out
+
+
 def overlap_summary(running: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the running steps, and the I/O threads' CPU seconds per GB moved."""
     import statistics
@@ -78,6 +144,12 @@ def overlap_summary(running: list[dict[str, Any]]) -> dict[str, Any]:
         (sum(r["written_bytes"].values()) + sum(r["read_bytes"].values())) / 1e9 for r in running
     )
     user, system = med("io_threads_user_s"), med("io_threads_system_s")
+    by_phase = {
+        f"{ph}_{what}": med(f"{ph}_{what}")
+        for ph in PHASES
+        for what in ("compute_wait_s", "disk_idle_s", "read_gb", "written_gb")
+        if all(f"{ph}_{what}" in r for r in running)
+    }
     return {
         "forward_s": med("forward_s"),
         "backward_s": med("backward_s"),
@@ -88,4 +160,5 @@ def overlap_summary(running: list[dict[str, Any]]) -> dict[str, Any]:
         "moved_gb_per_step": moved_gb,
         "io_threads_user_s_per_gb": user / moved_gb if moved_gb else 0.0,
         "io_threads_system_s_per_gb": system / moved_gb if moved_gb else 0.0,
+        **by_phase,
     }

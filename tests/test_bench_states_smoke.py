@@ -67,8 +67,22 @@ def test_bench_states_tiny_with_parameters_on_disk(capsys, tmp_path) -> None:
         w, rd = s["written_bytes"]["parameter"], s["read_bytes"]["parameter"]
         assert 0 < w <= r["block_weight_bytes"] and rd == 2 * w, (w, rd)
         assert s["compute_wait_s"] >= 0 and s["disk_busy_s"] > 0 and s["disk_idle_s"] >= 0
+        # The phases' waits are parts of the step's (which also counts zero_grad()'s).
+        phases = ("forward", "backward", "optimizer_step")
+        assert 0 <= sum(s[f"{ph}_compute_wait_s"] for ph in phases) <= s["compute_wait_s"] + 1e-6
+        assert all(s[f"{ph}_disk_idle_s"] >= 0 for ph in phases)
+        # The gradients are written in the backward (the tiny model's update reads finish in opt.step()).
+        assert s["backward_written_gb"] > 0
+        assert all(s[f"{ph}_{what}"] >= 0 for ph in phases for what in ("read_gb", "written_gb"))
     assert set(r["overlap"]) >= {"forward_s", "optimizer_step_s", "compute_wait_s", "disk_idle_s"}
+    assert {"forward_compute_wait_s", "backward_disk_idle_s", "optimizer_step_disk_idle_s"} <= set(
+        r["overlap"]
+    )
     assert r["overlap"]["io_threads_user_s_per_gb"] >= 0 and r["overlap"]["io_threads_system_s_per_gb"] >= 0
+    # The phases one after the other can be no faster than the whole step's compute alone or its I/O.
+    pb = r["phase_bound"]
+    assert pb["phase_bound_s"] >= max(pb[f"{ph}_compute_alone_s"] for ph in phases) > 0
+    assert r["step_vs_phase_bound"] == r["median_step_s"] / pb["phase_bound_s"]
     assert (
         r["io_must_write_bytes"] == r["gradient_bytes"] + r["optimizer_state_bytes"] + r["block_weight_bytes"]
     )
