@@ -20,6 +20,7 @@ Experiments, off unless set (they change teraio's behaviour in the child only, f
 - ``EXP_WRITE_LAG2=1``: the step run in the next forward waits for the writes of chunk i-2 after updating
   chunk i (teraio waits for chunk i-1's).
 - ``EXP_NO_CHECKSUM=1``: the states' engine without its per-chunk checksums.
+- ``EXP_CHECKSUM=NAME``: the states' engine with that checksum (``crc32c``, the default, or ``xxhash``).
 """
 
 from __future__ import annotations
@@ -148,6 +149,8 @@ if os.environ.get("EXP_IO_THREADS"):
     _engine_config(io_threads=int(os.environ["EXP_IO_THREADS"]))
 if os.environ.get("EXP_NO_CHECKSUM"):
     _engine_config(checksum=False)
+if os.environ.get("EXP_CHECKSUM"):
+    _engine_config(checksum=os.environ["EXP_CHECKSUM"])
 if os.environ.get("EXP_WRITE_LAG2"):
     _write_lag_two()
 if os.environ.get("EXP_DEPTH2"):
