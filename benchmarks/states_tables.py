@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks.step_overlap import PHASES
+
 
 def _fmt_gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
@@ -59,7 +61,7 @@ def print_table(r: dict[str, Any]) -> None:
             + ", ".join(
                 f"{ph} {ov[f'{ph}_compute_wait_s']:.1f} / {ov[f'{ph}_disk_idle_s']:.1f} s "
                 f"(read {ov[f'{ph}_read_gb']:.1f} GB, wrote {ov[f'{ph}_written_gb']:.1f} GB)"
-                for ph in ("forward", "backward", "optimizer_step")
+                for ph in PHASES
             )
         )
     pb = r.get("phase_bound")
@@ -68,7 +70,7 @@ def print_table(r: dict[str, Any]) -> None:
             f"phase bound {pb['phase_bound_s']:.1f} s (compute alone / I/O at raw rates: "
             + ", ".join(
                 f"{ph} {pb[f'{ph}_compute_alone_s']:.1f} / {pb[f'{ph}_io_at_raw_rates_s']:.1f} s"
-                for ph in ("forward", "backward", "optimizer_step")
+                for ph in PHASES
             )
             + f"); step / phase bound {r['step_vs_phase_bound']:.2f}"
         )

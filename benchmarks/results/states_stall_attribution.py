@@ -20,7 +20,8 @@ Experiments, off unless set (they change teraio's behaviour in the child only, f
 - ``EXP_WRITE_LAG2=1``: the step run in the next forward waits for the writes of chunk i-2 after updating
   chunk i (teraio waits for chunk i-1's).
 - ``EXP_NO_CHECKSUM=1``: the states' engine without its per-chunk checksums.
-- ``EXP_CHECKSUM=NAME``: the states' engine with that checksum (``crc32c``, the default, or ``xxhash``).
+- ``EXP_CHECKSUM=NAME``: the states' engine with that checksum (``crc32c``, the default, or ``xxhash``,
+  which needs the ``xxhash`` package: not a dependency of teraio, installed by hand for the run).
 """
 
 from __future__ import annotations
