@@ -2,12 +2,13 @@
 
 ``bench_states`` judges a whole-state step against max(compute alone, I/O at the raw disk rates). That
 bound assumes computing and moving bytes do not slow each other down. On a CPU machine they share the
-cores and the memory: the I/O threads checksum every byte and the fetched buffers are faulted in while
-the compute runs. This benchmark measures what the sharing costs with nothing else in the way:
+cores and the memory: the I/O threads checksum every byte, and the intra-op threads wait at their
+barriers while an I/O thread holds a core. This benchmark measures what the sharing costs with nothing
+else in the way:
 
 - the step's compute: ``bench_states``'s compute-alone measure run as one loop (each block's forward,
   backward and AdamW update on one resident block, ``layers`` times, then the embeddings and head);
-- the step's I/O: a second thread drives the runtime engine (the states' configuration: posix, its
+- the step's I/O: a second thread (``--io-in process``: a process of its own) drives the runtime engine (the states' configuration: posix, its
   default threads and chunk) through the step's must-move bytes, 64 MiB units fetched a few ahead and
   written back (the streamed step's unit), cycling over files larger than the raw measure's;
 - both together, started at once, with no dependency between them.
@@ -15,8 +16,7 @@ the compute runs. This benchmark measures what the sharing costs with nothing el
 The process keeps freed memory as bench_states' training does (``teraio.platform.cpu_malloc``), so
 fetched buffers reuse pages whichever thread allocates them, as they do in the step (where the training
 thread allocates them). Rounds are interleaved (compute alone, I/O alone, both) after a warm-up round;
-medians are reported.
-The together run's wall time is what a perfect pipeline of those bytes and that compute could reach on
+medians are reported. The together run's wall time is what a perfect pipeline of those bytes and that compute could reach on
 this machine; ``floor_vs_max_compute_io`` is the best ``step_vs_max_compute_io`` any schedule of the
 step could show (bench_states measures the disk the same way, before and after, and takes the faster).
 
