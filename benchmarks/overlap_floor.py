@@ -13,9 +13,10 @@ else in the way:
   written back (the streamed step's unit), cycling over files larger than the raw measure's;
 - both together, started at once, with no dependency between them.
 
-The process keeps freed memory as bench_states' training does (``teraio.platform.cpu_malloc``), so
-fetched buffers reuse pages whichever thread allocates them, as they do in the step (where the training
-thread allocates them). Rounds are interleaved (compute alone, I/O alone, both) after a warm-up round;
+The process keeps freed memory as bench_states' training does (``teraio.platform.cpu_malloc``). The step
+allocates its fetched buffers on its main thread, which reuses them; the floor's I/O thread reuses them
+only when glibc gives it the main arena, and ``together_minor_faults`` shows the rounds it did not (Note:
+[Freed CPU memory and step time]). Rounds are interleaved (compute alone, I/O alone, both) after a warm-up round;
 medians are reported. The together run's wall time is what a perfect pipeline of those bytes and that compute could reach on
 this machine; ``floor_vs_max_compute_io`` is the best ``step_vs_max_compute_io`` any schedule of the
 step could show (bench_states measures the disk the same way, before and after, and takes the faster).

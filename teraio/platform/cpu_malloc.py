@@ -14,7 +14,10 @@ A thread other than the main one allocates from an arena of its own, whose heaps
 glibc maps a larger block on its own there whatever ``M_MMAP_MAX`` says, and unmaps it when it is freed.
 Retained memory would then hold for the main thread only (measured: with the other parameters set, a
 second thread allocating and freeing 64 MiB tensors faulted in about 545 pages for each, the main thread
-none after its first), so one arena serves every thread that allocates after the call.
+none after its first), so glibc creates no arena after the call. Arenas made before it stay: a thread
+that allocated earlier keeps its own (``import torch`` starts one), and glibc hands a new thread the
+existing arenas in turn, so a thread started later may still get one of them. To cover every thread,
+start the process with ``GLIBC_TUNABLES=glibc.malloc.arena_max=1``.
 """
 
 from __future__ import annotations
@@ -42,8 +45,7 @@ MMAP_MAX = 0
 MMAP_THRESHOLD_BYTES = 32 << 20
 #: The heap's free top is returned to the kernel only above this (the largest value mallopt accepts).
 TRIM_THRESHOLD_BYTES = 2**31 - 1
-#: One arena for every thread (Note: [Freed CPU memory and step time]); threads that allocated before the
-#: call keep theirs.
+#: No arena made after the call (Note: [Freed CPU memory and step time]); those made before it stay.
 ARENA_MAX = 1
 #: Extra bytes the heap grows by at a time, so a growing step does not fault in small increments.
 TOP_PAD_BYTES = 256 << 20

@@ -51,9 +51,9 @@ def _faults(mode: str, thread: str = "main") -> dict:
 def test_retained_memory_is_reused_without_faulting_it_in_again(thread: str) -> None:
     """Steps that allocate 212 MiB of tensors and free them: glibc's default unmaps the large blocks and
     every step faults them in again; retained, steps after the first few reuse the same pages (a step
-    may still fault in a new block where the heap's free space was split differently). The same in a
-    thread other than the main one, which glibc would give an arena of its own whose heaps cannot hold a
-    64 MiB block (Note: [Freed CPU memory and step time])."""
+    may still fault in a new block where the heap's free space was split differently). The same in the
+    first thread a fresh interpreter starts after the call, which glibc would give a new arena whose heaps
+    cannot hold a 64 MiB block (Note: [Freed CPU memory and step time])."""
     released, retained = _faults("release", thread), _faults("retain", thread)
     assert released["mode"] == "release" and retained["mode"] == "retain"
     steady_released = statistics.median(released["faults"][4:])
