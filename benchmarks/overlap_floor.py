@@ -396,6 +396,9 @@ def run(
         "units": units,
         "io_threads": io_threads,
         "io_in": io_in,
+        # Set before the process started, it decides which arena a new thread allocates from (Note: [Freed
+        # CPU memory and step time] in teraio.platform.cpu_malloc).
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES"),
         "reps": reps,
         "raw_read_gb_per_s": raw_read / 1e9,
         "raw_write_gb_per_s": raw_write / 1e9,
