@@ -121,7 +121,6 @@ class IOLoop:
     ) -> None:
         if units <= ahead + write_window:
             raise ValueError(f"units={units}: need more than ahead + write_window = {ahead + write_window}")
-        self.unit_nbytes = unit_nbytes
         self.n_reads = max(1, round(read_nbytes / unit_nbytes))
         self.n_writes = min(self.n_reads, round(write_nbytes / unit_nbytes))
         self.units, self.ahead, self.write_window = units, ahead, write_window
@@ -209,7 +208,7 @@ def _io_child(conn: Any, args: tuple, kwargs: dict[str, Any]) -> None:
 
 class ChildIOLoop:
     """:class:`IOLoop` in a child process: the control that tells the machine's sharing (cores, memory,
-    the disk's interrupts) from the interpreter's (the GIL the step's threads share)."""
+    the disk's interrupts) from what the step's threads share in one process (the GIL, glibc's arenas)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         import multiprocessing
@@ -219,7 +218,6 @@ class ChildIOLoop:
         self._proc = ctx.Process(target=_io_child, args=(child_conn, args, kwargs), name="overlap-floor-io")
         self._proc.start()
         self.n_reads, self.n_writes = self._conn.recv()
-        self.unit_nbytes = kwargs.get("unit_nbytes", UNIT_NBYTES)
 
     def run(self) -> dict[str, float]:
         self._conn.send("run")
@@ -239,9 +237,7 @@ def _together(compute: ComputeLoop, io: IOLoop | ChildIOLoop) -> dict[str, float
     def drive_io() -> None:
         try:
             start.wait()
-            t0 = time.perf_counter()
             out["io"] = io.run()
-            out["io_end"] = time.perf_counter() - t0
         except BaseException as exc:  # noqa: BLE001 - re-raised on the main thread
             errors.append(exc)
 
@@ -318,9 +314,9 @@ def run(
     compute = ComputeLoop(cfg)
     _, disk_before = bench_io.run(base, io_size, sizes=[io_size], repeats=2)
     variants = []
+    make = ChildIOLoop if io_in == "process" else IOLoop
     with tempfile.TemporaryDirectory(dir=base, prefix="overlap-floor-") as work:
         for checksum in checksums:
-            make = ChildIOLoop if io_in == "process" else IOLoop
             io = make(
                 Path(work) / (checksum or "none"), read_nbytes, write_nbytes,
                 checksum=checksum, io_threads=io_threads, units=units, unit_nbytes=unit_nbytes,
@@ -410,9 +406,39 @@ def run(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def _checked_sizes(args: argparse.Namespace) -> dict[str, Any]:
+    """The byte counts ``run`` takes, from the command line; raises with a one-line message naming the
+    option at fault."""
     from teraio.sizes import nbytes_of
 
+    for name, value, least in (("--reps", args.reps, 1), ("--io-threads", args.io_threads, 1),
+                               ("--units", args.units, 5), ("--layers", args.layers or 1, 1)):  # fmt: skip
+        if value < least:
+            raise ValueError(f"{name} {value}: must be at least {least}")
+    read_nbytes, write_nbytes = BUDGET_14GB_READ_BYTES, BUDGET_14GB_WRITE_BYTES
+    if args.from_report:
+        report = json.loads(Path(args.from_report).read_text())
+        if "io_must_read_bytes" not in report or "io_must_write_bytes" not in report:
+            raise ValueError(
+                f"--from-report {args.from_report}: not a bench_states report (no io_must_*_bytes)"
+            )
+        read_nbytes, write_nbytes = report["io_must_read_bytes"], report["io_must_write_bytes"]
+    if args.read_gb is not None:
+        read_nbytes = int(args.read_gb * 1e9)
+    if args.write_gb is not None:
+        write_nbytes = int(args.write_gb * 1e9)
+    if read_nbytes <= 0 or write_nbytes < 0:
+        raise ValueError(f"bytes per step read {read_nbytes}, written {write_nbytes}: read must be positive")
+    unit_nbytes = nbytes_of(args.unit, "--unit")
+    engine_chunk = None if args.engine_chunk is None else nbytes_of(args.engine_chunk, "--engine-chunk")
+    for name, n in (("--unit", unit_nbytes), ("--engine-chunk", engine_chunk)):
+        if n is not None and (n <= 0 or n % 4096):
+            raise ValueError(f"{name} {n}: must be a positive multiple of 4096 bytes (O_DIRECT)")
+    return {"read_nbytes": read_nbytes, "write_nbytes": write_nbytes, "unit_nbytes": unit_nbytes,
+            "engine_chunk_nbytes": engine_chunk, "io_size": nbytes_of(args.io_size, "--io-size")}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.overlap_floor", description=__doc__.split("\n")[0])
     p.add_argument("--dir", default=None, help="offload directory (default: teraio's)")
     p.add_argument(
@@ -441,22 +467,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--out", default=None, help="write the JSON report here")
     args = p.parse_args(argv)
-    read_nbytes, write_nbytes = BUDGET_14GB_READ_BYTES, BUDGET_14GB_WRITE_BYTES
-    if args.from_report:
-        rep = json.loads(Path(args.from_report).read_text())
-        read_nbytes, write_nbytes = rep["io_must_read_bytes"], rep["io_must_write_bytes"]
-    if args.read_gb is not None:
-        read_nbytes = int(args.read_gb * 1e9)
-    if args.write_gb is not None:
-        write_nbytes = int(args.write_gb * 1e9)
+    try:  # every input checked before the disk is measured or a byte allocated
+        sizes = _checked_sizes(args)
+    except (ValueError, OSError) as exc:
+        print(f"overlap_floor: {exc}", file=sys.stderr)
+        return 2
     report = run(
         args.config, args.dir,
-        read_nbytes=read_nbytes, write_nbytes=write_nbytes,
         checksums=tuple(None if c == "none" else c for c in args.checksums),
         io_threads=args.io_threads, units=args.units, reps=args.reps,
-        io_size=nbytes_of(args.io_size, "--io-size"), layers=args.layers, io_in=args.io_in,
-        unit_nbytes=nbytes_of(args.unit, "--unit"),
-        engine_chunk_nbytes=None if args.engine_chunk is None else nbytes_of(args.engine_chunk, "--engine-chunk"),
+        layers=args.layers, io_in=args.io_in, **sizes,
     )  # fmt: skip
     text = json.dumps(report, indent=2)
     if args.out:

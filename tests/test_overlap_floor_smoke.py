@@ -35,3 +35,22 @@ def test_overlap_floor_moves_the_bytes_it_reports(tmp_path, io_in):
     assert v["together_cores_busy"] > 0 and v["io_alone_cores_busy"] > 0
     assert v["together_minor_faults"] >= 0 and v["io_alone_minor_faults"] >= 0
     assert [p.name for p in (tmp_path / "d").iterdir()] == []  # nothing left behind in its directory
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--reps", "0"], "--reps"),
+        (["--units", "4"], "--units"),
+        (["--unit", "1000"], "--unit"),
+        (["--engine-chunk", "lots"], "--engine-chunk"),
+        (["--from-report", "REPORT"], "--from-report"),
+    ],
+)
+def test_overlap_floor_bad_input_is_one_line_before_any_work(tmp_path, capsys, args, names):
+    (tmp_path / "report.json").write_text('{"median_step_s": 1.0}')
+    args = [str(tmp_path / "report.json") if a == "REPORT" else a for a in args]
+    assert overlap_floor.main(["--dir", str(tmp_path / "d"), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and names in err
+    assert not (tmp_path / "d").exists()  # nothing measured or created
